@@ -1,0 +1,32 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="deepseek-ds",
+    version="0.1.0",
+    description="Train DeepSeek-family models (V3/V2 MoE with MLA, dense LLM/Coder) with DeepSpeed on many GPUs and hosts",
+    packages=find_packages(include=["deepseek_ds", "deepseek_ds.*"]),
+    python_requires=">=3.10",
+    # torch is pinned by the set-up script before this runs (CPU wheel here, CUDA wheel on GPU machines);
+    # the range below accepts what is already installed instead of pulling a different build.
+    install_requires=[
+        "torch>=2.4",
+        "deepspeed==0.19.8",
+        "transformers>=5.0,<6",
+        "accelerate>=1.0",
+        "safetensors>=0.4",
+        "tokenizers>=0.20",
+        "pyyaml>=6",
+        "tqdm>=4.60",
+        "matplotlib>=3.7",
+        "numpy>=1.24",
+        "ninja",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "datasets>=2.18"],
+        "monitors": ["tensorboard", "wandb"],
+        "export": ["onnx", "onnxruntime", "onnxscript"],
+        "bench": ["tabulate"],
+        "data": ["datasets>=2.18"],
+    },
+    entry_points={"console_scripts": ["deepseek-ds=deepseek_ds.cli:main"]},
+)
