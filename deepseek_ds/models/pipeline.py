@@ -1,0 +1,201 @@
+"""A model as a flat list of DeepSpeed LayerSpecs, its partition into pipeline stages, and the two containers
+that run it: DeepSpeed's PipelineModule (pipeline_stages > 1) and a plain sequential module (ZeRO 0-3)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime import utils as ds_utils
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .layers import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, tied_head_forward
+from .loss import TokenWeightedLoss
+from .presets import is_moe
+
+# Seeds of layer i are base_seed * 1000 + i: fixed per layer, so the initial weights are the same whatever the layout.
+_SEED_STRIDE = 1000
+
+
+def layer_specs(config, seed: int | None) -> list:
+    """embedding, one spec per decoder layer, final norm, head (tied to the embedding when the config says so)."""
+    def s(i):
+        return None if seed is None else seed * _SEED_STRIDE + i
+
+    n = config.num_hidden_layers
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    embed = (TiedLayerSpec("embed", EmbeddingPipe, config, s(0), tied_weight_attr=["embed_tokens.weight"])
+             if tied else LayerSpec(EmbeddingPipe, config, s(0)))
+    specs = [embed]
+    specs += [LayerSpec(DecoderLayerPipe, config, i, s(i + 1)) for i in range(n)]
+    specs.append(LayerSpec(FinalNormPipe, config, s(n + 1)))
+    if tied:
+        specs.append(TiedLayerSpec("embed", EmbeddingPipe, config, s(0), forward_fn=tied_head_forward,
+                                   tied_weight_attr=["embed_tokens.weight"]))
+    else:
+        specs.append(LayerSpec(LMHeadPipe, config, s(n + 2)))
+    return specs
+
+
+# ----------------------------------------------------------------------------------------------- partitioning
+@dataclass(frozen=True)
+class LayerCost:
+    name: str
+    params: int          # all parameters the stage must hold
+    active_params: int   # parameters touched per token (one MoE layer uses only top-k routed experts)
+
+
+def layer_costs(config) -> list[LayerCost]:
+    """Per-spec parameter counts, built on the meta device so real shapes (671B) cost no memory."""
+    costs = []
+    k = getattr(config, "num_experts_per_tok", 0) or 0
+    for spec in layer_specs(config, seed=None):
+        with torch.device("meta"):
+            layer = spec.build()
+        total = sum(p.numel() for p in layer.parameters())
+        active = total
+        if isinstance(spec, TiedLayerSpec) and spec.forward_fn is not None:
+            name, total = "LMHead(tied)", 0  # weights live with the embedding stage... unless on another stage
+        else:
+            name = type(layer).__name__
+        if isinstance(layer, DecoderLayerPipe):
+            name = f"{'MoE' if hasattr(layer.layer.mlp, 'experts') else 'Dense'}Layer{layer.layer_idx}"
+            experts = getattr(layer.layer.mlp, "experts", None)
+            if experts is not None:
+                routed = sum(p.numel() for p in experts.parameters())
+                active = total - routed + routed * k // config.n_routed_experts
+        if isinstance(layer, EmbeddingPipe) and not (isinstance(spec, TiedLayerSpec) and spec.forward_fn is not None):
+            active = 0  # a lookup, no matmul
+        costs.append(LayerCost(name, total, active))
+    return costs
+
+
+def _stage_weights(costs: list[LayerCost], config, seq_len: int) -> list[float]:
+    """Estimated share of one stage's time and memory for each layer: half compute, half parameter memory.
+    Compute is 6 x active params per token plus the attention score/value matmuls; the head includes the softmax."""
+    attn_flops = 0
+    if hasattr(config, "qk_nope_head_dim"):
+        head_dim_qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+        attn_flops = 6 * config.num_attention_heads * seq_len * (head_dim_qk + config.v_head_dim) // 2
+    else:
+        attn_flops = 6 * config.num_attention_heads * seq_len * (config.hidden_size // config.num_attention_heads)
+    compute = [6 * c.active_params + (attn_flops if "Layer" in c.name and "LMHead" not in c.name else 0) for c in costs]
+    if costs[-1].name == "LMHead(tied)":
+        compute[-1] = 6 * config.hidden_size * config.vocab_size
+    total_c, total_m = sum(compute) or 1, sum(c.params for c in costs) or 1
+    return [0.5 * cp / total_c + 0.5 * c.params / total_m for cp, c in zip(compute, costs)]
+
+
+def partition(config, num_stages: int, method: str = "balanced", seq_len: int = 4096) -> list[int]:
+    """Stage boundaries (num_stages + 1 indices into the spec list). Methods: balanced (compute and memory),
+    uniform, parameters, type:REGEX (balance the number of matching layers), or an explicit list of boundaries
+    '0,10,20,...' / per-stage layer counts 'counts:3,4,4,3'. Every layer is assigned: no layer is ever dropped."""
+    costs = layer_costs(config)
+    n = len(costs)
+    if num_stages > n:
+        raise ValueError(f"parallel.pipeline_stages ({num_stages}) exceeds the number of pipeline layers ({n})")
+    m = method.lower()
+    if m == "balanced":
+        parts = ds_utils.partition_balanced(_stage_weights(costs, config, seq_len), num_stages)
+    elif m == "uniform":
+        parts = ds_utils.partition_uniform(n, num_stages)
+    elif m == "parameters":
+        parts = ds_utils.partition_balanced([c.params for c in costs], num_stages)
+    elif m.startswith("type:"):
+        rx = re.compile(method.split(":", 1)[1], re.IGNORECASE)
+        parts = ds_utils.partition_balanced([1 if rx.search(c.name) else 0 for c in costs], num_stages)
+    elif m.startswith("counts:"):
+        counts = [int(x) for x in m.split(":", 1)[1].split(",")]
+        parts = [0]
+        for c in counts:
+            parts.append(parts[-1] + c)
+    elif re.fullmatch(r"\d+(,\d+)+", m):
+        parts = [int(x) for x in m.split(",")]
+    else:
+        raise ValueError(f"model.partition_method: unknown method {method!r}; use balanced, uniform, parameters, "
+                         "type:REGEX, counts:a,b,... or explicit boundaries 0,a,b,...,N")
+    parts = [int(p) for p in parts]  # DeepSpeed's helpers return numpy ints, which break seed_fn and JSON
+    if len(parts) != num_stages + 1 or parts[0] != 0 or parts[-1] != n or any(a >= b for a, b in zip(parts, parts[1:])):
+        raise ValueError(f"model.partition_method {method!r} gives boundaries {parts}: need {num_stages + 1} strictly "
+                         f"increasing indices from 0 to {n} ({n} layers: embedding, "
+                         f"{config.num_hidden_layers} decoder layers, norm, head)")
+    return parts
+
+
+def partition_table(config, parts: list[int], seq_len: int = 4096) -> str:
+    costs = layer_costs(config)
+    weights = _stage_weights(costs, config, seq_len)
+    lines = [f"{'stage':>5}  {'layers':<28} {'params':>12} {'active':>12} {'est. share':>10}"]
+    for st in range(len(parts) - 1):
+        a, b = parts[st], parts[st + 1]
+        names = f"{a}-{b - 1}: {costs[a].name}" + (f" .. {costs[b - 1].name}" if b - a > 1 else "")
+        p = sum(c.params for c in costs[a:b])
+        act = sum(c.active_params for c in costs[a:b])
+        lines.append(f"{st:>5}  {names:<28} {_human(p):>12} {_human(act):>12} {sum(weights[a:b]):>9.1%}")
+    return "\n".join(lines)
+
+
+def _human(n: int) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
+
+
+# ----------------------------------------------------------------------------------------------- containers
+class DeepSeekPipelineModule(PipelineModule):
+    """PipelineModule with our partition (computed before construction, so the printed table is the real one)."""
+
+    def __init__(self, specs, parts: list[int], **kwargs):
+        self._fixed_parts = parts
+        super().__init__(specs, partition_method="fixed", **kwargs)
+
+    def _partition_layers(self, method="fixed"):
+        self.parts = list(self._fixed_parts)
+
+
+class SequentialLM(nn.Module):
+    """All layers in one module, for the plain DeepSpeed engine (ZeRO 0-3 without pipeline parallelism).
+    Built from the same specs and seeds as the pipeline, so both start from identical weights."""
+
+    def __init__(self, specs, activation_checkpoint_interval: int = 0):
+        super().__init__()
+        tied = [s for s in specs if isinstance(s, TiedLayerSpec)]
+        self.layers = nn.ModuleList(s.build() for s in specs if not (isinstance(s, TiedLayerSpec) and s.forward_fn))
+        self.tied_head = bool(tied)
+        self.ckpt_interval = activation_checkpoint_interval
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = input_ids
+        for i, layer in enumerate(self.layers):
+            if self.ckpt_interval and isinstance(layer, DecoderLayerPipe) and self.training and i % self.ckpt_interval == 0:
+                x = checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
+        if self.tied_head:
+            x = self.layers[0].project(x)
+        return x
+
+
+def build_model(config, num_stages: int, seed: int, parts: list[int] | None = None, topology=None,
+                activation_checkpoint_interval: int = 0, loss_fn: TokenWeightedLoss | None = None) -> nn.Module:
+    specs = layer_specs(config, seed)
+    if num_stages == 1 and topology is None:
+        return SequentialLM(specs, activation_checkpoint_interval)
+    return DeepSeekPipelineModule(
+        specs, parts=parts or partition(config, num_stages), num_stages=None if topology else num_stages,
+        topology=topology, loss_fn=loss_fn, activation_checkpoint_interval=activation_checkpoint_interval,
+        # Reentrant checkpointing of the embedding (first) layer breaks the graph: only decoder layers qualify.
+        checkpointable_layers=["DecoderLayerPipe"])
+
+
+def prepare_config(config, attn_implementation: str = "sdpa", experts_implementation: str = "grouped_mm"):
+    """Kernel choices live on the config in transformers; set them once here for every layer."""
+    config._attn_implementation = attn_implementation
+    if is_moe(config):
+        config._experts_implementation = experts_implementation
+    config.use_cache = False
+    return config

@@ -1,0 +1,105 @@
+"""Model presets as transformers configs: tiny CPU-sized models and the published DeepSeek shapes.
+
+The real shapes are copied from the public config.json files of the released checkpoints; only the fields
+that differ from transformers' defaults for that config class are spelled out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import DeepseekV2Config, DeepseekV3Config, LlamaConfig, PretrainedConfig
+
+
+@dataclass(frozen=True)
+class Preset:
+    config_cls: type
+    fields: dict[str, Any]
+    description: str
+
+
+_TINY_MLA = dict(
+    vocab_size=2048, hidden_size=128, intermediate_size=384, moe_intermediate_size=128, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16,
+    v_head_dim=32, qk_nope_head_dim=32, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
+    first_k_dense_replace=1, max_position_embeddings=1024, bos_token_id=0, eos_token_id=0,
+)
+
+PRESETS: dict[str, Preset] = {
+    "tiny-v3": Preset(DeepseekV3Config, dict(_TINY_MLA, n_group=4, topk_group=2, num_nextn_predict_layers=0),
+                      "DeepSeek-V3 architecture (MLA, sigmoid group-limited routing, 1 shared + 8 routed experts), ~2.2M params"),
+    "tiny-v2": Preset(DeepseekV2Config, dict(_TINY_MLA, n_group=1, topk_group=1, topk_method="greedy"),
+                      "DeepSeek-V2 architecture (MLA, softmax routing, 1 shared + 8 routed experts), ~2.2M params"),
+    "tiny-dense": Preset(LlamaConfig, dict(vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                                           num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
+                                           bos_token_id=0, eos_token_id=0),
+                         "DeepSeek LLM/Coder architecture (Llama layout), ~1.3M params"),
+    "deepseek-v3": Preset(DeepseekV3Config, dict(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+        num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5,
+        kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8,
+        topk_group=4, num_experts_per_tok=8, first_k_dense_replace=3, max_position_embeddings=163840,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+        bos_token_id=0, eos_token_id=1), "DeepSeek-V3 671B (37B active)"),
+    "deepseek-v2": Preset(DeepseekV2Config, dict(
+        vocab_size=102400, hidden_size=5120, intermediate_size=12288, moe_intermediate_size=1536, num_hidden_layers=60,
+        num_attention_heads=128, num_key_value_heads=128, n_shared_experts=2, n_routed_experts=160, routed_scaling_factor=16.0,
+        kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8,
+        topk_group=3, topk_method="group_limited_greedy", num_experts_per_tok=6, first_k_dense_replace=1,
+        max_position_embeddings=163840, bos_token_id=100000, eos_token_id=100001), "DeepSeek-V2 236B (21B active)"),
+    "deepseek-v2-lite": Preset(DeepseekV2Config, dict(
+        vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+        num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2, n_routed_experts=64, routed_scaling_factor=1.0,
+        kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=1,
+        topk_group=1, topk_method="greedy", num_experts_per_tok=6, first_k_dense_replace=1,
+        max_position_embeddings=163840, bos_token_id=100000, eos_token_id=100001), "DeepSeek-V2-Lite 16B (2.4B active)"),
+    "deepseek-llm-7b": Preset(LlamaConfig, dict(
+        vocab_size=102400, hidden_size=4096, intermediate_size=11008, num_hidden_layers=30, num_attention_heads=32,
+        num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-6, bos_token_id=100000,
+        eos_token_id=100001), "DeepSeek LLM 7B (dense)"),
+    "deepseek-coder-6.7b": Preset(LlamaConfig, dict(
+        vocab_size=32256, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, max_position_embeddings=16384, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "linear", "rope_theta": 100000.0, "factor": 4.0}, bos_token_id=32013,
+        eos_token_id=32021), "DeepSeek-Coder 6.7B (dense, Llama layout)"),
+}
+
+SUPPORTED_MODEL_TYPES = {"deepseek_v3": DeepseekV3Config, "deepseek_v2": DeepseekV2Config, "llama": LlamaConfig}
+
+
+class ModelConfigError(ValueError):
+    pass
+
+
+def build_model_config(preset: str | None = None, path: str | None = None,
+                       overrides: dict[str, Any] | None = None) -> PretrainedConfig:
+    """A transformers config from a preset name or a local HF directory, with field overrides applied."""
+    if path:
+        cfg_file = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_file):
+            raise ModelConfigError(f"model.path: {path!r} has no config.json; point it at a local HF model directory")
+        with open(cfg_file) as f:
+            raw = json.load(f)
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelConfigError(f"model.path: model_type {model_type!r} in {cfg_file} is not supported; "
+                                   f"expected one of {sorted(SUPPORTED_MODEL_TYPES)}")
+        fields = {k: v for k, v in raw.items() if k not in ("architectures", "transformers_version", "auto_map")}
+        fields.update(overrides or {})
+        return SUPPORTED_MODEL_TYPES[model_type](**fields)
+    if preset not in PRESETS:
+        raise ModelConfigError(f"model.preset: unknown preset {preset!r}; choose one of {sorted(PRESETS)} or set model.path")
+    p = PRESETS[preset]
+    return p.config_cls(**{**p.fields, **(overrides or {})})
+
+
+def is_moe(config: PretrainedConfig) -> bool:
+    return config.model_type in ("deepseek_v3", "deepseek_v2")
+
+
+def num_routed_experts(config: PretrainedConfig) -> int:
+    return getattr(config, "n_routed_experts", 0) or 0 if is_moe(config) else 0

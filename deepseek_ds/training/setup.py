@@ -1,0 +1,120 @@
+"""Process set-up for one rank: distributed init, logging, data and the DeepSpeed engine."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+
+from ..config import RunConfig
+from ..models.loss import TokenWeightedLoss
+from ..models.pipeline import build_model, partition, partition_table, prepare_config
+from ..models.presets import build_model_config
+
+
+@dataclass
+class Run:
+    cfg: RunConfig
+    ds: dict
+    engine: object
+    model_config: object
+    loss_fn: TokenWeightedLoss
+    dataset: object
+    dataset_dir: str
+    rank: int
+    world: int
+    dp_rank: int
+    dp_size: int
+    dp_group: object
+    pipeline: bool
+    grad_accum: int
+    log: logging.Logger
+
+
+def init_distributed() -> tuple[int, int]:
+    deepspeed.init_distributed(dist_backend=None)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def setup_logging(output_dir: str, rank: int) -> logging.Logger:
+    """Every rank logs to its own file (for post-mortems); only rank 0 also talks on the console.
+    DeepSpeed's own INFO chatter goes to the files, not the terminal."""
+    os.makedirs(os.path.join(output_dir, "logs"), exist_ok=True)
+    fmt = logging.Formatter(f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s")
+    file_handler = logging.FileHandler(os.path.join(output_dir, "logs", f"rank{rank}.log"), mode="a")
+    file_handler.setFormatter(fmt)
+    log = logging.getLogger("deepseek_ds")
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    log.handlers = [file_handler]
+    if rank == 0:
+        console = logging.StreamHandler(sys.stdout)
+        console.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(console)
+    ds_logger = deepspeed.utils.logger
+    for h in ds_logger.handlers:
+        h.setLevel(logging.WARNING)
+    ds_logger.addHandler(file_handler)
+    return log
+
+
+def prepare_data(cfg: RunConfig, local_rank: int) -> str:
+    """The dataset directory; the built-in corpus is built by one process per host while the others wait."""
+    from ..data import ensure_builtin_dataset
+
+    if cfg.data.path:
+        return cfg.data.path
+    vocab = build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides).vocab_size
+    path = None
+    if local_rank == 0:
+        path = ensure_builtin_dataset(cfg.data.cache_dir, vocab_size=vocab, max_mb=cfg.data.builtin_max_mb)
+    dist.barrier()
+    if path is None:
+        path = ensure_builtin_dataset(cfg.data.cache_dir, vocab_size=vocab, max_mb=cfg.data.builtin_max_mb)
+    return path
+
+
+def build_run(cfg: RunConfig, ds: dict) -> Run:
+    from ..data import DataError, PackedDataset, dataset_info
+
+    rank, world = init_distributed()
+    log = setup_logging(cfg.train.output_dir, rank)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    dataset_dir = prepare_data(cfg, local_rank)
+    mcfg = prepare_config(build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides),
+                          cfg.model.attn_implementation, cfg.model.experts_implementation)
+    info = dataset_info(dataset_dir)
+    if info["vocab_size"] > mcfg.vocab_size:
+        raise DataError(f"dataset {dataset_dir} uses a tokenizer with {info['vocab_size']} tokens but the model's "
+                        f"vocab_size is {mcfg.vocab_size}; use a matching tokenizer or set model.overrides.vocab_size")
+    dataset = PackedDataset(dataset_dir, cfg.data.seq_len)
+
+    pp = cfg.parallel.pipeline_stages
+    dp = world // pp
+    loss_fn = TokenWeightedLoss()
+    torch.manual_seed(cfg.train.seed)
+    if pp > 1:
+        parts = partition(mcfg, pp, cfg.model.partition_method, cfg.data.seq_len)
+        if rank == 0:
+            log.info("pipeline partition (%s):\n%s", cfg.model.partition_method, partition_table(mcfg, parts, cfg.data.seq_len))
+        model = build_model(mcfg, pp, cfg.train.seed, parts=parts, topology=PipeDataParallelTopology(num_pp=pp, num_dp=dp),
+                            activation_checkpoint_interval=cfg.model.activation_checkpoint_interval, loss_fn=loss_fn)
+    else:
+        model = build_model(mcfg, 1, cfg.train.seed,
+                            activation_checkpoint_interval=cfg.model.activation_checkpoint_interval)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                           config=ds)
+    if pp > 1:
+        dp_rank, dp_size, dp_group = engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size(), \
+            engine.grid.get_data_parallel_group()
+    else:
+        dp_rank, dp_size, dp_group = rank, world, None
+    grad_accum = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp_size)
+    return Run(cfg, ds, engine, mcfg, loss_fn, dataset, dataset_dir, rank, world, dp_rank, dp_size, dp_group,
+               pp > 1, grad_accum, log)

@@ -1,0 +1,142 @@
+"""The run config, the DeepSpeed JSON files and validate(): one test per refusal rule."""
+
+import glob
+import json
+import os
+
+import pytest
+
+from deepseek_ds.config import (ConfigError, apply_overrides, load_ds_config, load_run_config, resolve_ds_config,
+                                run_config_from_dict, validate)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DS = os.path.join(ROOT, "ds_configs")
+
+
+def cfg(**sections):
+    return run_config_from_dict(sections)
+
+
+def ds(name="zero1.json"):
+    return load_ds_config(os.path.join(DS, name))
+
+
+def refused(c, d, world, match, cuda=False):
+    with pytest.raises(ConfigError, match=match):
+        validate(c, d, world, cuda_available=cuda)
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(DS, "*.json"))), ids=os.path.basename)
+def test_every_ds_config_resolves_and_passes_deepspeed_own_validation(path):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    raw = load_ds_config(path)
+    pp = 2 if raw.get("pipeline") else 1
+    c = cfg(parallel={"pipeline_stages": pp}, train={"micro_batch_size": 2, "global_batch_size": 8})
+    validate(c, raw, world_size=4, cuda_available=True)
+    resolved = resolve_ds_config(raw, c, world_size=4)
+    assert "auto" not in json.dumps(resolved)
+    assert resolved["train_batch_size"] == 8
+    assert resolved["gradient_accumulation_steps"] * 2 * (4 // pp) == 8
+    assert resolved["optimizer"]["params"]["lr"] == c.train.lr
+    # DeepSpeed's own parser accepts the file as resolved (this process is a world of one rank).
+    single = resolve_ds_config(raw, cfg(train={"micro_batch_size": 2, "global_batch_size": 8}), world_size=1)
+    single.pop("pipeline", None)
+    dsc = DeepSpeedConfig(single, mpu=None)
+    assert dsc.train_batch_size == 8 and dsc.gradient_accumulation_steps == 4
+    assert dsc.zero_optimization_stage == raw["zero_optimization"]["stage"]
+
+
+def test_recipes_load_and_validate():
+    for path in glob.glob(os.path.join(ROOT, "recipes", "*.yaml")):
+        c = load_run_config(path)
+        validate(c, load_ds_config(os.path.join(ROOT, c.deepspeed_config)), world_size=2, cuda_available=False)
+
+
+def test_overrides_parse_yaml_values():
+    d = apply_overrides({"train": {"lr": 1.0}}, ["train.lr=3e-4", "train.shuffle=false", "parallel.pipeline_stages=2"])
+    c = run_config_from_dict(d)
+    assert c.train.lr == pytest.approx(3e-4) and c.train.shuffle is False and c.parallel.pipeline_stages == 2
+
+
+def test_unknown_key_is_refused_with_suggestion():
+    with pytest.raises(ConfigError, match=r"train\.global_batch_szie.*Did you mean 'global_batch_size'"):
+        cfg(train={"global_batch_szie": 32})
+    with pytest.raises(ConfigError, match=r"unknown key 'trian'.*'train'"):
+        run_config_from_dict({"trian": {}})
+
+
+def test_wrong_type_is_refused():
+    with pytest.raises(ConfigError, match=r"train\.steps"):
+        cfg(train={"steps": "many"})
+
+
+def test_batch_arithmetic():
+    refused(cfg(train={"micro_batch_size": 4, "global_batch_size": 10}), ds(), 2,
+            r"global_batch_size \(10\).*micro_batch_size \(4\).*data_parallel \(2")
+
+
+def test_world_not_divisible_by_pipeline():
+    refused(cfg(parallel={"pipeline_stages": 2}), ds("zero1_pp.json"), 3, r"world size 3 is not divisible")
+
+
+def test_pipeline_with_zero2_and_zero3():
+    for name in ("zero2.json", "zero3.json"):
+        refused(cfg(parallel={"pipeline_stages": 2}), ds(name), 2, r"cannot be combined with ZeRO stage [23]")
+
+
+def test_fp16_without_cuda():
+    refused(cfg(), ds("zero1_fp16.json"), 2, r"fp16 needs a CUDA GPU", cuda=False)
+    validate(cfg(), ds("zero1_fp16.json"), 2, cuda_available=True)
+
+
+def test_bf16_with_zero0():
+    d = ds("zero0.json")
+    d["bf16"] = {"enabled": True}
+    refused(cfg(), d, 2, r"bf16 with ZeRO stage 0.*ZeRO >= 1")
+
+
+def test_bf16_loss_scale_field():
+    d = ds("zero1_bf16.json")
+    d["bf16"]["loss_scale"] = 0
+    refused(cfg(), d, 2, r"bf16.loss_scale")
+
+
+def test_more_stages_than_layers():
+    c = cfg(model={"preset": "tiny-v3"}, parallel={"pipeline_stages": 8}, train={"micro_batch_size": 1, "global_batch_size": 1})
+    refused(c, ds("zero1_pp.json"), 8, r"pipeline_stages \(8\) exceeds the number of pipeline layers \(7")
+
+
+def test_experts_not_divisible_by_expert_parallel():
+    c = cfg(model={"preset": "tiny-v3", "overrides": {"n_routed_experts": 6, "n_group": 3, "topk_group": 1}},
+            parallel={"expert_parallel": 4}, train={"micro_batch_size": 1, "global_batch_size": 4})
+    refused(c, ds(), 4, r"routed experts \(6\) are not divisible by parallel.expert_parallel \(4\)")
+
+
+def test_expert_parallel_on_dense_model():
+    refused(cfg(model={"preset": "tiny-dense"}, parallel={"expert_parallel": 2}), ds(), 2, r"dense")
+
+
+def test_missing_paths():
+    refused(cfg(data={"path": "/nonexistent/data"}), ds(), 2, r"data.path '/nonexistent/data' does not exist")
+    refused(cfg(model={"path": "/nonexistent/model", "preset": None}), ds(), 2, r"model.path '/nonexistent/model' does not exist")
+    with pytest.raises(ConfigError, match=r"deepspeed_config .* does not exist"):
+        load_ds_config("/nonexistent.json")
+
+
+def test_unknown_preset():
+    refused(cfg(model={"preset": "tiny-v4"}), ds(), 2, r"unknown preset 'tiny-v4'")
+
+
+def test_explicit_ds_value_contradicting_run_config():
+    d = ds()
+    d["train_batch_size"] = 64
+    with pytest.raises(ConfigError, match=r"train_batch_size' = 64 contradicts .*train.global_batch_size = 16"):
+        resolve_ds_config(d, cfg(), 2)
+
+
+def test_all_problems_reported_at_once():
+    c = cfg(parallel={"pipeline_stages": 2}, train={"micro_batch_size": 3, "global_batch_size": 4})
+    with pytest.raises(ConfigError) as e:
+        validate(c, ds("zero3.json"), 2, cuda_available=False)
+    assert "global_batch_size" in str(e.value) and "ZeRO stage 3" in str(e.value)
