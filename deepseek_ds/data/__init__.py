@@ -1,0 +1,16 @@
+"""Data pipeline: inputs -> tokenizer -> parallel, checksummed shards -> packed memory-mapped samples
+-> a resumable global-batch sampler sharded over data-parallel ranks.
+
+Importing this package stays light (numpy, tqdm): torch, transformers and datasets load only when used.
+"""
+
+from .builtin import ensure_builtin_dataset
+from .errors import DataError
+from .layout import dataset_info
+from .packed import BlendedDataset, PackedDataset
+from .prepare import prepare_dataset
+from .sampler import GlobalBatchSampler, micro_batches
+from .tokenizer import load_tokenizer
+
+__all__ = ["DataError", "ensure_builtin_dataset", "prepare_dataset", "load_tokenizer", "dataset_info",
+           "PackedDataset", "BlendedDataset", "GlobalBatchSampler", "micro_batches"]

@@ -47,6 +47,11 @@ def train(run: Run) -> dict:
     out = cfg.train.output_dir
     ckpt_dir = cfg.checkpoint_dir
     state = checkpoint.resume(engine, ckpt_dir) or {}
+    sched = engine.lr_scheduler
+    if not state and sched is not None and getattr(sched, "last_batch_iteration", 0) == -1:
+        # DeepSpeed's warm-up schedulers report lr 0 until their first step(): without this the first
+        # optimizer step of a fresh run would be wasted at lr 0.
+        sched.step()
     start_step = int(state.get("step", 0))
     consumed = int(state.get("consumed_samples", 0))
     if start_step and is_rank0:

@@ -37,7 +37,7 @@ def write_resolved(cfg, ds, world: int) -> None:
 
     os.makedirs(cfg.train.output_dir, exist_ok=True)
     doc = {"run": cfg.to_dict(), "deepspeed": ds, "world_size": world,
-           "versions": {"python": platform.python_version(), "torch": torch.__version__,
+           "versions": {"python": platform.python_version(), "torch": str(torch.__version__),
                         "deepspeed": deepspeed.__version__, "transformers": transformers.__version__}}
     with open(os.path.join(cfg.train.output_dir, "resolved_config.yaml"), "w") as f:
         yaml.safe_dump(doc, f, sort_keys=False)

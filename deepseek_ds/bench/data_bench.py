@@ -1,0 +1,69 @@
+"""`deepseek-ds bench data`: end-to-end prepare throughput with N workers next to raw `tokenizers`
+batch encoding of the same text, as a printed table."""
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+from deepseek_ds.data import dataset_info, ensure_builtin_dataset, prepare_dataset
+from deepseek_ds.data.builtin import stdlib_files
+from deepseek_ds.data.layout import TOKENIZER_DIR
+from deepseek_ds.data.tokenizer import backend_json, load_hf_tokenizer
+
+# Several shards per worker so extra workers have something to do.
+_SHARD_MB = 0.5
+
+
+def _raw_encode(texts: list[str], backend: str) -> tuple[float, int]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(backend)
+    start = time.perf_counter()
+    tokens = sum(len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False))
+    return time.perf_counter() - start, tokens
+
+
+def run_data_bench(workers: list[int], mb: float, vocab_size: int, work_dir: str) -> list[dict]:
+    """Rows of (method, seconds, tokens, tokens/s, MB/s) on the built-in corpus of `mb` MB."""
+    files = stdlib_files(mb)
+    texts = [Path(f).read_text() for f in files]
+    text_mb = sum(len(t.encode()) for t in texts) / 2**20
+    tok_dir = Path(ensure_builtin_dataset(work_dir, vocab_size, mb, progress=False)) / TOKENIZER_DIR
+    seconds, tokens = _raw_encode(texts, backend_json(load_hf_tokenizer(tok_dir)))
+    rows = [{"method": "tokenizers encode_batch (raw)", "seconds": seconds, "tokens": tokens}]
+    for n in workers:
+        start = time.perf_counter()
+        out = prepare_dataset(files, f"{work_dir}/w{n}", tokenizer_dir=str(tok_dir), workers=n,
+                              valid_fraction=0.0, shard_mb=_SHARD_MB, progress=False)
+        rows.append({"method": f"prepare, {n} worker{'s' if n > 1 else ''}",
+                     "seconds": time.perf_counter() - start, "tokens": dataset_info(out)["num_tokens"]})
+    for row in rows:
+        row["tokens/s"] = row["tokens"] / row["seconds"]
+        row["MB/s"] = text_mb / row["seconds"]
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    header = ["method", "seconds", "tokens", "tokens/s", "MB/s"]
+    cells = [[r["method"], f"{r['seconds']:.2f}", f"{r['tokens']:,}", f"{r['tokens/s']:,.0f}", f"{r['MB/s']:.2f}"]
+             for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
+    line = lambda vals: "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(vals, widths)))
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, cells)])
+
+
+def _bench(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        print(format_table(run_data_bench(args.workers, args.mb, args.vocab_size, args.work_dir or tmp)))
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add `data` to the `deepseek-ds bench` sub-command group."""
+    p = subparsers.add_parser("data", help="data preparation throughput vs raw tokenizers")
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to compare")
+    p.add_argument("--mb", type=float, default=8.0, help="MB of built-in corpus text")
+    p.add_argument("--vocab-size", type=int, default=2048)
+    p.add_argument("--work-dir", help="keep outputs here (default: a temporary directory)")
+    p.set_defaults(func=_bench)

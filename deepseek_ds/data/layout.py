@@ -1,0 +1,79 @@
+"""On-disk layout of a prepared dataset, its metadata, and the checks that run before training.
+
+<dataset>/
+  meta.json            written last (atomically): its presence means every file below is complete
+  plan.json            what the dataset is built from; a re-run with other inputs is refused
+  tokenizer/           AutoTokenizer directory the ids belong to
+  {split}-NNNNN.bin    flat token ids (uint16 or uint32 by vocabulary), EOS after every document
+  {split}-NNNNN.idx    int64 document boundaries within the shard (num_docs + 1 offsets, from 0)
+  {split}-NNNNN.json   the shard's record (counts, checksums), written after its .bin and .idx
+"""
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import DataError
+
+FORMAT_VERSION = 1
+META, PLAN, TOKENIZER_DIR = "meta.json", "plan.json", "tokenizer"
+SPLITS = ("train", "valid")
+
+
+def shard_files(dataset_dir: Path, name: str) -> tuple[Path, Path, Path]:
+    return dataset_dir / f"{name}.bin", dataset_dir / f"{name}.idx", dataset_dir / f"{name}.json"
+
+
+def file_sha256(path: Path) -> str:
+    # Chunked reads through the page cache: hashing a huge shard does not grow the process RSS.
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise DataError(f"cannot read {path} ({e}): re-run the same `deepseek-ds data prepare` command "
+                        f"or delete {path.parent} and prepare it again") from e
+
+
+def read_meta(dataset_dir: str | Path) -> dict:
+    path = Path(dataset_dir) / META
+    if not path.is_file():
+        raise DataError(f"{dataset_dir} is not a prepared dataset (no {META}; an interrupted prepare leaves "
+                        f"none): run `deepseek-ds data prepare --input ... --out {dataset_dir}` to build or finish it")
+    meta = read_json(path)
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise DataError(f"{path} has format version {meta.get('format_version')}, this code reads "
+                        f"{FORMAT_VERSION}: prepare the dataset again with this version")
+    return meta
+
+
+def dataset_info(dataset_dir: str) -> dict:
+    """Metadata of a prepared dataset: vocab_size, eos_id, dtype, num_tokens, num_docs (all splits),
+    tokenizer_hash, and per-split counts and shard records under "splits"."""
+    return read_meta(dataset_dir)
+
+
+def check_shard(dataset_dir: Path, record: dict, dtype: str, verify_checksums: bool) -> None:
+    """DataError when a shard's files are missing, truncated or corrupted relative to `record`."""
+    bin_path, idx_path, _ = shard_files(dataset_dir, record["name"])
+    expected = {bin_path: (record["num_tokens"] * np.dtype(dtype).itemsize, record["bin_sha256"]),
+                idx_path: ((record["num_docs"] + 1) * 8, record["idx_sha256"])}
+    fix = (f"re-run the same `deepseek-ds data prepare` command (it rebuilds damaged shards) or delete "
+           f"{dataset_dir} and prepare it again")
+    for path, (size, sha) in expected.items():
+        if not path.is_file():
+            raise DataError(f"{path} is missing: {fix}")
+        actual = path.stat().st_size
+        if actual != size:
+            raise DataError(f"{path} has {actual} bytes but {META} expects {size} (truncated or overwritten): {fix}")
+        if verify_checksums and file_sha256(path) != sha:
+            raise DataError(f"{path} does not match its sha256 checksum in {META} (corrupted): {fix}")

@@ -1,0 +1,112 @@
+"""Packed, memory-mapped samples of seq_len + 1 tokens, and weighted blends of several datasets.
+
+Sample i is tokens[i*seq_len : i*seq_len + seq_len + 1] of the split's token stream (shards in order):
+samples cross document boundaries (EOS separates documents) and consecutive samples share one token,
+so every token is a training label exactly once.
+"""
+
+from pathlib import Path
+
+import numpy as np
+
+from .errors import DataError
+from .layout import check_shard, read_meta, shard_files
+
+
+class PackedDataset:
+    """Samples of one split of a prepared dataset. Files are validated on open (sizes always, sha256
+    checksums unless verify_checksums=False) and memory-mapped, so RSS stays small for any data size."""
+
+    def __init__(self, dataset_dir: str, seq_len: int, split: str = "train", *, verify_checksums: bool = True):
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        meta = read_meta(dataset_dir)
+        if split not in meta["splits"]:
+            raise DataError(f"{dataset_dir} has no split {split!r} (splits: {sorted(meta['splits'])})")
+        self.dataset_dir, self.seq_len, self.split = str(dataset_dir), seq_len, split
+        self._dtype = meta["dtype"]
+        shards = [s for s in meta["splits"][split]["shards"] if s["num_tokens"] > 0]
+        for record in shards:
+            check_shard(Path(dataset_dir), record, self._dtype, verify_checksums)
+        self._paths = [str(shard_files(Path(dataset_dir), s["name"])[0]) for s in shards]
+        # _starts[k] = index of shard k's first token in the split's token stream.
+        self._starts = np.concatenate([[0], np.cumsum([s["num_tokens"] for s in shards])]).astype(np.int64)
+        self.num_tokens = int(self._starts[-1])
+        self._len = max(0, (self.num_tokens - 1) // seq_len)
+        if self._len == 0:
+            raise DataError(f"split {split!r} of {dataset_dir} has {self.num_tokens} tokens, fewer than one sample "
+                            f"of seq_len + 1 = {seq_len + 1}: add data, lower seq_len or raise valid_fraction")
+        self._maps = self._open()
+
+    def _open(self) -> list[np.memmap]:
+        return [np.memmap(p, dtype=self._dtype, mode="r") for p in self._paths]
+
+    # Pickling (DataLoader workers) must not copy the mapped data: reopen the maps instead.
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_maps"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._maps = self._open()
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if not 0 <= i < self._len:
+            raise IndexError(f"sample {i} out of range [0, {self._len})")
+        start, end = int(i) * self.seq_len, int(i) * self.seq_len + self.seq_len + 1
+        out = np.empty(end - start, np.int64)
+        k = int(np.searchsorted(self._starts, start, side="right")) - 1
+        pos = start
+        while pos < end:  # a sample may span several shards
+            take = min(end, int(self._starts[k + 1])) - pos
+            local = pos - int(self._starts[k])
+            out[pos - start:pos - start + take] = self._maps[k][local:local + take]
+            pos += take
+            k += 1
+        return out
+
+
+class BlendedDataset:
+    """Several datasets mixed by weight: sample i comes from dataset `dataset_index[i]`.
+
+    Datasets are interleaved evenly in exact proportion to `weights`. Within dataset k, draws follow a
+    permutation seeded by (seed, k), so an under-weighted dataset contributes a random subset rather
+    than its first samples; an over-weighted one wraps around.
+    """
+
+    def __init__(self, datasets: list, weights: list[float], seed: int, num_samples: int | None = None):
+        if not datasets or len(datasets) != len(weights):
+            raise ValueError(f"need one weight per dataset, got {len(datasets)} datasets and {len(weights)} weights")
+        if any(w <= 0 for w in weights) or any(len(d) == 0 for d in datasets):
+            raise ValueError(f"weights must be > 0 and datasets non-empty (weights {weights}, "
+                             f"lengths {[len(d) for d in datasets]})")
+        self.datasets = list(datasets)
+        w = np.asarray(weights, np.float64) / np.sum(weights)
+        total = sum(len(d) for d in datasets) if num_samples is None else num_samples
+        self.dataset_index, draw = _interleave(w, total)
+        perms = [np.random.default_rng([seed, k]).permutation(len(d)) for k, d in enumerate(datasets)]
+        self.sample_index = np.empty(total, np.int64)
+        for k, d in enumerate(datasets):
+            mask = self.dataset_index == k
+            self.sample_index[mask] = perms[k][draw[mask] % len(d)]
+
+    def __len__(self) -> int:
+        return len(self.dataset_index)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.datasets[self.dataset_index[i]][int(self.sample_index[i])]
+
+
+def _interleave(weights: np.ndarray, total: int) -> tuple[np.ndarray, np.ndarray]:
+    """(dataset of each position, draw number within that dataset): the c-th draw of dataset k sits at
+    key (c + 0.5) / w_k, and positions are the `total` smallest keys, so every prefix is proportional."""
+    keys, owner, draw = [], [], []
+    for k, w in enumerate(weights):
+        n = int(np.ceil(total * w)) + 1
+        keys.append((np.arange(n) + 0.5) / w)
+        owner.append(np.full(n, k, np.int64))
+        draw.append(np.arange(n, dtype=np.int64))
+    order = np.argsort(np.concatenate(keys), kind="stable")[:total]
+    return np.concatenate(owner)[order], np.concatenate(draw)[order]

@@ -1,0 +1,162 @@
+"""`prepare_dataset`: inputs -> tokenizer -> parallel shards -> metadata, resumable and race-safe.
+
+Every file is published atomically and meta.json comes last, so a killed or racing run never leaves a
+dataset that looks complete; a re-run rebuilds only missing or damaged shards.
+"""
+
+import hashlib
+import json
+import multiprocessing
+import shutil
+import time
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from .atomic import publish_dir, temp_dir_for, write_json_atomic
+from .errors import DataError
+from .layout import FORMAT_VERSION, META, PLAN, SPLITS, TOKENIZER_DIR, read_json, shard_files
+from .shards import ShardTask, group_by_size, init_worker, is_done, shard_key, write_shard
+from .sources import DocTable, read_docs, scan_inputs
+from .tokenizer import (backend_json, import_tokenizer, load_hf_tokenizer, token_dtype, tokenizer_hash,
+                        train_bpe, vocab_size_of)
+
+# Documents read at a time while streaming text into the BPE trainer.
+_TRAIN_CHUNK = 1000
+
+
+def split_rows(num_docs: int, valid_fraction: float, seed: int) -> dict[str, np.ndarray]:
+    """Hold out whole documents for validation: a seeded choice, at least one when asked for any."""
+    if not 0.0 <= valid_fraction < 1.0:
+        raise DataError(f"valid_fraction must be in [0, 1), got {valid_fraction}")
+    n_valid = 0 if valid_fraction == 0 or num_docs < 2 else min(num_docs - 1, max(1, round(num_docs * valid_fraction)))
+    valid = np.sort(np.random.default_rng(seed).choice(num_docs, n_valid, replace=False))
+    train = np.setdiff1d(np.arange(num_docs), valid)
+    return {"train": train, "valid": valid}
+
+
+def _check_plan(out: Path, plan: dict) -> None:
+    path = out / PLAN
+    if path.is_file():
+        old = read_json(path)
+        if old != plan:
+            changed = sorted(k for k in plan.keys() | old.keys() if plan.get(k) != old.get(k))
+            raise DataError(f"{out} already holds a dataset prepared with different {changed}: choose another "
+                            f"output directory or delete {out}")
+    else:
+        write_json_atomic(path, plan)
+
+
+def _iter_texts(table: DocTable, field: str) -> Iterator[str]:
+    for start in range(0, len(table), _TRAIN_CHUNK):
+        yield from read_docs(table.subset(np.arange(start, min(start + _TRAIN_CHUNK, len(table)))), field)
+
+
+def _ensure_tokenizer(out: Path, src_tok, train_docs: DocTable, field: str, vocab_size: int, progress: bool):
+    """The dataset's tokenizer directory, created once; racers adopt whichever copy was published first."""
+    tok_dir = out / TOKENIZER_DIR
+    if not tok_dir.is_dir():
+        tmp = temp_dir_for(tok_dir)
+        try:
+            if src_tok is not None:
+                src_tok.save_pretrained(str(tmp))
+            else:
+                train_bpe(_iter_texts(train_docs, field), vocab_size, tmp, progress)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        publish_dir(tmp, tok_dir)
+    return load_hf_tokenizer(tok_dir)
+
+
+def _run(tasks: list[ShardTask], workers: int, progress: bool) -> None:
+    docs = {t.name: len(t.docs) for t in tasks}
+    start, tokens = time.perf_counter(), 0
+    with tqdm(total=sum(docs.values()), unit="doc", desc="tokenizing", disable=not progress) as bar:
+        for record in _records(tasks, workers):
+            tokens += record["num_tokens"]
+            bar.update(docs[record["name"]])
+            bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):,.0f} tok/s")
+
+
+def _records(tasks: list[ShardTask], workers: int) -> Iterator[dict]:
+    if workers == 1 or len(tasks) <= 1:
+        yield from map(write_shard, tasks)
+        return
+    # spawn, not fork: the parent may hold torch / tokenizers thread pools that a fork would corrupt.
+    # An executor (unlike multiprocessing.Pool) raises BrokenProcessPool if a worker dies instead of hanging.
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=context, initializer=init_worker) as pool:
+        futures = [pool.submit(write_shard, t) for t in tasks]
+        try:
+            for future in as_completed(futures):
+                yield future.result()
+        finally:
+            for future in futures:  # on an error, do not wait for the remaining shards
+                future.cancel()
+
+
+def _plan_tasks(out: Path, table: DocTable, rows: dict[str, np.ndarray], field: str, shard_bytes: int,
+                tok) -> list[ShardTask]:
+    backend = backend_json(tok)
+    tok_hash, dtype = tokenizer_hash(backend), token_dtype(vocab_size_of(tok))
+    tasks = []
+    for split in SPLITS:
+        docs = table.subset(rows[split])
+        for k, (a, b) in enumerate(group_by_size(docs.size, shard_bytes)):
+            part = docs.subset(np.arange(a, b))
+            tasks.append(ShardTask(f"{split}-{k:05d}", str(out), part, field, backend, tok.eos_token_id, dtype,
+                                   shard_key(part, field, tok_hash, tok.eos_token_id, dtype)))
+    return tasks
+
+
+def _meta(out: Path, tasks: list[ShardTask], plan_hash: str, tok) -> dict:
+    splits = {split: {"num_docs": 0, "num_tokens": 0, "shards": []} for split in SPLITS}
+    for task in tasks:
+        record = read_json(shard_files(out, task.name)[2])
+        split = splits[task.name.split("-")[0]]
+        split["shards"].append({k: record[k] for k in ("name", "num_docs", "num_tokens", "bin_sha256", "idx_sha256")})
+        split["num_docs"] += record["num_docs"]
+        split["num_tokens"] += record["num_tokens"]
+    vocab = vocab_size_of(tok)
+    return {"format_version": FORMAT_VERSION, "plan_sha256": plan_hash,
+            "tokenizer_hash": tokenizer_hash(backend_json(tok)), "vocab_size": vocab, "eos_id": tok.eos_token_id,
+            "dtype": token_dtype(vocab), "num_docs": sum(s["num_docs"] for s in splits.values()),
+            "num_tokens": sum(s["num_tokens"] for s in splits.values()), "splits": splits}
+
+
+def prepare_dataset(inputs: list[str], out_dir: str, tokenizer_dir: str | None = None, vocab_size: int = 2048,
+                    workers: int = 1, jsonl_field: str = "text", valid_fraction: float = 0.01, seed: int = 0,
+                    *, shard_mb: float = 16.0, progress: bool = True) -> str:
+    """Tokenize `inputs` into a packed, checksummed dataset at `out_dir` and return `out_dir`.
+
+    With `tokenizer_dir` the dataset uses that HF tokenizer; otherwise a byte-level BPE of `vocab_size`
+    is trained on the training documents. Shards hold about `shard_mb` of text each; the output does not
+    depend on `workers`. Re-running continues an interrupted run and verifies a finished one.
+    """
+    if workers < 1:
+        raise DataError(f"workers must be >= 1, got {workers}")
+    out = Path(out_dir)
+    table = scan_inputs(inputs, jsonl_field)
+    rows = split_rows(len(table), valid_fraction, seed)
+    src_tok = None if tokenizer_dir is None else import_tokenizer(tokenizer_dir)
+    plan = {"format_version": FORMAT_VERSION, "inputs": [str(Path(p).resolve()) for p in inputs],
+            "docs_sha256": hashlib.sha256(json.dumps(table.refs()).encode()).hexdigest(), "num_docs": len(table),
+            "jsonl_field": jsonl_field, "valid_fraction": valid_fraction, "seed": seed, "shard_mb": shard_mb,
+            "tokenizer": ({"bpe_vocab_size": vocab_size} if src_tok is None
+                          else {"imported_hash": tokenizer_hash(backend_json(src_tok))})}
+    plan_hash = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
+    out.mkdir(parents=True, exist_ok=True)
+    _check_plan(out, plan)
+    tok = _ensure_tokenizer(out, src_tok, table.subset(rows["train"]), jsonl_field, vocab_size, progress)
+    tasks = _plan_tasks(out, table, rows, jsonl_field, int(shard_mb * 2**20), tok)
+    _run([t for t in tasks if not is_done(t)], workers, progress)
+    meta = _meta(out, tasks, plan_hash, tok)
+    if meta["splits"]["train"]["num_tokens"] == 0:
+        raise DataError(f"inputs {inputs} produced no training tokens (only empty or whitespace documents): "
+                        f"pass inputs with text")
+    write_json_atomic(out / META, meta)
+    return str(out)

@@ -1,0 +1,89 @@
+"""One global sample order, cut into global batches, sliced over data-parallel ranks.
+
+Global position p holds sample order(epoch)[p % N] with epoch = p // N, where order(epoch) is a
+permutation of all N samples seeded by (seed, epoch) (identity without shuffling). Global batch k is
+positions [k*G, (k+1)*G) counted from consumed_samples; DP rank r takes the contiguous slice
+[r*G/D, (r+1)*G/D) and splits it in order into micro-batches of M. The layout (D, M) therefore only
+decides who computes which sample, never which samples form a global batch, so a run can resume with
+another data-parallel size and continue the same global sequence.
+"""
+
+from collections.abc import Iterator
+
+import numpy as np
+
+
+def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    if not shuffle:
+        return np.arange(num_samples, dtype=np.int64)
+    # Seeded by the pair (seed, epoch): unlike seed + epoch, (0, 1) and (1, 0) give different orders.
+    return np.random.default_rng([seed, epoch]).permutation(num_samples)
+
+
+class GlobalBatchSampler:
+    """Yields, per global batch, this rank's micro-batches (lists of sample indices). Infinite: epochs
+    follow each other seamlessly; stop after the steps you need.
+
+    `consumed_samples` (global count) already includes a batch when it is yielded, so a checkpoint
+    saved after that batch's optimizer step resumes exactly at the next batch.
+    """
+
+    def __init__(self, num_samples: int, global_batch_size: int, micro_batch_size: int, dp_rank: int,
+                 dp_size: int, seed: int, shuffle: bool = True, consumed_samples: int = 0):
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        if min(global_batch_size, micro_batch_size, dp_size) < 1 \
+                or global_batch_size % (micro_batch_size * dp_size) != 0:
+            raise ValueError(f"global_batch_size({global_batch_size}) must be a positive multiple of "
+                             f"micro_batch_size({micro_batch_size}) * dp_size({dp_size})")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank({dp_rank}) must be in [0, dp_size({dp_size}))")
+        if consumed_samples < 0:
+            raise ValueError(f"consumed_samples must be >= 0, got {consumed_samples}")
+        self.num_samples, self.global_batch_size, self.micro_batch_size = num_samples, global_batch_size, micro_batch_size
+        self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
+        self.consumed_samples = consumed_samples
+        self._orders: dict[int, np.ndarray] = {}  # at most the two epochs a batch can straddle
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp_size)
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1}
+            self._orders[epoch] = epoch_order(self.num_samples, self.seed, epoch, self.shuffle)
+        return self._orders[epoch]
+
+    def positions(self, start: int, count: int) -> np.ndarray:
+        """Sample indices at global positions [start, start + count)."""
+        pos = np.arange(start, start + count, dtype=np.int64)
+        epochs = pos // self.num_samples
+        out = np.empty(count, np.int64)
+        for e in np.unique(epochs):
+            mask = epochs == e
+            out[mask] = self._order(int(e))[pos[mask] % self.num_samples]
+        return out
+
+    def global_batch(self, start: int) -> np.ndarray:
+        return self.positions(start, self.global_batch_size)
+
+    def __iter__(self) -> Iterator[list[list[int]]]:
+        per_rank = self.global_batch_size // self.dp_size
+        while True:
+            mine = self.global_batch(self.consumed_samples)[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
+            self.consumed_samples += self.global_batch_size
+            yield [mine[j:j + self.micro_batch_size].tolist() for j in range(0, per_rank, self.micro_batch_size)]
+
+
+def micro_batches(dataset, sampler: GlobalBatchSampler) -> Iterator[list[tuple]]:
+    """Per global batch, this rank's micro-batches as (input_ids, labels) LongTensor pairs of shape
+    [micro_batch_size, seq_len]: labels are the inputs shifted by one token."""
+    import torch
+
+    for micro in sampler:
+        pairs = []
+        for indices in micro:
+            x = torch.from_numpy(np.stack([dataset[i] for i in indices]).astype(np.int64))
+            pairs.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
+        yield pairs

@@ -1,0 +1,98 @@
+"""One shard = a fixed run of documents, tokenized into .bin/.idx files by whichever worker gets it.
+
+A shard's bytes depend only on its documents and the tokenizer, never on the worker count or on
+scheduling, which is what makes the output byte-identical for any number of workers.
+"""
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .atomic import write_bytes_atomic, write_json_atomic
+from .layout import check_shard, read_json, shard_files
+from .errors import DataError
+from .sources import DocTable, read_docs
+
+# Documents per encode_batch call: bounds worker memory on shards of many small documents.
+_ENCODE_BATCH = 512
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    name: str  # e.g. "train-00003"
+    out_dir: str
+    docs: DocTable
+    field: str
+    tokenizer_json: str  # the exact `tokenizers` pipeline (see tokenizer.backend_json)
+    eos_id: int
+    dtype: str
+    key: str  # hash of everything the shard's bytes depend on
+
+
+def shard_key(docs: DocTable, field: str, tok_hash: str, eos_id: int, dtype: str) -> str:
+    desc = [tok_hash, field, eos_id, dtype, docs.refs()]
+    return hashlib.sha256(json.dumps(desc).encode()).hexdigest()
+
+
+def group_by_size(sizes: np.ndarray, shard_bytes: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) row ranges: a document goes to the shard its first byte falls in."""
+    if len(sizes) == 0:
+        return []
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]) // max(1, shard_bytes)
+    cuts = [0, *(np.flatnonzero(np.diff(starts)) + 1).tolist(), len(sizes)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def is_done(task: ShardTask) -> bool:
+    """True when the shard was completely written for exactly this task and is intact on disk."""
+    out = Path(task.out_dir)
+    record_path = shard_files(out, task.name)[2]
+    if not record_path.is_file():
+        return False
+    record = read_json(record_path)
+    if record.get("key") != task.key:
+        return False
+    try:
+        check_shard(out, record, task.dtype, verify_checksums=True)
+    except DataError:
+        return False  # damaged: the caller rebuilds it
+    return True
+
+
+def _tokenize(task: ShardTask, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(task.tokenizer_json)
+    pieces, bounds = [], [0]
+    eos = np.array([task.eos_id], task.dtype)
+    for b in range(0, len(texts), _ENCODE_BATCH):
+        for enc in tok.encode_batch(texts[b:b + _ENCODE_BATCH], add_special_tokens=False):
+            if not enc.ids:
+                continue  # an empty document adds nothing, not even an EOS
+            pieces += [np.asarray(enc.ids, task.dtype), eos]
+            bounds.append(bounds[-1] + len(enc.ids) + 1)
+    tokens = np.concatenate(pieces) if pieces else np.empty(0, task.dtype)
+    return tokens, np.asarray(bounds, np.int64)
+
+
+def write_shard(task: ShardTask) -> dict:
+    """Tokenize one shard and publish its .bin, .idx and then its record. Returns the record."""
+    texts = read_docs(task.docs, task.field)
+    tokens, bounds = _tokenize(task, texts)
+    bin_path, idx_path, record_path = shard_files(Path(task.out_dir), task.name)
+    token_bytes, bound_bytes = tokens.astype(f"<{tokens.dtype.str[1:]}").tobytes(), bounds.astype("<i8").tobytes()
+    write_bytes_atomic(bin_path, token_bytes)
+    write_bytes_atomic(idx_path, bound_bytes)
+    record = {"name": task.name, "key": task.key, "num_docs": len(bounds) - 1, "num_tokens": len(tokens),
+              "bin_sha256": hashlib.sha256(token_bytes).hexdigest(), "idx_sha256": hashlib.sha256(bound_bytes).hexdigest()}
+    write_json_atomic(record_path, record)
+    return record
+
+
+def init_worker() -> None:
+    # One thread per worker process: `workers` then means cores, and rayon pools do not oversubscribe.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"

@@ -1,0 +1,184 @@
+"""Input discovery and document reading: text files/directories, JSON Lines, saved HF datasets.
+
+Scanning is cheap (file sizes and line offsets, no decoding) and yields a `DocTable`: one row per
+document in a fixed, sorted order, so that every process derives the same documents from the same inputs.
+Reading turns a subset of rows back into strings inside the tokenizer workers.
+"""
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import DataError
+
+TEXT, JSONL, HF = "text", "jsonl", "hf"
+_HF_MARKERS = ("dataset_dict.json", "state.json")
+
+
+@dataclass(frozen=True)
+class Source:
+    path: str
+    kind: str  # TEXT (whole file is one document), JSONL (one document per line) or HF (one per row)
+
+
+@dataclass(frozen=True)
+class DocTable:
+    """Documents in corpus order. `offset` is a byte offset (JSONL), a row (HF) or 0 (text);
+    `size` is the document's size in bytes (estimated for HF rows) and only sizes shards."""
+
+    sources: tuple[Source, ...]
+    source: np.ndarray  # int64 index into `sources`
+    offset: np.ndarray  # int64
+    size: np.ndarray  # int64
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def subset(self, rows: np.ndarray) -> "DocTable":
+        return DocTable(self.sources, self.source[rows], self.offset[rows], self.size[rows])
+
+    def refs(self) -> list[list]:
+        """JSON-able description of every document, for plan hashes."""
+        return [[self.sources[s].path, self.sources[s].kind, int(o), int(n)]
+                for s, o, n in zip(self.source, self.offset, self.size)]
+
+
+def _is_hf_dataset(path: Path) -> bool:
+    return any((path / m).is_file() for m in _HF_MARKERS)
+
+
+def _files_under(root: Path) -> list[Path]:
+    # Hidden entries (.git, .DS_Store, editor swap files) are never corpus text.
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        found += [Path(dirpath) / f for f in filenames if not f.startswith(".")]
+    return sorted(found)
+
+
+def _expand(inputs: list[str]) -> list[Source]:
+    sources = []
+    for raw in inputs:
+        path = Path(raw)
+        if path.is_dir() and _is_hf_dataset(path):
+            sources.append(Source(str(path.resolve()), HF))
+        elif path.is_dir():
+            sources += [Source(str(f.resolve()), JSONL if f.suffix == ".jsonl" else TEXT) for f in _files_under(path)]
+        elif path.is_file():
+            sources.append(Source(str(path.resolve()), JSONL if path.suffix == ".jsonl" else TEXT))
+        else:
+            raise DataError(f"input {raw!r} does not exist: pass existing text files, directories, "
+                            f".jsonl files or a directory saved with datasets' save_to_disk")
+    return sources
+
+
+def _jsonl_lines(path: str) -> tuple[list[int], list[int]]:
+    offsets, sizes, pos = [], [], 0
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():  # blank lines are separators, not documents
+                offsets.append(pos)
+                sizes.append(len(line))
+            pos += len(line)
+    return offsets, sizes
+
+
+def _hf_split(path: str):
+    from datasets import Dataset, load_from_disk
+
+    loaded = load_from_disk(path)
+    if isinstance(loaded, Dataset):
+        return loaded
+    if "train" not in loaded:
+        raise DataError(f"{path} is a DatasetDict without a 'train' split (splits: {sorted(loaded)}): "
+                        f"save the split you want with Dataset.save_to_disk and pass that directory")
+    return loaded["train"]
+
+
+def _hf_rows(path: str, field: str) -> tuple[list[int], list[int]]:
+    ds = _hf_split(path)
+    if field not in ds.column_names:
+        raise DataError(f"{path} has no column {field!r} (columns: {ds.column_names}): "
+                        f"pass the text column with --jsonl-field / jsonl_field")
+    row_bytes = max(1, ds.data.nbytes // max(1, len(ds)))
+    return list(range(len(ds))), [row_bytes] * len(ds)
+
+
+def scan_inputs(inputs: list[str], field: str) -> DocTable:
+    """Every document of `inputs` in deterministic order; DataError when there is nothing to read."""
+    sources = _expand(inputs)
+    source, offset, size = [], [], []
+    for i, src in enumerate(sources):
+        if src.kind == TEXT:
+            offs, sizes = [0], [os.path.getsize(src.path)]
+        elif src.kind == JSONL:
+            offs, sizes = _jsonl_lines(src.path)
+        else:
+            offs, sizes = _hf_rows(src.path, field)
+        source += [i] * len(offs)
+        offset += offs
+        size += sizes
+    table = DocTable(tuple(sources), np.array(source, np.int64), np.array(offset, np.int64), np.array(size, np.int64))
+    if len(table) == 0 or int(table.size.sum()) == 0:
+        raise DataError(f"no text found in inputs {inputs}: pass non-empty UTF-8 text files, directories of "
+                        f"them, .jsonl files or saved HF datasets")
+    return table
+
+
+def _decode(data: bytes, where: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where} is not valid UTF-8 (bad byte at offset {e.start}): convert it, e.g. "
+                        f"`iconv -f latin1 -t utf-8`, or remove it from the inputs") from e
+
+
+def _jsonl_doc(f, path: str, offset: int, size: int, field: str) -> str:
+    f.seek(offset)
+    line = f.read(size)
+    where = f"{path} (line starting at byte {offset})"
+    try:
+        record = json.loads(_decode(line, where))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where} is not valid JSON ({e.msg}): fix or remove that line") from e
+    value = record.get(field) if isinstance(record, dict) else None
+    if not isinstance(value, str):
+        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise DataError(f"{where} has no string field {field!r} (found {keys}): "
+                        f"choose the text field with --jsonl-field / jsonl_field")
+    return value
+
+
+def _hf_docs(path: str, rows: list[int], field: str) -> list[str]:
+    values = _hf_split(path)[rows][field]
+    bad = next((v for v in values if not isinstance(v, str)), None)
+    if bad is not None:
+        raise DataError(f"{path}: column {field!r} holds {type(bad).__name__}, not text: "
+                        f"choose a string column with --jsonl-field / jsonl_field")
+    return values
+
+
+def read_docs(table: DocTable, field: str) -> list[str]:
+    """The text of every row of `table`, in order."""
+    texts: list[str] = []
+    i = 0
+    while i < len(table):
+        # Consecutive rows of one source are read together: one open / one HF load per run.
+        s = int(table.source[i])
+        j = i
+        while j < len(table) and table.source[j] == s:
+            j += 1
+        src = table.sources[s]
+        if src.kind == TEXT:
+            texts += [_decode(Path(src.path).read_bytes(), src.path) for _ in range(i, j)]
+        elif src.kind == JSONL:
+            with open(src.path, "rb") as f:
+                texts += [_jsonl_doc(f, src.path, int(o), int(n), field)
+                          for o, n in zip(table.offset[i:j], table.size[i:j])]
+        else:
+            texts += _hf_docs(src.path, [int(r) for r in table.offset[i:j]], field)
+        i = j
+    return texts

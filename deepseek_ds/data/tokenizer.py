@@ -1,0 +1,100 @@
+"""Tokenizers: train a byte-level BPE on the corpus, or import a local HF tokenizer directory.
+
+Either way the dataset keeps its own copy at <dataset>/tokenizer (an AutoTokenizer directory), and
+metadata records a hash of what decides token ids, so a swapped tokenizer is caught before training.
+"""
+
+import hashlib
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+from .errors import DataError
+from .layout import META, TOKENIZER_DIR, read_meta
+
+EOS_TOKEN = "<|endoftext|>"
+# Sections of tokenizer.json that decide which ids a text gets (add_special_tokens=False). The
+# post-processor and decoder are left out: transformers rewrites them on save/load without changing ids.
+_ID_SECTIONS = ("model", "normalizer", "pre_tokenizer", "added_tokens")
+# Byte-level BPE needs the 256 byte symbols plus the EOS token before any merge.
+MIN_BPE_VOCAB = 257
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: Path, progress: bool) -> None:
+    """Train a byte-level BPE with EOS and save it as an HF tokenizer directory at `out_dir`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < MIN_BPE_VOCAB:
+        raise DataError(f"vocab_size {vocab_size} is too small for a byte-level BPE: use at least {MIN_BPE_VOCAB}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN], show_progress=progress,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN).save_pretrained(str(out_dir))
+
+
+def import_tokenizer(src_dir: str):
+    """Load a local HF tokenizer directory for use by a dataset (its copy is saved with save_pretrained,
+    which writes only tokenizer files, never model weights)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(src_dir)
+    except (OSError, ValueError) as e:
+        raise DataError(f"cannot load a tokenizer from {src_dir} ({e}): pass a local directory with "
+                        f"tokenizer.json / tokenizer_config.json") from e
+    if not tok.is_fast:
+        raise DataError(f"{src_dir} holds a slow (Python) tokenizer: the pipeline needs a fast one with "
+                        f"tokenizer.json; convert it with AutoTokenizer.from_pretrained(..).save_pretrained(..)")
+    return _require_eos(tok, src_dir)
+
+
+def _require_eos(tok, where):
+    if tok.eos_token_id is None:
+        raise DataError(f"tokenizer at {where} has no EOS token, which separates documents: set "
+                        f"eos_token in its tokenizer_config.json")
+    return tok
+
+
+def load_hf_tokenizer(tok_dir: Path):
+    from transformers import AutoTokenizer
+
+    return _require_eos(AutoTokenizer.from_pretrained(str(tok_dir)), tok_dir)
+
+
+def load_tokenizer(dataset_dir: str):
+    """The transformers tokenizer a prepared dataset's ids belong to; DataError if it was swapped."""
+    meta = read_meta(dataset_dir)
+    tok_dir = Path(dataset_dir) / TOKENIZER_DIR
+    if not tok_dir.is_dir():
+        raise DataError(f"{tok_dir} is missing: delete {dataset_dir} and prepare it again")
+    tok = load_hf_tokenizer(tok_dir)
+    found = tokenizer_hash(backend_json(tok))
+    if found != meta["tokenizer_hash"]:
+        raise DataError(f"the tokenizer in {tok_dir} (hash {found[:12]}) does not match the one {dataset_dir}/"
+                        f"{META} was tokenized with ({meta['tokenizer_hash'][:12]}): restore the original "
+                        f"tokenizer directory or prepare the dataset again with this tokenizer")
+    return tok
+
+
+def backend_json(tok) -> str:
+    """The exact `tokenizers` pipeline a transformers tokenizer encodes with, as a JSON string."""
+    return tok.backend_tokenizer.to_str()
+
+
+def tokenizer_hash(backend: str) -> str:
+    full = json.loads(backend)
+    ids_only = {k: full.get(k) for k in _ID_SECTIONS}
+    return hashlib.sha256(json.dumps(ids_only, sort_keys=True).encode()).hexdigest()
+
+
+def vocab_size_of(tok) -> int:
+    # Ids may have holes (added tokens past the base vocab): the largest id decides the dtype.
+    return max(len(tok), max(tok.get_vocab().values()) + 1)
+
+
+def token_dtype(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= 2**16 else "uint32"
