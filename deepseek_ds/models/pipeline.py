@@ -155,6 +155,8 @@ class DeepSeekPipelineModule(PipelineModule):
 
     def _partition_layers(self, method="fixed"):
         self.parts = list(self._fixed_parts)
+        stage_id = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
 
 
 class SequentialLM(nn.Module):
