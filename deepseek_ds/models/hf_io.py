@@ -7,7 +7,11 @@ the published checkpoints.
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from .layers import DecoderLayerPipe, EmbeddingPipe, family_of, hf_key
@@ -45,3 +49,72 @@ def to_hf_model(layers, config) -> nn.Module:
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     return model.eval()
+
+
+# -------------------------------------------------------------------------------------------- reading a directory
+def _weight_map(hf_dir: str) -> dict[str, str]:
+    """HF tensor name -> file, from the sharded index or the single model.safetensors."""
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return json.load(f)["weight_map"]
+    single = os.path.join(hf_dir, "model.safetensors")
+    if not os.path.isfile(single):
+        raise FileNotFoundError(f"{hf_dir} has neither model.safetensors.index.json nor model.safetensors")
+    with safe_open(single, "pt") as f:
+        return {k: "model.safetensors" for k in f.keys()}
+
+
+def _disk_names(wanted: str, weight_map: dict[str, str], num_experts: int) -> list[str]:
+    """On-disk tensors that make up one in-memory tensor. The published checkpoints store each expert
+    separately while transformers fuses them into 3-D tensors; transformers converts only whole models on
+    load, so this per-tensor mapping (for stage-local loading) is written here."""
+    if wanted in weight_map:
+        return [wanted]
+    prefix, leaf = wanted.rsplit(".", 1)
+    if prefix.endswith("mlp.experts") and leaf in ("gate_up_proj", "down_proj"):
+        projs = ["gate_proj", "up_proj"] if leaf == "gate_up_proj" else ["down_proj"]
+        return [f"{prefix}.{e}.{p}.weight" for e in range(num_experts) for p in projs]
+    raise KeyError(f"tensor {wanted!r} is not in the checkpoint")
+
+
+def load_hf_weights(layers, hf_dir: str, num_experts: int = 0) -> int:
+    """Fill the given (local) pipeline layers from an HF safetensors directory, reading only their own
+    tensors. Returns the number of bytes read, so callers and tests can see a stage reads only its share."""
+    weight_map = _weight_map(hf_dir)
+    wanted = {}  # hf name -> destination tensor
+    for layer in layers:
+        for key, tensor in layer.state_dict(keep_vars=True).items():
+            if isinstance(layer, DecoderLayerPipe) and key.startswith("rotary."):
+                continue
+            wanted[hf_key(layer, key)] = tensor
+    plan = {name: _disk_names(name, weight_map, num_experts) for name in wanted}
+    by_file: dict[str, set[str]] = {}
+    for names in plan.values():
+        for n in names:
+            by_file.setdefault(weight_map[n], set()).add(n)
+    loaded: dict[str, torch.Tensor] = {}
+    read = 0
+    for fname, names in sorted(by_file.items()):
+        with safe_open(os.path.join(hf_dir, fname), "pt") as f:
+            for n in sorted(names):
+                loaded[n] = f.get_tensor(n)
+                read += loaded[n].numel() * loaded[n].element_size()
+    with torch.no_grad():
+        for name, dest in wanted.items():
+            parts = [loaded[n] for n in plan[name]]
+            if len(parts) == 1:
+                src = parts[0]
+            elif name.endswith("gate_up_proj"):  # [gate_e; up_e] per expert, stacked over experts
+                src = torch.stack([torch.cat(parts[2 * e:2 * e + 2], dim=0) for e in range(num_experts)])
+            else:
+                src = torch.stack(parts)
+            if src.shape != dest.shape:
+                raise ValueError(f"{hf_dir}: tensor {name} has shape {tuple(src.shape)}, the model expects "
+                                 f"{tuple(dest.shape)}; is config.json the one these weights were saved with?")
+            dest.copy_(src.to(dest.dtype))
+    return read
+
+
+def has_weights(hf_dir: str) -> bool:
+    return any(os.path.isfile(os.path.join(hf_dir, f)) for f in ("model.safetensors.index.json", "model.safetensors"))

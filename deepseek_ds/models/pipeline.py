@@ -201,3 +201,9 @@ def prepare_config(config, attn_implementation: str = "sdpa", experts_implementa
         config._experts_implementation = experts_implementation
     config.use_cache = False
     return config
+
+
+def local_layers(model: nn.Module) -> list[nn.Module]:
+    """The pipeline layers this rank holds (all of them for SequentialLM, its stage's for a PipelineModule)."""
+    kinds = (EmbeddingPipe, DecoderLayerPipe, FinalNormPipe, LMHeadPipe)
+    return [m for m in model.modules() if isinstance(m, kinds)]

@@ -14,8 +14,9 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
 from ..config import RunConfig
 from ..models.loss import TokenWeightedLoss
-from ..models.pipeline import build_model, partition, partition_table, prepare_config
-from ..models.presets import build_model_config
+from ..models.hf_io import has_weights, load_hf_weights
+from ..models.pipeline import build_model, local_layers, partition, partition_table, prepare_config
+from ..models.presets import build_model_config, num_routed_experts
 
 
 @dataclass
@@ -108,6 +109,9 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
     else:
         model = build_model(mcfg, 1, cfg.train.seed,
                             activation_checkpoint_interval=cfg.model.activation_checkpoint_interval)
+    if cfg.model.path and has_weights(cfg.model.path):
+        read = load_hf_weights(local_layers(model), cfg.model.path, num_routed_experts(mcfg))
+        log.info("loaded %.1f MB of weights for this rank's layers from %s", read / 2**20, cfg.model.path)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                            config=ds)
     if pp > 1:

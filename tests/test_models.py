@@ -1,0 +1,210 @@
+"""Models: our pipeline layers against transformers' own models, partitions, meta-device real shapes, HF I/O."""
+
+import glob
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from deepseek_ds.models.hf_io import load_hf_weights, to_hf_model
+from deepseek_ds.models.pipeline import (SequentialLM, build_model, layer_costs, layer_specs, local_layers, partition,
+                                         partition_table, prepare_config)
+from deepseek_ds.models.presets import PRESETS, build_model_config, num_routed_experts
+
+TINY = ["tiny-v3", "tiny-v2", "tiny-dense"]
+
+
+def tiny(name, **overrides):
+    return prepare_config(build_model_config(name, overrides=overrides))
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_logits_match_transformers(name):
+    cfg = tiny(name)
+    ours = build_model(cfg, 1, seed=11).eval()
+    # An independent transformers model: its own init from the global RNG, then our weights loaded by name.
+    theirs = type(to_hf_model(ours.layers, cfg))(cfg).eval()
+    missing, unexpected = theirs.load_state_dict(to_hf_model(ours.layers, cfg).state_dict(), strict=True)
+    assert not missing and not unexpected
+    ids = torch.randint(0, cfg.vocab_size, (3, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (ours(ids) - theirs(input_ids=ids).logits).abs().max().item()
+    assert diff <= 1e-5
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_loss_matches_transformers_loss(name):
+    from deepseek_ds.models.loss import TokenWeightedLoss
+
+    cfg = tiny(name)
+    ours = build_model(cfg, 1, seed=3).eval()
+    theirs = to_hf_model(ours.layers, cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(1))
+    labels = ids[:, 1:].clone()
+    labels[0, :10] = -100  # ignored positions: the weighting must count only valid tokens
+    loss_fn = TokenWeightedLoss()
+    loss_fn.set_global_tokens(int((labels != -100).sum()), dp_size=1, grad_accum=1)
+    with torch.no_grad():
+        mine = loss_fn(ours(ids[:, :-1]), labels)
+        ref = theirs.loss_function(logits=theirs(input_ids=ids[:, :-1]).logits, labels=None, shift_labels=labels,
+                                   vocab_size=cfg.vocab_size)
+    assert mine.item() == pytest.approx(ref.item(), rel=1e-6)
+
+
+def test_token_weighting_across_micro_batches():
+    """Two micro-batches with different numbers of valid tokens: the scaled losses average (as DeepSpeed does)
+    to the token mean of the whole batch, not to the mean of the two micro-batch means."""
+    from deepseek_ds.models.loss import TokenWeightedLoss
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 8, 50)
+    labels = torch.randint(0, 50, (2, 8))
+    labels[0, 2:] = -100
+    loss_fn = TokenWeightedLoss()
+    loss_fn.set_global_tokens(int((labels != -100).sum()), dp_size=1, grad_accum=2)
+    averaged = (loss_fn(logits[:1], labels[:1]) + loss_fn(logits[1:], labels[1:])) / 2
+    whole = torch.nn.functional.cross_entropy(logits.reshape(-1, 50), labels.reshape(-1), ignore_index=-100)
+    assert averaged.item() == pytest.approx(whole.item(), rel=1e-6)
+
+
+def test_activation_checkpointing_gives_same_gradients():
+    cfg = tiny("tiny-v3")
+    ids = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(2))
+    grads = []
+    for interval in (0, 1):
+        model = build_model(cfg, 1, seed=5, activation_checkpoint_interval=interval).train()
+        model(ids).float().pow(2).mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(*grads))
+
+
+def test_tied_embeddings_use_tied_layer_spec_and_match_transformers():
+    from deepspeed.pipe import TiedLayerSpec
+
+    cfg = tiny("tiny-dense", tie_word_embeddings=True)
+    specs = layer_specs(cfg, seed=1)
+    assert isinstance(specs[0], TiedLayerSpec) and isinstance(specs[-1], TiedLayerSpec)
+    ours = build_model(cfg, 1, seed=1).eval()
+    theirs = to_hf_model(ours.layers, cfg)
+    assert theirs.lm_head.weight.data_ptr() == theirs.model.embed_tokens.weight.data_ptr()
+    ids = torch.randint(0, cfg.vocab_size, (2, 16))
+    with torch.no_grad():
+        assert (ours(ids) - theirs(input_ids=ids).logits).abs().max().item() <= 1e-5
+
+
+def test_initial_weights_do_not_depend_on_layout():
+    """Layer i is seeded by (seed, i): building the specs one by one (as a pipeline stage does) gives the
+    same tensors as the whole sequential model."""
+    cfg = tiny("tiny-v3")
+    whole = build_model(cfg, 1, seed=9)
+    one_by_one = [spec.build() for spec in layer_specs(cfg, seed=9)]
+    for a, b in zip(whole.layers, one_by_one):
+        for (ka, ta), (kb, tb) in zip(a.state_dict().items(), b.state_dict().items()):
+            assert ka == kb and torch.equal(ta, tb)
+
+
+@pytest.mark.parametrize("name,published", [("deepseek-v3", 671e9), ("deepseek-v2", 236e9), ("deepseek-v2-lite", 15.7e9),
+                                            ("deepseek-llm-7b", 6.9e9), ("deepseek-coder-6.7b", 6.7e9)])
+def test_real_shapes_on_meta_device_match_published_sizes(name, published):
+    cfg = prepare_config(build_model_config(name))
+    total = sum(c.params for c in layer_costs(cfg))
+    assert abs(total - published) / published < 0.02, f"{name}: {total / 1e9:.2f}B vs published {published / 1e9}B"
+
+
+@pytest.mark.parametrize("method", ["balanced", "uniform", "parameters", "type:MoE", "counts:2,2,2,1", "0,2,4,6,7"])
+@pytest.mark.parametrize("stages", [4])
+def test_every_partition_method_assigns_every_layer(method, stages):
+    cfg = tiny("tiny-v3")
+    parts = partition(cfg, stages, method)
+    n = len(layer_costs(cfg))
+    assert parts[0] == 0 and parts[-1] == n and len(parts) == stages + 1
+    assert all(a < b for a, b in zip(parts, parts[1:]))
+
+
+@pytest.mark.parametrize("layers,stages", [(5, 2), (7, 3), (10, 4), (13, 6)])
+def test_uneven_layer_counts_never_drop_a_layer(layers, stages):
+    cfg = tiny("tiny-v3", num_hidden_layers=layers)
+    for method in ("balanced", "uniform", "parameters"):
+        parts = partition(cfg, stages, method)
+        assert parts[-1] == layers + 3 and sorted(set(parts)) == parts
+
+
+def test_bad_partition_is_refused():
+    cfg = tiny("tiny-v3")
+    with pytest.raises(ValueError, match="partition_method"):
+        partition(cfg, 2, "0,3,9")
+    with pytest.raises(ValueError, match="pipeline_stages"):
+        partition(cfg, 9, "uniform")
+
+
+def test_deepseek_v3_16_stage_balance():
+    """The default partition of the 61-layer model keeps every stage within 1.5x of the mean estimated share."""
+    cfg = prepare_config(build_model_config("deepseek-v3"))
+    parts = partition(cfg, 16)
+    table = partition_table(cfg, parts)
+    shares = [float(line.split()[-1].rstrip("%")) for line in table.splitlines()[1:]]
+    assert len(shares) == 16 and abs(sum(shares) - 100) < 0.5
+    assert max(shares) <= 1.5 * (100 / 16)
+
+
+def test_hf_round_trip_is_bitwise(tmp_path):
+    cfg = tiny("tiny-v3")
+    src = build_model(cfg, 1, seed=4)
+    first = tmp_path / "first"
+    to_hf_model(src.layers, cfg).save_pretrained(first, max_shard_size="1MB")
+    loaded_cfg = prepare_config(build_model_config(path=str(first)))
+    model = build_model(loaded_cfg, 1, seed=None)
+    load_hf_weights(model.layers, str(first), num_routed_experts(loaded_cfg))
+    second = tmp_path / "second"
+    to_hf_model(model.layers, loaded_cfg).save_pretrained(second, max_shard_size="1MB")
+
+    def tensors(d):
+        out = {}
+        for f in sorted(glob.glob(os.path.join(d, "*.safetensors"))):
+            out.update(load_file(f))
+        return out
+
+    a, b = tensors(first), tensors(second)
+    assert len(glob.glob(os.path.join(first, "*.safetensors"))) > 1  # sharded, with an index
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # and transformers itself loads what we wrote
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(second)
+    ids = torch.randint(0, cfg.vocab_size, (1, 16))
+    with torch.no_grad():
+        assert torch.allclose(hf(input_ids=ids).logits, model.eval()(ids), atol=1e-5)
+
+
+def test_stage_local_loading_reads_only_the_stage_tensors(tmp_path):
+    cfg = tiny("tiny-v3")
+    full = build_model(cfg, 1, seed=4)
+    to_hf_model(full.layers, cfg).save_pretrained(tmp_path, max_shard_size="1MB")
+    parts = partition(cfg, 2)
+    specs = layer_specs(cfg, seed=None)
+    total = sum(p.numel() * p.element_size() for p in full.parameters()) + sum(
+        b.numel() * b.element_size() for n, b in full.named_buffers() if "e_score" in n)
+    read = []
+    for stage in range(2):
+        stage_layers = [s.build() for s in specs[parts[stage]:parts[stage + 1]]]
+        expected = sum(t.numel() * t.element_size() for layer in stage_layers
+                       for k, t in layer.state_dict().items() if not k.startswith("rotary."))
+        got = load_hf_weights(stage_layers, str(tmp_path), cfg.n_routed_experts)
+        assert got == expected  # exactly this stage's bytes, not the whole model's
+        read.append(got)
+        for layer, ref in zip(stage_layers, full.layers[parts[stage]:parts[stage + 1]]):
+            for (k, t), (_, r) in zip(layer.state_dict().items(), ref.state_dict().items()):
+                assert torch.equal(t, r), k
+    assert sum(read) == total and max(read) < 0.7 * total
+
+
+def test_local_layers_of_sequential_model():
+    cfg = tiny("tiny-dense")
+    model = build_model(cfg, 1, seed=1)
+    assert isinstance(model, SequentialLM) and len(local_layers(model)) == cfg.num_hidden_layers + 3
+
+
+def test_presets_registry_is_complete():
+    assert {"tiny-v3", "tiny-v2", "tiny-dense", "deepseek-v3", "deepseek-v2", "deepseek-v2-lite", "deepseek-llm-7b",
+            "deepseek-coder-6.7b"} <= set(PRESETS)
