@@ -131,3 +131,7 @@ def main(argv=None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"deepseek-ds: {e}", file=sys.stderr)
         return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

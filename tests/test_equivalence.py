@@ -26,7 +26,10 @@ LAYOUTS = [
     ("zero2", 2, "ds_configs/zero2.json", []),
     ("zero3", 2, "ds_configs/zero3.json", []),
     ("pp2-zero1", 2, "ds_configs/zero1_pp.json", ["parallel.pipeline_stages=2"]),
-    ("pp2xdp2-zero1", 4, "ds_configs/zero1_pp.json", ["parallel.pipeline_stages=2"]),
+    # 4 ranks: also exercises activation checkpointing inside the pipeline (embedding first layer excluded).
+    ("pp2xdp2-zero1-ckpt", 4, "ds_configs/zero1_pp.json", ["parallel.pipeline_stages=2",
+                                                           "model.activation_checkpoint_interval=1"]),
+    ("pp4-zero1", 4, "ds_configs/zero1_pp.json", ["parallel.pipeline_stages=4"]),
 ]
 
 
