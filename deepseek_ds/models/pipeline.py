@@ -128,13 +128,13 @@ def partition(config, num_stages: int, method: str = "balanced", seq_len: int = 
 def partition_table(config, parts: list[int], seq_len: int = 4096) -> str:
     costs = layer_costs(config)
     weights = _stage_weights(costs, config, seq_len)
-    lines = [f"{'stage':>5}  {'layers':<28} {'params':>12} {'active':>12} {'est. share':>10}"]
+    lines = [f"{'stage':>5}  {'layers':<36} {'params':>12} {'active':>12} {'est. share':>10}"]
     for st in range(len(parts) - 1):
         a, b = parts[st], parts[st + 1]
         names = f"{a}-{b - 1}: {costs[a].name}" + (f" .. {costs[b - 1].name}" if b - a > 1 else "")
         p = sum(c.params for c in costs[a:b])
         act = sum(c.active_params for c in costs[a:b])
-        lines.append(f"{st:>5}  {names:<28} {_human(p):>12} {_human(act):>12} {sum(weights[a:b]):>9.1%}")
+        lines.append(f"{st:>5}  {names:<36} {_human(p):>12} {_human(act):>12} {sum(weights[a:b]):>9.1%}")
     return "\n".join(lines)
 
 
