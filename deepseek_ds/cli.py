@@ -119,6 +119,10 @@ def _register_optional(sub) -> None:
     launcher_cli.register(sub)
     from .bench import data_bench
 
+    from . import evaluation, generate
+
+    evaluation.register(sub)
+    generate.register(sub)
     bench = sub.add_parser("bench", help="benchmarks that print tables").add_subparsers(
         dest="bench_command", metavar="SUBCOMMAND", required=True)
     data_bench.register(bench)

@@ -55,6 +55,8 @@ class TrainSection:
     global_batch_size: int = 16
     shuffle: bool = True
     output_dir: str = "runs/default"
+    nan_policy: str = "stop"            # non-finite loss: "skip" the step, or "stop" (save, then end the run)
+    peak_tflops: float | None = None    # per-device peak for MFU; default: the known GPU's bf16 dense peak
 
 
 @dataclass
@@ -78,6 +80,15 @@ class EvalSection:
 
 
 @dataclass
+class MoESection:
+    """DeepSeekMoE load balancing (models/moe.py). null: the model family's published value (DeepSeek-V3: bias
+    update speed 0.001, sequence-wise loss 1e-4; DeepSeek-V2: expert-level loss 0.003, device-level loss 0.05)."""
+    bias_update_speed: float | None = None  # gamma of V3's auxiliary-loss-free balancing; 0: off
+    seq_aux_alpha: float | None = None      # sequence-wise (V3) = expert-level (V2) balance loss factor; 0: off
+    device_aux_alpha: float | None = None   # V2 device-level balance loss over the model's n_group groups; 0: off
+
+
+@dataclass
 class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
@@ -85,6 +96,7 @@ class RunConfig:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     eval: EvalSection = field(default_factory=EvalSection)
+    moe: MoESection = field(default_factory=MoESection)
     deepspeed_config: str = "ds_configs/zero1.json"
 
     @property
@@ -240,6 +252,9 @@ def resolve_ds_config(ds: dict, cfg: RunConfig, world_size: int) -> dict:
     walk(ds, "")
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "steps_per_print"):
         ds.setdefault(key, auto[key])
+    from .training.monitors import fill_output_paths
+
+    fill_output_paths(ds, cfg.train.output_dir)
     return ds
 
 
@@ -333,6 +348,7 @@ def validate(cfg: RunConfig, ds: dict, world_size: int, cuda_available: bool | N
             if cfg.data.seq_len > mcfg.max_position_embeddings:
                 errors.append(f"data.seq_len ({cfg.data.seq_len}) exceeds the model's max_position_embeddings "
                               f"({mcfg.max_position_embeddings})")
+            errors += _moe_errors(cfg, ds, mcfg)
 
     if cfg.data.path:
         if not os.path.isdir(cfg.data.path):
@@ -342,5 +358,50 @@ def validate(cfg: RunConfig, ds: dict, world_size: int, cuda_available: bool | N
         errors.append(f"data.builtin = {cfg.data.builtin!r}: the only built-in corpus is 'stdlib'; or set data.path")
     if cfg.checkpoint.keep < 1:
         errors.append("checkpoint.keep must be >= 1")
+    errors += _observability_errors(cfg, ds)
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+
+
+# ------------------------------------------------------------------------------------------ observability checks
+def _observability_errors(cfg: RunConfig, ds: dict) -> list[str]:
+    """Evaluation cadence, NaN policy, MFU peak, and monitors whose package is missing (issue 8)."""
+    from .training import monitors, nan_policy
+
+    errors = nan_policy.config_errors(cfg.train.nan_policy, ds) + monitors.missing_packages(ds)
+    if cfg.train.peak_tflops is not None and cfg.train.peak_tflops <= 0:
+        errors.append(f"train.peak_tflops = {cfg.train.peak_tflops}: must be > 0 (TFLOP/s of one device), or null")
+    if cfg.eval.interval < 0 or cfg.eval.batches < 1:
+        errors.append(f"eval.interval ({cfg.eval.interval}) must be >= 0 (0: no evaluation) and eval.batches "
+                      f"({cfg.eval.batches}) >= 1")
+    return errors
+
+
+# ------------------------------------------------------------------------------------------ MoE checks
+def _moe_errors(cfg: RunConfig, ds: dict, mcfg) -> list[str]:
+    """Load-balancing settings that the model cannot use, and expert parallelism set in the wrong place (issue 9)."""
+    from .models.moe import resolve_settings
+
+    m = cfg.moe
+    errors = [f"moe.{k} = {v} must be >= 0 (0 turns it off) or null (the model family's default)"
+              for k, v in dataclasses.asdict(m).items() if v is not None and v < 0]
+    if errors:
+        return errors
+    settings = resolve_settings(m, mcfg)
+    if settings is None:
+        errors += [f"moe.{k} = {v} but model {mcfg.model_type} is dense (no routed experts); remove it"
+                   for k, v in dataclasses.asdict(m).items() if v]
+        return errors
+    if settings.bias_update_speed > 0 and mcfg.model_type != "deepseek_v3":
+        errors.append(f"moe.bias_update_speed = {settings.bias_update_speed}: {mcfg.model_type} routers have no "
+                      "e_score_correction_bias (only DeepSeek-V3's do); set it to 0")
+    if settings.device_aux_alpha > 0 and settings.device_groups == 1:
+        errors.append(f"moe.device_aux_alpha = {settings.device_aux_alpha} needs device groups, but the model's "
+                      "n_group is 1 (one group: the loss is a constant); set it to 0 or model.overrides.n_group")
+    if settings.has_aux and precision(ds) == "fp16":
+        errors.append("moe balance losses (moe.seq_aux_alpha / moe.device_aux_alpha) are not scaled by fp16's "
+                      "dynamic loss scale; use bf16, or set both to 0")
+    if "expert_parallel" in ds:
+        errors.append("deepspeed_config has an 'expert_parallel' section: set parallel.expert_parallel in the run "
+                      "YAML instead (deepseek-ds writes the AutoEP section for the model)")
+    return errors

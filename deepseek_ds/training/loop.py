@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import math
 import os
-import time
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 from .. import checkpoint
+from ..evaluation import evaluate_run
 from ..models.loss import count_valid_tokens
-from .metrics import MetricsWriter, flops_per_token, plot_loss
+from . import monitors, nan_policy
+from .metrics import MetricsWriter, StepMeter, console_line, flops_per_token, peak_tflops, plot_loss
+from .router_stats import RouterStats, moe_layer_indices
 from .setup import Run
 
 
@@ -23,30 +26,32 @@ def _all_reduce(value: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tenso
 def train_step(run: Run, micro_batches: list) -> float:
     """One optimizer step on this rank's share of the global batch; returns the global-batch loss."""
     engine = run.engine
-    n_valid = torch.tensor([count_valid_tokens(micro_batches)], dtype=torch.float64)
+    # Collectives take device tensors (NCCL refuses host ones).
+    n_valid = torch.tensor([count_valid_tokens(micro_batches)], dtype=torch.float64, device=engine.device)
     n_global = int(_all_reduce(n_valid, run.dp_group).item())
     run.loss_fn.set_global_tokens(n_global, run.dp_size, run.grad_accum)
     if run.pipeline:
         return float(engine.train_batch(iter(micro_batches)))
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=engine.device)
     for input_ids, labels in micro_batches:
         logits = engine(input_ids.to(engine.device))
         loss = run.loss_fn(logits, labels.to(engine.device))
         engine.backward(loss)
         engine.step()
-        total += loss.detach().double().cpu()
+        total += loss.detach().double()
     # The scaled micro losses sum to (dp x gas) x this rank's share of the token-weighted global loss.
     return float(_all_reduce(total, run.dp_group).item() / (run.dp_size * run.grad_accum))
 
 
 def train(run: Run) -> dict:
-    from ..data import GlobalBatchSampler, micro_batches
+    from ..data import GlobalBatchSampler, PackedDataset, micro_batches
 
     cfg, engine, log = run.cfg, run.engine, run.log
     is_rank0 = run.rank == 0
     out = cfg.train.output_dir
     ckpt_dir = cfg.checkpoint_dir
-    state = checkpoint.resume(engine, ckpt_dir) or {}
+    stop = checkpoint.StopOnSignal(engine.device)  # SIGTERM/SIGINT: finish the step, save, exit cleanly
+    state = checkpoint.resume(run) or {}
     sched = engine.lr_scheduler
     if not state and sched is not None and getattr(sched, "last_batch_iteration", 0) == -1:
         # DeepSpeed's warm-up schedulers report lr 0 until their first step(): without this the first
@@ -64,37 +69,65 @@ def train(run: Run) -> dict:
     metrics = MetricsWriter(os.path.join(out, "metrics.jsonl"), append=start_step > 0) if is_rank0 else None
     tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
     flops_per_step = flops_per_token(run.model_config, cfg.data.seq_len) * tokens_per_step
+    meter = StepMeter(flops_per_step, tokens_per_step, cfg.train.global_batch_size, run.world, engine.device,
+                      peak_tflops(engine.device, cfg.train.peak_tflops))
+    if is_rank0 and engine.device.type == "cuda" and meter.peak is None:
+        log.warning("no peak TFLOP/s known for %s: set train.peak_tflops to get MFU", torch.cuda.get_device_name())
+    routers = (RouterStats(engine.module, run.model_config, engine.device, reports_bias=run.dp_rank == 0)
+               if moe_layer_indices(run.model_config) else None)
+    valid = PackedDataset(run.dataset_dir, cfg.data.seq_len, split="valid") if cfg.eval.interval else None
     bar = tqdm(total=cfg.train.steps, initial=start_step, disable=not is_rank0, desc="train", unit="step",
                dynamic_ncols=True)
     last_saved = None
     step = start_step
     for step in range(start_step + 1, cfg.train.steps + 1):
         lr = engine.get_lr()[0]
-        t0 = time.perf_counter()
+        skipped_before = engine.skipped_steps
+        meter.start()
         loss = train_step(run, next(batches))
-        dt = time.perf_counter() - t0
         grad_norm = engine.get_global_grad_norm()
         record = {
             "step": step, "loss": loss, "lr": lr,
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
-            "tokens_per_sec": tokens_per_step / dt, "samples_per_sec": cfg.train.global_batch_size / dt,
-            "tflops_per_device": flops_per_step / dt / run.world / 1e12,
-            "step_time": dt, "consumed_samples": sampler.consumed_samples,
+            **meter.stop(),
+            # DeepSpeed discarded the update (fp16 overflow, non-finite gradients): no optimizer/scheduler step.
+            "skipped": engine.skipped_steps > skipped_before, "skipped_steps": engine.skipped_steps,
+            "consumed_samples": sampler.consumed_samples,
         }
+        if run.balancer:  # router bias update from this step's load (before the stats that report the bias)
+            record.update(run.balancer.after_step(record["skipped"]))
+        if routers:
+            record.update(routers.collect())
+        if valid is not None and (step % cfg.eval.interval == 0 or step == cfg.train.steps):
+            record.update(evaluate_run(run, valid).as_record())
+            log.info("step %d: validation loss %.4f, perplexity %.2f, next-token accuracy %.2f%%", step,
+                     record["eval_loss"], record["eval_ppl"], 100 * record["eval_accuracy"])
         if metrics:
             metrics.write(record)
-        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_sec']:.0f}")
+            monitors.write(engine, record, sampler.consumed_samples)
+        bar.set_postfix_str(console_line(record), refresh=False)
         bar.update(1)
+        if not math.isfinite(loss):
+            if nan_policy.check(step, cfg.train.nan_policy, record["skipped"]):
+                saved = checkpoint.save(run, step, sampler.consumed_samples)
+                bar.close()
+                if metrics:
+                    metrics.close()
+                    monitors.finish(engine)
+                raise nan_policy.NonFiniteLoss(nan_policy.stop_message(step, saved))
+            log.warning("step %d: the loss is not finite; DeepSpeed discarded the update (train.nan_policy: skip)", step)
         if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
-            last_saved = checkpoint.save(engine, ckpt_dir, step, {"step": step, "consumed_samples": sampler.consumed_samples},
-                                         cfg.checkpoint.keep, is_rank0)
+            last_saved = checkpoint.save(run, step, sampler.consumed_samples)
+        if stop.requested():
+            log.info("stop requested (%s): saving step %d and exiting", stop.received or "signal on another rank", step)
+            break
     bar.close()
     if step > start_step and (last_saved is None or not last_saved.endswith(checkpoint.tag_for(step))):
-        last_saved = checkpoint.save(engine, ckpt_dir, step, {"step": step, "consumed_samples": sampler.consumed_samples},
-                                     cfg.checkpoint.keep, is_rank0)
+        last_saved = checkpoint.save(run, step, sampler.consumed_samples)
     summary = {}
     if is_rank0:
         metrics.close()
+        monitors.finish(engine)
         recs = metrics.records
         if recs:
             plot_loss(recs, os.path.join(out, "loss.png"), f"{cfg.model.preset or cfg.model.path} on {run.world} ranks")
@@ -106,8 +139,18 @@ def train(run: Run) -> dict:
                 "done:",
                 f"  loss        {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over {summary['steps']} steps",
                 f"  throughput  {summary['tokens_per_sec']:.0f} tokens/s ({run.world} ranks)",
+                *_validation_lines(recs),
                 f"  checkpoint  {last_saved}",
                 f"  metrics     {summary['metrics']}",
                 f"  loss curve  {summary['plot']}",
             ]))
     return summary
+
+
+def _validation_lines(records: list[dict]) -> list[str]:
+    evals = [r for r in records if r.get("eval_loss") is not None]
+    if not evals:
+        return []
+    r = evals[-1]
+    return [f"  validation  loss {r['eval_loss']:.4f}, perplexity {r['eval_ppl']:.2f}, "
+            f"next-token accuracy {100 * r['eval_accuracy']:.2f}% (step {r['step']})"]

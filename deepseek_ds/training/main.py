@@ -60,10 +60,20 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     os.makedirs(cfg.train.output_dir, exist_ok=True)
+    os.environ.setdefault("WANDB_DIR", cfg.train.output_dir)  # wandb writes to ./wandb otherwise
     if rank == 0:
         write_resolved(cfg, ds, world)
+    from .nan_policy import NonFiniteLoss
+
     run = build_run(cfg, ds)
-    train(run)
+    try:
+        train(run)
+    except NonFiniteLoss as e:
+        # Every rank sees the same non-finite loss; one message, no tracebacks.
+        if rank == 0:
+            print(f"deepseek-ds: {e}", file=sys.stderr)
+        dist.destroy_process_group()
+        return 3
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -1,12 +1,45 @@
-"""Per-step metrics: the JSON-lines file, throughput and FLOPs estimates, and the loss-curve plot."""
+"""Per-step metrics: the JSON-lines file, throughput, FLOPs, MFU and memory, and the loss-curve plot."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import time
+
+import psutil
+import torch
+import torch.distributed as dist
 
 from ..models.pipeline import layer_costs
+
+# Dense bf16 tensor-core peak of one device in TFLOP/s (vendor data sheets), matched in order against
+# torch.cuda.get_device_name(): more specific names first ("GH200" before "H200", "A100" before "A10").
+PEAK_TFLOPS_BF16 = (
+    ("GB200", 2500.0), ("B200", 2250.0), ("B100", 1750.0),
+    ("GH200", 989.4), ("H200", 989.4), ("H100 NVL", 835.5), ("H100 PCIE", 756.4), ("H100", 989.4),
+    ("H800 PCIE", 756.4), ("H800", 989.4), ("H20", 148.0),
+    ("A100", 312.0), ("A800", 312.0), ("L40S", 362.1), ("L40", 181.0), ("L4", 121.0), ("A10", 125.0),
+    ("MI325X", 1307.4), ("MI300X", 1307.4), ("MI250X", 383.0),
+)
+
+
+def peak_tflops(device: torch.device, configured: float | None) -> float | None:
+    """The per-device peak MFU is measured against: the configured one, else the table's for a known GPU,
+    else None (CPUs and unknown GPUs report no MFU rather than a made-up one)."""
+    if configured:
+        return float(configured)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).upper()
+    return next((peak for key, peak in PEAK_TFLOPS_BF16 if key in name), None)
+
+
+def memory_gb(device: torch.device) -> float:
+    """Peak CUDA memory allocated since the last reset on GPU; the process RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return psutil.Process().memory_info().rss / 2**30
 
 
 def flops_per_token(model_config, seq_len: int) -> float:
@@ -20,6 +53,50 @@ def flops_per_token(model_config, seq_len: int) -> float:
         qk = v = model_config.hidden_size // model_config.num_attention_heads
     attn = 6 * model_config.num_hidden_layers * model_config.num_attention_heads * seq_len * (qk + v) / 2
     return 6 * active + attn
+
+
+class StepMeter:
+    """Times one optimizer step (start/stop around it on every rank) and turns it into throughput, TFLOPs per
+    device, MFU and memory (the largest over ranks: stop() is a collective)."""
+
+    def __init__(self, flops_per_step: float, tokens_per_step: int, samples_per_step: int, world: int,
+                 device: torch.device, peak: float | None):
+        self.flops, self.tokens, self.samples = flops_per_step, tokens_per_step, samples_per_step
+        self.world, self.device, self.peak = world, device, peak
+        self._t0 = 0.0
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> dict:
+        dt = time.perf_counter() - self._t0
+        mem = torch.tensor([memory_gb(self.device)], dtype=torch.float64, device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        tflops = self.flops / dt / self.world / 1e12
+        return {"tokens_per_sec": self.tokens / dt, "samples_per_sec": self.samples / dt,
+                "tflops_per_device": tflops, "mfu": tflops / self.peak if self.peak else None,
+                "step_time": dt, "memory_gb": float(mem.item())}
+
+
+def console_line(record: dict) -> str:
+    """The progress bar's summary of one step record."""
+    def num(key: str, fmt: str) -> str:
+        value = record.get(key)
+        return "-" if value is None else format(value, fmt)
+
+    parts = [f"loss {num('loss', '.4f')}", f"lr {num('lr', '.2e')}", f"gnorm {num('grad_norm', '.3f')}",
+             f"{num('tokens_per_sec', '.0f')} tok/s", f"{num('tflops_per_device', '.3g')} TFLOP/s",
+             f"mfu {num('mfu', '.1%')}", f"mem {num('memory_gb', '.2f')} GB"]
+    if "moe/load_ratio_max" in record:
+        parts.append(f"expert max/mean {num('moe/load_ratio_max', '.2f')}")
+    if record.get("skipped_steps"):
+        parts.append(f"skipped {record['skipped_steps']}")
+    if record.get("eval_loss") is not None:
+        parts.append(f"val {num('eval_loss', '.4f')}")
+    return ", ".join(parts)
 
 
 class MetricsWriter:
@@ -49,9 +126,13 @@ def plot_loss(records: list[dict], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in records]
+    def values(key: str) -> list[float]:
+        # A non-finite loss is null in metrics.jsonl: plot it as a gap.
+        return [math.nan if r.get(key) is None else r[key] for r in records]
+
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    ax.plot(steps, [r["loss"] for r in records], lw=1.2, label="train loss")
+    # Markers keep a step between two gaps (skipped non-finite losses) visible.
+    ax.plot([r["step"] for r in records], values("loss"), ".-", lw=1.2, ms=3, label="train loss")
     evals = [r for r in records if r.get("eval_loss") is not None]
     if evals:
         ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", lw=1.2, label="validation loss")

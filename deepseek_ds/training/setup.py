@@ -14,6 +14,7 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
 from ..config import RunConfig
 from ..models.loss import TokenWeightedLoss
+from ..models.moe import LoadBalancer, autoep_section, resolve_settings, restore_fp32_biases, snapshot_biases
 from ..models.hf_io import has_weights, load_hf_weights
 from ..models.pipeline import build_model, local_layers, partition, partition_table, prepare_config
 from ..models.presets import build_model_config, num_routed_experts
@@ -36,6 +37,7 @@ class Run:
     pipeline: bool
     grad_accum: int
     log: logging.Logger
+    balancer: LoadBalancer | None = None  # MoE load balancing: after_step() once per optimizer step
 
 
 def init_distributed() -> tuple[int, int]:
@@ -112,13 +114,21 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
     if cfg.model.path and has_weights(cfg.model.path):
         read = load_hf_weights(local_layers(model), cfg.model.path, num_routed_experts(mcfg))
         log.info("loaded %.1f MB of weights for this rank's layers from %s", read / 2**20, cfg.model.path)
+    if cfg.parallel.expert_parallel > 1:
+        ds = {**ds, "expert_parallel": autoep_section(mcfg, cfg.parallel.expert_parallel)}
+        model.config = mcfg  # AutoEP reads the expert count, top-k and routing from model.config
+    biases = snapshot_biases(model)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                            config=ds)
+    restore_fp32_biases(engine.module, biases)
     if pp > 1:
         dp_rank, dp_size, dp_group = engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size(), \
             engine.grid.get_data_parallel_group()
     else:
         dp_rank, dp_size, dp_group = rank, world, None
     grad_accum = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp_size)
+    settings = resolve_settings(cfg.moe, mcfg)
+    balancer = (LoadBalancer(engine.module, settings, dp_size / cfg.train.global_batch_size, cfg.train.global_batch_size,
+                             engine.device, dp_group) if settings and settings.active else None)
     return Run(cfg, ds, engine, mcfg, loss_fn, dataset, dataset_dir, rank, world, dp_rank, dp_size, dp_group,
-               pp > 1, grad_accum, log)
+               pp > 1, grad_accum, log, balancer)

@@ -1,0 +1,110 @@
+"""Issue 8 without launches: config refusals (NaN policy, monitors, MFU peak), the peak table, monitor events,
+and the router hooks' counting under activation checkpointing."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+from deepseek_ds.config import ConfigError, load_ds_config, resolve_ds_config, run_config_from_dict, validate
+from deepseek_ds.training import metrics, monitors, nan_policy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def ds(name: str, **extra) -> dict:
+    return {**load_ds_config(os.path.join(ROOT, "ds_configs", name)), **extra}
+
+
+def refused(cfg: dict, d: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        validate(run_config_from_dict(cfg), d, world_size=2, cuda_available=False)
+
+
+def test_nan_policy_refusals():
+    refused({"train": {"nan_policy": "ignore"}}, ds("zero1.json"), "train.nan_policy = 'ignore'")
+    # ZeRO-0 fp32 applies non-finite updates: "skip" cannot be honoured there, "stop" can (without saving).
+    refused({"train": {"nan_policy": "skip"}}, ds("zero0.json"), "ZeRO stage 0 in fp32")
+    validate(run_config_from_dict({"train": {"nan_policy": "stop"}}), ds("zero0.json"), 2, cuda_available=False)
+    validate(run_config_from_dict({"train": {"nan_policy": "skip"}}), ds("zero1.json"), 2, cuda_available=False)
+    refused({"train": {"nan_policy": "skip"}}, ds("zero1_bf16.json", bf16={"enabled": True, "check_grad_overflow": False}),
+            "ZeRO stage 1 in bf16")
+
+
+@pytest.mark.parametrize("name,skips", [("zero0.json", False), ("zero1.json", True), ("zero2.json", True),
+                                        ("zero3.json", True), ("zero1_bf16.json", True), ("zero1_fp16.json", True),
+                                        ("zero1_pp.json", True)])
+def test_which_deepspeed_configs_discard_nonfinite_steps(name, skips):
+    assert nan_policy.skips_nonfinite_steps(ds(name)) is skips
+
+
+def test_missing_monitor_package_is_a_config_error(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    refused({}, ds("zero1.json", wandb={"enabled": True}), r"'wandb' package is not installed.*pip install wandb")
+    # csv_monitor needs no package; a disabled wandb section is not checked.
+    validate(run_config_from_dict({}), ds("zero1.json", csv_monitor={"enabled": True}, wandb={"enabled": False}), 2,
+             cuda_available=False)
+
+
+def test_train_entry_refuses_a_missing_monitor_before_any_process_group(monkeypatch, tmp_path, capsys):
+    from deepseek_ds.training.main import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    (tmp_path / "ds.json").write_text(json.dumps(ds("zero1.json", tensorboard={"enabled": True})))
+    assert main(["--config", "recipes/tiny-v3.yaml", "--deepspeed_config", str(tmp_path / "ds.json"),
+                 "--set", f"train.output_dir={tmp_path}"]) == 2
+    assert "'tensorboard' package is not installed" in capsys.readouterr().err
+
+
+def test_monitor_output_defaults_to_the_run_directory():
+    cfg = run_config_from_dict({"train": {"output_dir": "runs/x"}})
+    d = resolve_ds_config(ds("zero1.json", tensorboard={"enabled": True}, csv_monitor={"enabled": True, "output_path": "/o"}),
+                          cfg, world_size=2)
+    assert d["tensorboard"]["output_path"] == os.path.join("runs/x", "monitors")
+    assert d["csv_monitor"]["output_path"] == "/o"
+
+
+def test_peak_tflops_refusal_and_table(monkeypatch):
+    refused({"train": {"peak_tflops": 0}}, ds("zero1.json"), "train.peak_tflops")
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert metrics.peak_tflops(cpu, None) is None
+    assert metrics.peak_tflops(cpu, 100.0) == 100.0
+    names = {"NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H100 PCIe": 756.4, "NVIDIA GH200 480GB": 989.4,
+             "NVIDIA H200": 989.4, "NVIDIA H20": 148.0, "NVIDIA A100-SXM4-80GB": 312.0, "NVIDIA A10": 125.0,
+             "NVIDIA L40S": 362.1, "NVIDIA GeForce GTX 1080": None}
+    for name, peak in names.items():
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
+        assert metrics.peak_tflops(gpu, None) == peak, name
+
+
+def test_monitor_events_are_the_record_on_the_samples_axis():
+    record = {"step": 3, "loss": 2.5, "lr": 1e-3, "grad_norm": None, "mfu": None, "skipped": True,
+              "consumed_samples": 48, "moe/layer1/load_max": 7.0}
+    assert monitors.events(record, 48) == [("Train/Samples/loss", 2.5, 48), ("Train/Samples/skipped", 1.0, 48),
+                                           ("Train/Samples/moe/layer1/load_max", 7.0, 48)]
+
+
+def test_router_hooks_count_training_forwards_once():
+    from deepseek_ds.models.pipeline import build_model, prepare_config
+    from deepseek_ds.models.presets import build_model_config
+    from deepseek_ds.training.router_stats import RouterStats
+
+    mcfg = prepare_config(build_model_config("tiny-v3"))
+    model = build_model(mcfg, 1, seed=1, activation_checkpoint_interval=1)
+    stats = RouterStats(model, mcfg, torch.device("cpu"), reports_bias=True)
+    x = torch.randint(0, mcfg.vocab_size, (2, 16))
+    with torch.no_grad():
+        model.eval()(x)  # evaluation traffic is not counted
+    model.train()(x).float().sum().backward()  # the recomputation in backward is not counted either
+    out = stats.collect()
+    assert stats.layers == [1, 2, 3]
+    for layer in stats.layers:
+        assert out[f"moe/layer{layer}/load_mean"] == 2 * 16 * mcfg.num_experts_per_tok / mcfg.n_routed_experts
+        assert out[f"moe/layer{layer}/bias_max"] == 0.0
+    assert stats.collect()["moe/layer1/load_max"] == 0.0  # collect() resets the counts
