@@ -55,6 +55,7 @@ class TrainSection:
     global_batch_size: int = 16
     shuffle: bool = True
     output_dir: str = "runs/default"
+    dist_timeout_s: int = 1800  # collectives waiting longer than this fail (a dead host ends the job)
     nan_policy: str = "stop"            # non-finite loss: "skip" the step, or "stop" (save, then end the run)
     peak_tflops: float | None = None    # per-device peak for MFU; default: the known GPU's bf16 dense peak
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 import os
 import sys
 from dataclasses import dataclass
@@ -40,8 +41,8 @@ class Run:
     balancer: LoadBalancer | None = None  # MoE load balancing: after_step() once per optimizer step
 
 
-def init_distributed() -> tuple[int, int]:
-    deepspeed.init_distributed(dist_backend=None)
+def init_distributed(timeout_s: int) -> tuple[int, int]:
+    deepspeed.init_distributed(dist_backend=None, timeout=timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -86,7 +87,7 @@ def prepare_data(cfg: RunConfig, local_rank: int) -> str:
 def build_run(cfg: RunConfig, ds: dict) -> Run:
     from ..data import DataError, PackedDataset, dataset_info
 
-    rank, world = init_distributed()
+    rank, world = init_distributed(cfg.train.dist_timeout_s)
     log = setup_logging(cfg.train.output_dir, rank)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     dataset_dir = prepare_data(cfg, local_rank)

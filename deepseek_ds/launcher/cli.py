@@ -1,0 +1,74 @@
+"""`deepseek-ds preflight`: the command-line face of preflight.py and bandwidth.py."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from deepseek_ds.launcher import bandwidth
+from deepseek_ds.launcher.hostfile import HostfileError
+from deepseek_ds.launcher.preflight import (DEFAULT_MASTER_PORT, JOB, Check, PreflightOptions, Status, failed,
+                                            format_report, run_preflight)
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "preflight", help="check every host of a hostfile before a multi-node launch",
+        description="Check ssh, versions, GPUs vs slots, InfiniBand, network interfaces, the master port and "
+                    "the checkpoint directory on every host of a DeepSpeed hostfile, in parallel. Prints a "
+                    "PASS/FAIL table with a fix for each failure; exits 1 on any failure, 2 on a bad hostfile.")
+    parser.add_argument("--hostfile", "-H", type=Path, required=True, help="DeepSpeed hostfile ('HOST slots=N' lines)")
+    filters = parser.add_mutually_exclusive_group()
+    filters.add_argument("--include", "-i", default="", help="as deepspeed --include, e.g. 'node-0@node-1:0,2'")
+    filters.add_argument("--exclude", "-e", default="", help="as deepspeed --exclude, e.g. 'node-1:0'")
+    parser.add_argument("--master-port", type=_port, default=DEFAULT_MASTER_PORT,
+                        help="port the first host must have free (deepspeed --master_port)")
+    parser.add_argument("--master-addr", default="",
+                        help="address of the first host for the bandwidth launch (deepspeed --master_addr); "
+                             "default: what DeepSpeed infers, the first of 'hostname -I' there")
+    parser.add_argument("--checkpoint-dir", help="directory every host must be able to write (checkpoint.dir)")
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds per host before it counts as failed")
+    parser.add_argument("--ssh-port", type=_port, help="sshd port on the hosts (deepspeed --ssh_port)")
+    parser.add_argument("--allow-cpu", action="store_true",
+                        help="CPU-only hosts (test clusters): report missing GPUs/InfiniBand as WARN/SKIP, not FAIL")
+    parser.add_argument("--bandwidth", action="store_true",
+                        help="also launch an all-reduce across the hosts with deepspeed and print the bus GB/s")
+    parser.set_defaults(func=run)
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is outside 1-65535")
+    return port
+
+
+def run(args: argparse.Namespace) -> int:
+    options = PreflightOptions(hostfile=args.hostfile, include=args.include, exclude=args.exclude,
+                               master_port=args.master_port, master_addr=args.master_addr,
+                               checkpoint_dir=args.checkpoint_dir,
+                               timeout=args.timeout, allow_cpu=args.allow_cpu, ssh_port=args.ssh_port)
+    try:
+        job, checks = run_preflight(options)
+    except HostfileError as err:
+        print(f"preflight: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.bandwidth:
+        checks.append(_bandwidth_check(options, list(job.slots), checks))
+    print(format_report(checks), flush=True)
+    return EXIT_FAILED if failed(checks) else EXIT_OK
+
+
+def _bandwidth_check(options: PreflightOptions, hosts: list[str], checks: list[Check]) -> Check:
+    if failed(checks):
+        return Check(JOB, "bandwidth", Status.SKIP, "not run: fix the failures above first")
+    print(f"preflight: measuring all-reduce bandwidth (up to {bandwidth.LAUNCH_TIMEOUT_S} s) ...", flush=True)
+    command = bandwidth.bandwidth_command(options, hosts)
+    result = bandwidth.measure(command, options.cwd)
+    if result.ok:
+        return Check(JOB, "bandwidth", Status.PASS, result.detail)
+    return Check(JOB, "bandwidth", Status.FAIL, result.detail,
+                 f"the checks passed but a real launch failed: run '{' '.join(command)}' and read its output")
