@@ -399,10 +399,27 @@ def _moe_errors(cfg: RunConfig, ds: dict, mcfg) -> list[str]:
     if settings.device_aux_alpha > 0 and settings.device_groups == 1:
         errors.append(f"moe.device_aux_alpha = {settings.device_aux_alpha} needs device groups, but the model's "
                       "n_group is 1 (one group: the loss is a constant); set it to 0 or model.overrides.n_group")
-    if settings.has_aux and precision(ds) == "fp16":
-        errors.append("moe balance losses (moe.seq_aux_alpha / moe.device_aux_alpha) are not scaled by fp16's "
-                      "dynamic loss scale; use bf16, or set both to 0")
     if "expert_parallel" in ds:
         errors.append("deepspeed_config has an 'expert_parallel' section: set parallel.expert_parallel in the run "
                       "YAML instead (deepseek-ds writes the AutoEP section for the model)")
+    if cfg.parallel.expert_parallel > 1 and cfg.parallel.pipeline_stages > 1:
+        errors += _stages_without_experts(cfg, mcfg)
     return errors
+
+
+def _stages_without_experts(cfg: RunConfig, mcfg) -> list[str]:
+    """AutoEP refuses a pipeline stage that holds no MoE layer (it finds nothing to replace)."""
+    from .models.pipeline import partition
+
+    try:
+        parts = partition(mcfg, cfg.parallel.pipeline_stages, cfg.model.partition_method, cfg.data.seq_len)
+    except ValueError as e:
+        return [str(e)]
+    # Spec i (embedding at 0) is decoder layer i - 1; MoE from first_k_dense_replace on.
+    moe_specs = set(range(mcfg.first_k_dense_replace + 1, mcfg.num_hidden_layers + 1))
+    empty = [st for st in range(len(parts) - 1) if not moe_specs & set(range(parts[st], parts[st + 1]))]
+    if not empty:
+        return []
+    return [f"parallel.expert_parallel = {cfg.parallel.expert_parallel} needs an MoE layer on every pipeline stage, "
+            f"but stage(s) {empty} of partition {parts} hold none; change model.partition_method (e.g. "
+            "counts:a,b,...) or parallel.pipeline_stages"]

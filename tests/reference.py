@@ -13,6 +13,7 @@ from deepspeed.runtime.lr_schedules import WarmupCosineLR
 from deepseek_ds.config import RunConfig
 from deepseek_ds.data import GlobalBatchSampler, PackedDataset, micro_batches
 from deepseek_ds.models.hf_io import to_hf_model
+from deepseek_ds.models.moe import LoadBalancer, resolve_settings, router_bias
 from deepseek_ds.models.pipeline import build_model, prepare_config
 from deepseek_ds.models.presets import build_model_config
 
@@ -23,11 +24,16 @@ def reference_model(cfg: RunConfig):
     return to_hf_model(build_model(mcfg, 1, cfg.train.seed).layers, mcfg), mcfg
 
 
-def reference_losses(cfg: RunConfig, data_dir: str) -> list[float]:
+def reference_losses(cfg: RunConfig, data_dir: str, moe_log: list | None = None) -> list[float]:
+    """moe_log: if given, gets each step's aux_loss and router biases (by block name)."""
     torch.manual_seed(cfg.train.seed)
     model, mcfg = reference_model(cfg)
     model.train()
     t = cfg.train
+    # The run's MoE load balancing (balance losses in backward, router bias update after each step), in one process.
+    settings = resolve_settings(cfg.moe, mcfg)
+    balancer = (LoadBalancer(model, settings, 1 / t.global_batch_size, t.global_batch_size, "cpu")
+                if settings and settings.active else None)
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
     # The learning-rate schedule is an input here, not what is tested: use the same schedule class.
     sched = WarmupCosineLR(opt, total_num_steps=t.steps, warmup_num_steps=max(t.warmup_steps, 1),
@@ -44,6 +50,10 @@ def reference_losses(cfg: RunConfig, data_dir: str) -> list[float]:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         opt.step()
+        if balancer:
+            aux = balancer.after_step(skipped=False)
+            if moe_log is not None:
+                moe_log.append({**aux, "biases": {name: router_bias(r).clone() for name, (_, r) in balancer.blocks.items()}})
         sched.step()
         opt.zero_grad()
         losses.append(loss.item())

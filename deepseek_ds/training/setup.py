@@ -129,7 +129,9 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
         dp_rank, dp_size, dp_group = rank, world, None
     grad_accum = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp_size)
     settings = resolve_settings(cfg.moe, mcfg)
+    # fp16 scales the LM loss's gradients by its dynamic loss scale: the balance losses' gradients must follow.
+    loss_scale = (lambda: float(engine.optimizer.loss_scale)) if engine.fp16_enabled() else None
     balancer = (LoadBalancer(engine.module, settings, dp_size / cfg.train.global_batch_size, cfg.train.global_batch_size,
-                             engine.device, dp_group) if settings and settings.active else None)
+                             engine.device, dp_group, loss_scale) if settings and settings.active else None)
     return Run(cfg, ds, engine, mcfg, loss_fn, dataset, dataset_dir, rank, world, dp_rank, dp_size, dp_group,
                pp > 1, grad_accum, log, balancer)

@@ -1,0 +1,229 @@
+"""DeepSeekMoE load balancing that transformers lacks, and the DeepSpeed AutoEP section for expert parallelism.
+
+- Auxiliary-loss-free balancing (DeepSeek-V3 sec. 2.1.2): after each optimizer step every router's
+  `e_score_correction_bias` moves by gamma * sign(mean load - load), the load being the tokens routed to each
+  expert in that step, summed over the data-parallel ranks (which see different data).
+- Sequence-wise balance loss (V3 eq. 17-20; the same per-sequence formula is V2's expert-level loss, eq. 12-14,
+  on softmax scores) and V2's device-level balance loss (eq. 15-17).
+
+Everything is attached with forward hooks, so the model stays transformers' own: a hook on each router keeps its
+logits and top-k choice, a hook on the MoE block (which sees the (batch, seq, hidden) shape the router does not)
+counts the load, computes the balance loss and ties it to the block's output with `_AuxLossGrad`. That identity
+sends a fixed gradient into the loss in backward, wherever the block's output takes part in backward: the
+plain engine and every pipeline stage alike, with no change to the LM loss or to what travels between stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from deepspeed.moe.ep_router import TokenChoiceTopKRouter
+from torch import nn
+from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+HF_ROUTERS = (DeepseekV3TopkRouter, DeepseekV2TopkRouter)
+BIAS = "e_score_correction_bias"
+
+# The published settings (DeepSeek-V3 tech report sec. 4.2; DeepSeek-V2 paper sec. 3.1.2), used where the run
+# config leaves a key null. V2's routers have no correction bias; its device-level loss needs device groups.
+FAMILY_DEFAULTS = {
+    "deepseek_v3": {"bias_update_speed": 1e-3, "seq_aux_alpha": 1e-4, "device_aux_alpha": 0.0},
+    "deepseek_v2": {"bias_update_speed": 0.0, "seq_aux_alpha": 3e-3, "device_aux_alpha": 0.05},
+}
+
+
+@dataclass(frozen=True)
+class BalanceSettings:
+    bias_update_speed: float   # gamma; 0: off
+    seq_aux_alpha: float       # sequence-wise (V3) / expert-level (V2) balance loss factor; 0: off
+    device_aux_alpha: float    # V2 device-level balance loss factor; 0: off
+    device_groups: int         # experts split into this many contiguous device groups (the model's n_group)
+    score_func: str            # "sigmoid" (V3) or "softmax" (V2)
+    num_experts: int
+    top_k: int
+
+    @property
+    def has_aux(self) -> bool:
+        return self.seq_aux_alpha > 0 or self.device_aux_alpha > 0
+
+    @property
+    def active(self) -> bool:
+        return self.has_aux or self.bias_update_speed > 0
+
+
+def resolve_settings(section, config) -> BalanceSettings | None:
+    """Concrete settings from the run config's `moe` section (null: the family default); None for dense models."""
+    defaults = FAMILY_DEFAULTS.get(config.model_type)
+    if defaults is None:
+        return None
+    groups = int(getattr(config, "n_group", 1) or 1)
+    values = {k: float(v if (v := getattr(section, k)) is not None else d) for k, d in defaults.items()}
+    if section.device_aux_alpha is None and groups == 1:
+        values["device_aux_alpha"] = 0.0  # one device group: the loss is a constant
+    return BalanceSettings(**values, device_groups=groups,
+                           score_func="sigmoid" if config.model_type == "deepseek_v3" else "softmax",
+                           num_experts=int(config.n_routed_experts), top_k=int(config.num_experts_per_tok))
+
+
+# ----------------------------------------------------------------------------------------------- the losses
+def balance_loss_per_sequence(logits: torch.Tensor, indices: torch.Tensor, s: BalanceSettings) -> torch.Tensor:
+    """alpha * sum_i f_i P_i (+ the device-level term) for each sequence: logits (B, T, E), indices (B, T, K) -> (B,).
+    f_i = E / (K T) * tokens of the sequence routed to i; P_i = mean over its tokens of the normalised affinity."""
+    b, t, e = logits.shape
+    scores = logits.float().sigmoid() if s.score_func == "sigmoid" else logits.float().softmax(-1)
+    if s.score_func == "sigmoid":
+        scores = scores / scores.sum(-1, keepdim=True)  # V3's s'_{i,t}; softmax scores already sum to 1
+    p = scores.mean(1)
+    counts = torch.zeros(b, e, dtype=p.dtype, device=p.device)
+    counts.scatter_add_(1, indices.reshape(b, -1), torch.ones(b, indices[0].numel(), dtype=p.dtype, device=p.device))
+    f = counts * (e / (s.top_k * t))
+    loss = s.seq_aux_alpha * (f * p).sum(-1)
+    if s.device_aux_alpha > 0:
+        d = s.device_groups
+        loss = loss + s.device_aux_alpha * (f.view(b, d, -1).mean(-1) * p.view(b, d, -1).sum(-1)).sum(-1)
+    return loss
+
+
+class _AuxLossGrad(torch.autograd.Function):
+    """Returns `output` unchanged; in backward it also gives `aux` the gradient `scale`, as if `scale * aux` had
+    been added to the loss (Megatron-LM's MoEAuxLossAutoScaler does the same)."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.aux_like = (aux.shape, aux.dtype, aux.device)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shape, dtype, device = ctx.aux_like
+        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
+def _in_backward() -> bool:
+    # Activation checkpointing re-runs forwards (and their hooks) inside backward: that is not new traffic.
+    return torch._C._current_graph_task_id() != -1
+
+
+# ----------------------------------------------------------------------------------------------- the hooks
+def moe_blocks(model: nn.Module) -> dict[str, tuple[nn.Module, nn.Module]]:
+    """name -> (MoE block, router) for transformers' blocks (router at .gate) and AutoEP's (router at .router).
+    AutoEP replaces a block under the same name, so names identify a layer before and after replacement."""
+    found = {}
+    for name, m in model.named_modules():
+        router = getattr(m, "gate", None)
+        if not isinstance(router, HF_ROUTERS):
+            router = getattr(m, "router", None)
+            if not isinstance(router, TokenChoiceTopKRouter):
+                continue
+        found[name] = (m, router)
+    return found
+
+
+def router_bias(router: nn.Module) -> torch.Tensor | None:
+    bias = getattr(router, BIAS, None)
+    return bias if isinstance(bias, torch.Tensor) else None
+
+
+def snapshot_biases(model: nn.Module) -> dict[str, torch.Tensor]:
+    """fp32 copies of every router bias, keyed by block name (taken before deepspeed.initialize)."""
+    return {name: b.detach().float().clone() for name, (_, router) in moe_blocks(model).items()
+            if (b := router_bias(router)) is not None}
+
+
+def restore_fp32_biases(model: nn.Module, snapshot: dict[str, torch.Tensor]) -> None:
+    """The bias must stay fp32: steps of 1e-3 on values near 1 vanish in bf16. DeepSpeed casts buffers when
+    `data_types.buffer_dtype` is set; put the exact fp32 values back (AutoEP may have moved them to a new module)."""
+    for name, (_, router) in moe_blocks(model).items():
+        bias = router_bias(router)
+        if bias is not None and name in snapshot and bias.dtype != torch.float32:
+            bias.data = snapshot[name].to(bias.device)
+
+
+class LoadBalancer:
+    """Hooks on every MoE block of `model` (this rank's layers). Per training forward it counts the tokens per
+    expert and adds the balance losses to backward; `after_step()` (a collective: every rank calls it once per
+    optimizer step) updates the router biases and returns the step's `aux_loss` for the metrics.
+
+    aux_grad_scale: the gradient that one sequence's balance loss gets, so that the optimizer sees the mean over
+    the global batch's sequences: dp_size / global_batch_size (DeepSpeed averages gradients over data-parallel
+    ranks; gradient accumulation divides only the LM loss, whose backward this gradient does not pass through).
+    loss_scale: fp16's current dynamic loss scale (it multiplies the LM loss's gradients; it changes only at
+    optimizer steps, so the value read in forward holds for that backward).
+    """
+
+    def __init__(self, model: nn.Module, settings: BalanceSettings, aux_grad_scale: float, global_batch_size: int,
+                 device, dp_group=None, loss_scale: Callable[[], float] | None = None):
+        self.s = settings
+        self.aux_grad_scale = aux_grad_scale
+        self.loss_scale = loss_scale
+        self.global_batch_size = global_batch_size
+        self.dp_group = dp_group
+        self.blocks = moe_blocks(model)
+        self.routers = [router for _, router in self.blocks.values()]
+        self.counts = torch.zeros(len(self.blocks), settings.num_experts, dtype=torch.float64, device=device)
+        self.aux_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self._routed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for row, (block, router) in enumerate(self.blocks.values()):
+            router.register_forward_hook(partial(self._on_router, row))
+            block.register_forward_hook(partial(self._on_block, row))
+
+    def _on_router(self, row: int, router: nn.Module, args, output) -> None:
+        if not router.training:
+            return
+        if isinstance(router, HF_ROUTERS):
+            logits, indices = output[0], output[2]
+        else:  # AutoEP's router returns only the chosen scores: recompute the logits (one small matmul)
+            logits, indices = (router.gate(args[0]) if self.s.has_aux else None), output[1]
+        self._routed[row] = (logits, indices)
+
+    def _on_block(self, row: int, block: nn.Module, args, output):
+        if not block.training:
+            return None
+        logits, indices = self._routed.pop(row)
+        counting = not _in_backward()
+        if counting:
+            self.counts[row] += torch.bincount(indices.reshape(-1), minlength=self.s.num_experts)
+        if not self.s.has_aux:
+            return None
+        b, t = args[0].shape[:2]
+        aux = balance_loss_per_sequence(logits.view(b, t, -1), indices.view(b, t, -1), self.s).sum()
+        if counting:
+            self.aux_sum += aux.detach().double()
+        scale = self.aux_grad_scale * (self.loss_scale() if self.loss_scale else 1.0)
+        return _AuxLossGrad.apply(output, aux, scale)
+
+    def after_step(self, skipped: bool) -> dict[str, float]:
+        """Bias update from this step's load (none when DeepSpeed skipped the step), then reset the counts."""
+        metrics = {}
+        if self.s.has_aux:
+            total = self.aux_sum.clone()
+            if dist.is_initialized():
+                dist.all_reduce(total)  # every stage's layers, every replica's sequences
+            metrics["aux_loss"] = float(total) / self.global_batch_size
+        if self.s.bias_update_speed > 0 and not skipped and self.routers:
+            load = self.counts.clone()
+            if dist.is_initialized():
+                dist.all_reduce(load, group=self.dp_group)
+            with torch.no_grad():
+                for row, router in enumerate(self.routers):
+                    step = torch.sign(load[row].mean() - load[row]) * self.s.bias_update_speed
+                    bias = router_bias(router)
+                    bias.add_(step.to(bias.dtype))
+        self.counts.zero_()
+        self.aux_sum.zero_()
+        return metrics
+
+
+# ----------------------------------------------------------------------------------------------- expert parallelism
+def autoep_section(config, ep_size: int) -> dict:
+    """DeepSpeed's `expert_parallel` (AutoEP) section. Our decoder layers sit at `layers.N.layer.mlp` (SequentialLM)
+    or `N.layer.mlp` (a pipeline stage), not at the presets' `model.layers.N.mlp`: the pattern says so. AutoEP
+    also reads the expert count, top-k, group routing and scaling from `model.config` (set by the caller)."""
+    return {"enabled": True, "autoep_size": ep_size, "preset_model": config.model_type,
+            "moe_layer_pattern": r"(layers\.)?\d+\.layer\.mlp"}

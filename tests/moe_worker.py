@@ -1,0 +1,45 @@
+"""One rank of a short MoE training run under the `deepspeed` launcher: the real engine set-up (build_run) and
+train_step, the balancer's after_step once per step, then DeepSpeed's own save_checkpoint. Rank 0 writes the
+per-step records; every rank writes its own router biases (a checkpoint holds only data-parallel rank 0's)."""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from deepseek_ds.data import GlobalBatchSampler, micro_batches
+from deepseek_ds.models.moe import moe_blocks, router_bias
+from deepseek_ds.training.loop import train_step
+from deepseek_ds.training.main import load_and_validate, parse_args
+from deepseek_ds.training.setup import build_run
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    cfg, ds = load_and_validate(args, int(os.environ["WORLD_SIZE"]))
+    run = build_run(cfg, ds)
+    engine, out = run.engine, cfg.train.output_dir
+    engine.lr_scheduler.step()  # as the training loop does: the first step is not at lr 0
+    sampler = GlobalBatchSampler(len(run.dataset), cfg.train.global_batch_size, cfg.train.micro_batch_size,
+                                 run.dp_rank, run.dp_size, cfg.train.seed, shuffle=cfg.train.shuffle)
+    batches = micro_batches(run.dataset, sampler)
+    records = []
+    for step in range(1, cfg.train.steps + 1):
+        skipped_before = engine.skipped_steps
+        loss = train_step(run, next(batches))
+        records.append({"step": step, "loss": loss, **run.balancer.after_step(engine.skipped_steps > skipped_before)})
+    biases = {name: router_bias(router).detach().cpu().clone() for name, (_, router) in moe_blocks(engine.module).items()}
+    torch.save(biases, os.path.join(out, f"biases_rank{run.rank}.pt"))
+    engine.save_checkpoint(os.path.join(out, "checkpoint"), tag="last")
+    if run.rank == 0:
+        with open(os.path.join(out, "records.json"), "w") as f:
+            json.dump({"records": records, "dp_size": run.dp_size}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

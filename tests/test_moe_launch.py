@@ -1,0 +1,87 @@
+"""MoE load balancing and expert parallelism under the real launcher: every layout (ZeRO-1, PP=2, AutoEP EP=2 with
+ZeRO 1/2/3, PP=2 x DP=2 x EP=2) gives the single-process reference's LM losses, balance losses and router biases,
+on every rank; the biases stay fp32 and are in DeepSpeed's checkpoint."""
+
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from deepseek_ds.config import load_run_config
+from launch_utils import deepspeed
+from reference import reference_losses
+
+STEPS = 4
+# Balancing strong enough to change routing and gradients within 4 steps; 2 micro-batches per rank on 2 ranks.
+SETS = [f"train.steps={STEPS}", "train.micro_batch_size=2", "train.global_batch_size=8", "data.seq_len=64",
+        "train.warmup_steps=0", "moe.bias_update_speed=0.01", "moe.seq_aux_alpha=0.01"]
+
+
+def layer_of(name: str) -> int:
+    """Decoder layer index from a block or checkpoint key: layers.S.layer.mlp (ours, S = spec index = layer + 1),
+    S.layer.mlp (a pipeline stage), model.layers.L.mlp (transformers)."""
+    ours = re.search(r"(?:^|\.)(\d+)\.layer\.mlp", name)
+    return int(ours.group(1)) - 1 if ours else int(re.search(r"layers\.(\d+)\.mlp", name).group(1))
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir):
+    log = []
+    losses = reference_losses(load_run_config("recipes/tiny-v3.yaml", SETS + [f"data.path={data_dir}"]), data_dir, log)
+    return {"losses": losses, "aux": [r["aux_loss"] for r in log],
+            "biases": {layer_of(k): v for k, v in log[-1]["biases"].items()}}
+
+
+LAYOUTS = [
+    ("zero1", 2, "ds_configs/zero1.json", []),
+    ("pp2", 2, "ds_configs/zero1_pp.json", ["parallel.pipeline_stages=2"]),
+    ("ep2-zero1", 2, "ds_configs/zero1.json", ["parallel.expert_parallel=2"]),
+    ("ep2-zero2", 2, "ds_configs/zero2.json", ["parallel.expert_parallel=2"]),
+    ("ep2-zero3", 2, "ds_configs/zero3.json", ["parallel.expert_parallel=2"]),
+    ("pp2xdp2xep2", 4, "ds_configs/zero1_pp.json", ["parallel.pipeline_stages=2", "parallel.expert_parallel=2"]),
+]
+
+
+@pytest.mark.parametrize("name,ranks,ds_config,extra", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
+def test_layout_equals_reference(name, ranks, ds_config, extra, reference, data_dir, tmp_path):
+    out = str(tmp_path / name)
+    deepspeed(ranks, ["tests/moe_worker.py", "--config", "recipes/tiny-v3.yaml", "--deepspeed_config", ds_config,
+                      "--set", f"train.output_dir={out}", "--set", f"data.path={data_dir}",
+                      *[a for s in SETS + extra for a in ("--set", s)]])
+    with open(os.path.join(out, "records.json")) as f:
+        records = json.load(f)["records"]
+    assert [r["loss"] for r in records] == pytest.approx(reference["losses"], rel=1e-5)
+    assert [r["aux_loss"] for r in records] == pytest.approx(reference["aux"], rel=1e-5)
+    assert len(set(reference["aux"])) == STEPS  # the balance loss changes as the router learns
+    # Every rank's bias of every layer it holds is the reference's (data-parallel ranks agree; stages split layers).
+    seen = set()
+    for rank in range(ranks):
+        for block, bias in torch.load(os.path.join(out, f"biases_rank{rank}.pt")).items():
+            assert bias.dtype == torch.float32
+            assert torch.equal(bias, reference["biases"][layer_of(block)]), (rank, block)
+            seen.add(layer_of(block))
+    assert seen == set(reference["biases"])
+    # The bias is a module buffer: DeepSpeed's checkpoint carries it, in fp32.
+    saved, saved_keys = {}, []
+    for file in os.listdir(os.path.join(out, "checkpoint", "last")):
+        if "model_states" not in file:
+            continue
+        states = torch.load(os.path.join(out, "checkpoint", "last", file), weights_only=False)
+        pipe_layer = re.match(r"layer_(\d+)-model_", file)  # a pipeline layer's own file, named by spec index
+        if pipe_layer:
+            states = {f"{int(pipe_layer.group(1))}.{k}": v for k, v in states.items()}
+        elif states.get("module"):
+            states = states["module"]
+        else:
+            continue
+        found = {k: v for k, v in states.items() if k.endswith("e_score_correction_bias")}
+        saved.update({layer_of(k): v for k, v in found.items()})
+        saved_keys += list(found)
+    assert set(saved) == set(reference["biases"])
+    # With expert parallelism AutoEP replaced every MoE block: its router (mlp.router) holds the bias.
+    assert all((".router." in k) == ("parallel.expert_parallel=2" in extra) for k in saved_keys), saved_keys
+    for layer, bias in saved.items():
+        assert bias.dtype == torch.float32 and torch.equal(bias, reference["biases"][layer])
+
