@@ -22,7 +22,7 @@ setup(
         "ninja",
     ],
     extras_require={
-        "test": ["pytest>=7", "datasets>=2.18", "tensorboard", "wandb"],
+        "test": ["pytest>=7", "datasets>=2.18", "tensorboard", "wandb", "onnx", "onnxruntime", "onnxscript"],
         "monitors": ["tensorboard", "wandb"],
         "export": ["onnx", "onnxruntime", "onnxscript"],
         "bench": ["tabulate"],

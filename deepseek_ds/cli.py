@@ -119,13 +119,18 @@ def _register_optional(sub) -> None:
     launcher_cli.register(sub)
     from .bench import data_bench
 
-    from . import evaluation, generate
+    from . import checkpoint_cli, evaluation, export_cli, generate
 
+    checkpoint_cli.register(sub)
+    export_cli.register(sub)
     evaluation.register(sub)
     generate.register(sub)
     bench = sub.add_parser("bench", help="benchmarks that print tables").add_subparsers(
         dest="bench_command", metavar="SUBCOMMAND", required=True)
     data_bench.register(bench)
+    from .bench import checkpoint_bench
+
+    checkpoint_bench.register(bench)
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,162 @@
+"""`deepseek-ds bench checkpoint`: checkpoint save and load throughput next to a raw sequential write and read
+of the same bytes on the same disk, as a printed table.
+
+One process (world size 1) builds the real run from a run YAML, saves and resumes through deepseek_ds.checkpoint
+(DeepSpeed's files, RNG, buffers, fsync, atomic publish), then writes and reads the very same bytes with plain
+os.write/os.read. Page-cache pages of the files are dropped (posix_fadvise) before every read, and every write is
+fsynced, so both sides hit the disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+_CHUNK = 16 * 2**20
+
+
+def _files(root: str) -> list[str]:
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs)
+
+
+def _evict(paths: list[str]) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # dirty pages cannot be dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _raw_write(blobs: list[bytes], out_dir: str) -> float:
+    os.makedirs(out_dir, exist_ok=True)
+    start = time.perf_counter()
+    for i, blob in enumerate(blobs):
+        fd = os.open(os.path.join(out_dir, f"{i:05d}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(blob)
+            for off in range(0, len(view), _CHUNK):
+                os.write(fd, view[off:off + _CHUNK])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return time.perf_counter() - start
+
+
+def _raw_read(paths: list[str]) -> float:
+    _evict(paths)
+    start = time.perf_counter()
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while os.read(fd, _CHUNK):
+                pass
+        finally:
+            os.close(fd)
+    return time.perf_counter() - start
+
+
+def _single_process_env() -> None:
+    """torch.distributed's env:// rendezvous for a world of one, unless a launcher already set it."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)})
+
+
+def run_checkpoint_bench(config: str, sets: list[str], deepspeed_config: str | None, repeats: int,
+                         work_dir: str) -> list[dict]:
+    """Rows of (operation, GB, seconds (median of `repeats`), GB/s)."""
+    import torch.distributed as dist
+
+    from .. import checkpoint
+    from ..training.main import load_and_validate
+    from ..training.setup import build_run
+
+    _single_process_env()
+    sets = list(sets) + [f"train.output_dir={work_dir}/run", f"checkpoint.dir={work_dir}/ckpt",
+                         f"checkpoint.keep={repeats + 1}"]
+    args = argparse.Namespace(config=config, deepspeed_config=deepspeed_config, set=sets)
+    cfg, ds = load_and_validate(args, 1)
+    run = build_run(cfg, ds)
+    try:
+        saves, loads, raw_writes, raw_reads = [], [], [], []
+        for i in range(1, repeats + 1):
+            start = time.perf_counter()
+            tag_dir = checkpoint.save(run, i, 0)
+            saves.append(time.perf_counter() - start)
+            paths = _files(tag_dir)
+            _evict(paths)
+            start = time.perf_counter()
+            checkpoint.resume(run)
+            loads.append(time.perf_counter() - start)
+            blobs = [Path(p).read_bytes() for p in paths]
+            raw_dir = os.path.join(work_dir, f"raw{i}")
+            raw_writes.append(_raw_write(blobs, raw_dir))
+            raw_reads.append(_raw_read(_files(raw_dir)))
+        gb = sum(len(b) for b in blobs) / 1e9
+    finally:
+        dist.destroy_process_group()
+    rows = [("checkpoint save (DeepSpeed + RNG + fsync + publish)", saves),
+            ("raw sequential write + fsync", raw_writes),
+            ("checkpoint load (resume)", loads),
+            ("raw sequential read (cache dropped)", raw_reads)]
+    return [{"operation": name, "GB": gb, "seconds": statistics.median(t), "GB/s": gb / statistics.median(t)}
+            for name, t in rows]
+
+
+def format_table(rows: list[dict]) -> str:
+    header = ["operation", "GB", "seconds", "GB/s", "vs raw"]
+    cells = []
+    for i, r in enumerate(rows):
+        raw = rows[i + 1] if i % 2 == 0 else r  # each checkpoint row is followed by its raw counterpart
+        cells.append([r["operation"], f"{r['GB']:.3f}", f"{r['seconds']:.3f}", f"{r['GB/s']:.2f}",
+                      f"{r['GB/s'] / raw['GB/s']:.0%}"])
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
+
+    def line(vals):
+        return "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(vals, widths)))
+
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, cells)])
+
+
+def _bench(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(dir=args.work_dir) as tmp:
+        rows = run_checkpoint_bench(args.config, args.set, args.deepspeed_config, args.repeats, tmp)
+    print(format_table(rows))
+    return 0
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="recipes/tiny-v3.yaml", help="run YAML whose model is checkpointed")
+    p.add_argument("--deepspeed_config", default=None, help="DeepSpeed JSON (default: the run YAML's)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="run YAML override, e.g. model.overrides.hidden_size=1024 for a bigger checkpoint")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds; the median is reported")
+    p.add_argument("--work-dir", default=None, help="directory on the disk to measure (default: the temp dir)")
+    p.set_defaults(func=_bench)
+
+
+def register(subparsers) -> None:
+    """Add `checkpoint` to the `deepseek-ds bench` sub-command group."""
+    _add_arguments(subparsers.add_parser("checkpoint", help="checkpoint save/load GB/s vs raw disk write/read"))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deepseek_ds.bench.checkpoint_bench", description=__doc__)
+    _add_arguments(parser)
+    return _bench(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""`deepseek-ds checkpoint list|reshard`: inspect a run's checkpoints; convert one ahead of a resume on another
+layout (training converts on its own when it finds the layout changed; doing it here keeps that work off the
+job's clock). The work is in checkpoint.py / checkpoint_universal.py, imported only when a command runs."""
+
+from __future__ import annotations
+
+import os
+
+
+def _size_gb(path: str) -> float:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs) / 1e9
+
+
+def cmd_list(args) -> int:
+    from .checkpoint import PIPELINE, SEQUENTIAL, Layout, complete_tags, read_meta
+    from .checkpoint_universal import is_converted, universal_dir
+
+    tags = complete_tags(args.checkpoint_dir)
+    if not tags:
+        print(f"{args.checkpoint_dir}: no complete checkpoints")
+        return 0
+    for tag in tags:
+        tag_dir = os.path.join(args.checkpoint_dir, tag)
+        meta = read_meta(tag_dir)
+        converted = [s for s in (SEQUENTIAL, PIPELINE) if is_converted(universal_dir(tag_dir, s))]
+        print(f"{tag}  step {meta['step']:>8}  samples {meta['consumed_samples']:>10}  "
+              f"{Layout.from_dict(meta['layout']).describe():<24} {_size_gb(tag_dir):8.3f} GB  {meta['saved_at']}"
+              + (f"  universal: {', '.join(converted)}" if converted else ""))
+    return 0
+
+
+def cmd_reshard(args) -> int:
+    from .checkpoint import PIPELINE, SEQUENTIAL, tag_dir_of
+    from .checkpoint_universal import to_universal
+    from .models.presets import build_model_config
+
+    tag_dir = tag_dir_of(args.checkpoint)
+    scheme = PIPELINE if args.pipeline_stages > 1 else SEQUENTIAL
+    out = to_universal(tag_dir, scheme, build_model_config(path=tag_dir), workers=args.workers)
+    print(f"{out}: universal checkpoint for pipeline_stages={args.pipeline_stages} (any data-parallel size); "
+          f"a run with checkpoint.dir={os.path.dirname(tag_dir)} resumes from it")
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add `checkpoint` (list, reshard) to the `deepseek-ds` sub-commands."""
+    group = subparsers.add_parser("checkpoint", help="list checkpoints; convert one for another layout").add_subparsers(
+        dest="checkpoint_command", metavar="SUBCOMMAND", required=True)
+    p = group.add_parser("list", help="complete checkpoints of a checkpoint.dir with step, layout and size")
+    p.add_argument("checkpoint_dir")
+    p.set_defaults(func=cmd_list)
+    p = group.add_parser("reshard", help="universal checkpoint for another data-parallel size / pipeline layout")
+    p.add_argument("checkpoint", help="checkpoint.dir of a run (its newest complete step) or one step directory")
+    p.add_argument("--pipeline-stages", type=int, required=True, help="parallel.pipeline_stages of the resuming run")
+    p.add_argument("--workers", type=int, default=4, help="processes extracting and merging optimizer shards")
+    p.set_defaults(func=cmd_reshard)

@@ -1,0 +1,153 @@
+"""Export a training checkpoint (any ZeRO stage, any pipeline layout) as a Hugging Face directory, a TorchScript
+module or an ONNX graph. TorchScript and ONNX exports are run on inputs of other shapes than the traced one and
+compared with PyTorch before they are reported as done. The command line is in export_cli.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+
+import numpy as np
+import torch
+from deepspeed.pipe import TiedLayerSpec
+from torch import nn
+
+from .checkpoint import META, read_meta, tag_dir_of
+from .checkpoint_universal import hf_state_dict_from_checkpoint
+from .models.hf_io import to_hf_model
+from .models.layers import DecoderLayerPipe, hf_key
+from .models.pipeline import layer_specs, prepare_config
+from .models.presets import build_model_config, is_moe
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# Trace-safe expert kernel: `eager` loops over the experts that received tokens and `grouped_mm` sizes its groups
+# from the routing, so a trace would freeze the example's routing; batched_mm gathers each token's expert weights
+# with plain indexing, the same math for every input.
+TRACE_EXPERTS = "batched_mm"
+CHECK_SHAPES = ((1, 7), (3, 29))  # differ from the traced example in both dynamic axes
+
+
+class ExportError(ValueError):
+    """An export that failed or does not reproduce PyTorch's outputs."""
+
+
+# ----------------------------------------------------------------------------------------------- HF model
+def hf_model_from_checkpoint(checkpoint: str, work_dir: str, experts_implementation: str = "grouped_mm"):
+    """(fp32 transformers CausalLM in eval mode holding the checkpoint's weights, the checkpoint's metadata)."""
+    tag_dir = tag_dir_of(checkpoint)
+    meta = read_meta(tag_dir)
+    config = prepare_config(build_model_config(path=tag_dir), "sdpa", experts_implementation)
+    weights = hf_state_dict_from_checkpoint(tag_dir, config, work_dir)
+    with torch.device("meta"):
+        layers = [spec.build() for spec in layer_specs(config, seed=None)
+                  if not (isinstance(spec, TiedLayerSpec) and spec.forward_fn is not None)]
+    for layer in layers:
+        keys = [k for k in layer.state_dict() if not (isinstance(layer, DecoderLayerPipe) and k.startswith("rotary."))]
+        layer.load_state_dict({k: weights[hf_key(layer, k)].float() for k in keys}, strict=False, assign=True)
+    return to_hf_model(layers, config), meta
+
+
+def _cast(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast floating tensors except those transformers keeps in fp32 (router weights and bias), as
+    from_pretrained(dtype=...) will."""
+    keep = getattr(model, "_keep_in_fp32_modules_strict", None) or []
+    keep_rx = re.compile("|".join(re.escape(k) for k in keep)) if keep else None
+    for prefix, mod in model.named_modules():
+        for store in (mod._parameters, mod._buffers):
+            for name, t in store.items():
+                full = f"{prefix}.{name}" if prefix else name
+                if t is None or not t.is_floating_point() or (keep_rx and keep_rx.search(full)):
+                    continue
+                if isinstance(t, nn.Parameter):
+                    t.data = t.data.to(dtype)
+                else:
+                    store[name] = t.to(dtype)
+
+
+def export_hf(checkpoint: str, out: str, dtype: str = "bf16", data_dir: str | None = None,
+              max_shard_size: str = "5GB", work_dir: str | None = None) -> str:
+    """Write a from_pretrained-ready directory: config.json, sharded safetensors (fused experts converted to the
+    per-expert layout by save_pretrained), and the tokenizer of the data the checkpoint was trained on."""
+    from .data import dataset_info, load_tokenizer
+
+    with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
+        model, meta = hf_model_from_checkpoint(checkpoint, tmp)
+    data_dir = data_dir or meta["dataset_dir"]
+    if not os.path.isdir(data_dir):
+        raise ExportError(f"the tokenizer comes from the training data, but {data_dir} does not exist; pass the "
+                          "prepared dataset directory with --data")
+    if dataset_info(data_dir)["tokenizer_hash"] != meta["tokenizer_hash"]:
+        raise ExportError(f"the tokenizer of {data_dir} is not the one the checkpoint was trained with "
+                          f"(hash {meta['tokenizer_hash'][:12]}); pass that dataset with --data")
+    _cast(model, DTYPES[dtype])
+    model.config.dtype = DTYPES[dtype]
+    model.save_pretrained(out, max_shard_size=max_shard_size)
+    load_tokenizer(data_dir).save_pretrained(out)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- traced formats
+class LogitsOnly(nn.Module):
+    """input_ids -> logits: the one tensor in, one tensor out signature TorchScript and ONNX want."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+def model_for_tracing(source: str, work_dir: str) -> nn.Module:
+    """fp32 LogitsOnly model from a training checkpoint or an HF directory (e.g. one `export hf` wrote)."""
+    is_hf_dir = os.path.isfile(os.path.join(source, "config.json")) and not os.path.isfile(os.path.join(source, META))
+    if is_hf_dir:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        kwargs = {"experts_implementation": TRACE_EXPERTS} if is_moe(AutoConfig.from_pretrained(source)) else {}
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, attn_implementation="sdpa", **kwargs)
+    else:
+        model, _ = hf_model_from_checkpoint(source, work_dir, experts_implementation=TRACE_EXPERTS)
+    return LogitsOnly(model.float()).eval()
+
+
+def _inputs(model: LogitsOnly, shapes) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, model.model.config.vocab_size, s, generator=gen) for s in shapes]
+
+
+def check_against_pytorch(model: LogitsOnly, run, atol: float) -> float:
+    """Largest |exported - PyTorch| over CHECK_SHAPES inputs; ExportError above atol."""
+    worst = 0.0
+    with torch.no_grad():
+        for ids in _inputs(model, CHECK_SHAPES):
+            got = np.asarray(run(ids))
+            worst = max(worst, float(np.abs(got - model(ids).numpy()).max()))
+    if worst > atol:
+        raise ExportError(f"the export's logits differ from PyTorch's by {worst:.2e} (> atol {atol:.0e})")
+    return worst
+
+
+def export_torchscript(model: LogitsOnly, out: str, atol: float = 1e-4) -> float:
+    example = _inputs(model, [(2, 16)])[0]
+    with torch.no_grad():
+        traced = torch.jit.trace(model, example, check_trace=False)
+    traced.save(out)
+    loaded = torch.jit.load(out)
+    return check_against_pytorch(model, lambda ids: loaded(ids).numpy(), atol)
+
+
+def export_onnx(model: LogitsOnly, out: str, atol: float = 1e-4) -> float:
+    import onnxruntime
+    from torch.export import Dim
+
+    example = _inputs(model, [(2, 16)])[0]
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    with torch.no_grad():
+        torch.onnx.export(model, (example,), out, dynamo=True, input_names=["input_ids"], output_names=["logits"],
+                          dynamic_shapes={"input_ids": {0: Dim("batch"), 1: Dim("sequence")}},
+                          external_data=size > 1.5 * 2**30, verbose=False)  # protobuf caps a file at 2 GiB
+    session = onnxruntime.InferenceSession(out, providers=["CPUExecutionProvider"])
+    return check_against_pytorch(model, lambda ids: session.run(None, {"input_ids": ids.numpy()})[0], atol)
