@@ -202,9 +202,9 @@ def run_eval(args: argparse.Namespace) -> EvalResult:
     data = args.data or read_meta(tag_dir)["dataset_dir"]
     distributed = int(os.environ.get("WORLD_SIZE", 1)) > 1
     if distributed:
-        import deepspeed
+        from .training.setup import init_distributed
 
-        deepspeed.init_distributed(dist_backend=None)
+        init_distributed()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
     try:

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
 import os
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
 from ..config import RunConfig
@@ -41,9 +42,23 @@ class Run:
     balancer: LoadBalancer | None = None  # MoE load balancing: after_step() once per optimizer step
 
 
-def init_distributed(timeout_s: int) -> tuple[int, int]:
+def init_distributed(timeout_s: int = 1800) -> tuple[int, int]:
     deepspeed.init_distributed(dist_backend=None, timeout=timedelta(seconds=timeout_s))
+    release_shm_buffers()
     return dist.get_rank(), dist.get_world_size()
+
+
+def release_shm_buffers() -> None:
+    """DeepSpeed's CPU all-reduce maps one /dev/shm buffer per rank (~70 MB) and never unlinks it, so every
+    run on one host leaves them behind until /dev/shm (RAM) is full. Once every rank has mapped its peers'
+    buffers (init_distributed has returned everywhere), removing the names frees them at exit."""
+    if not os.environ.get("MASTER_PORT") or get_accelerator().device_name() != "cpu":
+        return
+    dist.barrier()
+    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ['MASTER_PORT']}_{dist.get_rank()}")
+    if os.path.exists(name):
+        os.unlink(name)
 
 
 def setup_logging(output_dir: str, rank: int) -> logging.Logger:
