@@ -125,12 +125,16 @@ def _register_optional(sub) -> None:
     export_cli.register(sub)
     evaluation.register(sub)
     generate.register(sub)
-    bench = sub.add_parser("bench", help="benchmarks that print tables").add_subparsers(
+    bench = sub.add_parser("bench", help="benchmarks that print tables and write reports").add_subparsers(
         dest="bench_command", metavar="SUBCOMMAND", required=True)
     data_bench.register(bench)
     from .bench import checkpoint_bench
 
     checkpoint_bench.register(bench)
+    from .bench import pipeline_bench, zero_bench
+
+    zero_bench.register(bench)
+    pipeline_bench.register(bench)
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,145 @@
+"""Benchmark reports: rows as a markdown table and a CSV, PNG charts, and the environment the numbers were
+measured on (hardware, library versions, git commit), shared by `bench zero` and `bench pipeline`."""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import os
+import platform
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Column:
+    key: str          # the row's field; also the CSV header
+    header: str       # the markdown header
+    fmt: str = "{}"   # str.format pattern for the markdown cell ("-" where the value is None)
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def cell(value: Any, fmt: str) -> str:
+    if value is None:
+        return "-"
+    if fmt == "bytes":
+        return human_bytes(value)
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return fmt.format(value)
+
+
+def markdown_table(rows: list[dict], columns: list[Column]) -> str:
+    lines = ["| " + " | ".join(c.header for c in columns) + " |",
+             "|" + "|".join("---:" if i else ":---" for i in range(len(columns))) + "|"]
+    lines += ["| " + " | ".join(cell(r.get(c.key), c.fmt) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_csv(path: str, rows: list[dict], columns: list[Column]) -> None:
+    """Raw values (bytes as integers, seconds as floats) so the CSV can be re-analysed."""
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow([c.key for c in columns])
+        for r in rows:
+            w.writerow(["" if r.get(c.key) is None else r.get(c.key) for c in columns])
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (no display on cluster nodes)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+# ---------------------------------------------------------------------------------------------- environment
+def _git_commit() -> str:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root,
+                               capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return head.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else "")
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass  # not Linux: fall back to what the platform module knows
+    return platform.processor() or platform.machine()
+
+
+def usable_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def environment(ranks: list[dict]) -> dict[str, str]:
+    """Where the numbers come from. `ranks` are the worker's per-rank reports: their devices (the GPUs may be
+    on other hosts than the one writing the report) and torch threads."""
+    import deepspeed
+    import psutil
+    import torch
+    import transformers
+
+    devices: dict[str, int] = {}
+    for r in ranks:
+        devices[r["device"]] = devices.get(r["device"], 0) + 1
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "ranks' devices": ", ".join(f"{n} x {d}" for d, n in devices.items()) or "-",
+        "torch threads per rank": ", ".join(sorted({str(r["threads"]) for r in ranks})) or "-",
+        "OpenMP environment": " ".join(f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")
+                                       if k in os.environ) or "not set (the launch sets OMP_NUM_THREADS)",
+        "host CPU": f"{cpu_model()}, {usable_cpus()} usable cores of {os.cpu_count()}",
+        "host memory": f"{psutil.virtual_memory().total / 2**30:.1f} GiB",
+        # A shared host's other work slows the numbers down: say how busy it was.
+        "host load average (1, 5, 15 min) when the report was written": ", ".join(f"{x:.1f}" for x in os.getloadavg()),
+        "OS": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__ + (f" (CUDA {torch.version.cuda})" if torch.version.cuda else ""),
+        "deepspeed": deepspeed.__version__,
+        "transformers": transformers.__version__,
+        "git commit": _git_commit(),
+        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+    }
+
+
+def on_cpu(ranks: list[dict]) -> bool:
+    return all(r["device"].startswith("CPU") for r in ranks)
+
+
+def threads_note(ranks: list[dict]) -> str:
+    threads = " or ".join(sorted({str(r["threads"]) for r in ranks}))
+    how = (f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} was set for this run" if "OMP_NUM_THREADS" in os.environ
+           else "the launch set OMP_NUM_THREADS to the usable cores divided by the local ranks, as torchrun does")
+    return (f"\n\n**Threads.** Each rank ran {threads} torch thread(s): {how}. With one thread per core in every "
+            "rank, OpenMP's spin-waiting threads of co-located ranks starve each other (ZeRO-0 ran about 30x slower "
+            "on a 2-core host).")
+
+
+def environment_markdown(env: dict[str, str]) -> str:
+    return "\n".join(f"- **{k}**: {v}" for k, v in env.items())
+
+
+def write_markdown(path: str, blocks: list[str]) -> None:
+    with open(path, "w") as f:
+        f.write("\n\n".join(b.strip("\n") for b in blocks) + "\n")

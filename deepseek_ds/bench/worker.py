@@ -1,0 +1,426 @@
+"""The per-rank benchmark script, and launch(), which starts it under the `deepspeed` launcher.
+
+`deepspeed --module deepseek_ds.bench.worker --config RECIPE --global-batch-sizes 16,32 ...` builds the run
+once per global batch size with the training code (build_run), runs warm-up and timed optimizer steps with
+train_step, then one more, untimed step during which it measures the bytes of model state this rank holds.
+Rank 0 writes every rank's report, per global batch size, to one JSON file (--result).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import resource
+import shlex
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+from .report import cpu_model, usable_cpus
+
+PHASES = ("compute", "optimizer")
+CATEGORIES = ("params", "grads", "optimizer", "buffers")
+MODEL_STATES = ("params", "grads", "optimizer")
+HELD = (*CATEGORIES, "offloaded")  # what held_bytes() reports
+
+# Where DeepSpeed's optimizers (ZeRO 1/2, ZeRO 3, FP16/BF16 at stage 0) keep fp32 master weights and gradient
+# partitions. A name that a DeepSpeed version lacks is simply absent; what it holds then lands in "buffers".
+_MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat",
+                 "fp32_groups_flat_partition")
+_GRAD_ATTRS = ("averaged_gradients", "all_grad_tensors", "grads_in_partition", "grad_partitions_flat_buffer",
+               "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition", "fp32_groups_gradients",
+               "fp32_groups_gradients_flat", "fp32_groups_gradient_flat_partition")
+
+
+# ------------------------------------------------------------------------------------------ what a rank holds
+def _walk(obj, depth: int = 0, seen: set[int] | None = None) -> Iterator[torch.Tensor]:
+    """Tensors reachable from `obj` through containers and DeepSpeed / torch.optim objects (never through a
+    module: the model's own tensors are counted from its parameters)."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        return
+    if depth > 6 or id(obj) in seen or isinstance(obj, torch.nn.Module):
+        return
+    seen.add(id(obj))
+    if isinstance(obj, dict):
+        items = obj.values()
+    elif isinstance(obj, (list, tuple, set)):
+        items = obj
+    elif type(obj).__module__.startswith(("deepspeed", "torch.optim")) and hasattr(obj, "__dict__"):
+        items = vars(obj).values()
+    else:
+        return
+    for item in items:
+        yield from _walk(item, depth + 1, seen)
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int, int] | None:
+    if t.layout != torch.strided or t.device.type == "meta":
+        return None
+    storage = t.untyped_storage()
+    if storage.nbytes() == 0:
+        return None
+    return str(t.device), storage.data_ptr(), storage.nbytes()
+
+
+def held_bytes(engine) -> tuple[dict[str, int], str | None]:
+    """Bytes of the distinct storages this rank holds, by category, and the device of the optimizer states.
+    "offloaded" is the part of the model states (params, grads, optimizer) in host memory while the engine
+    computes on an accelerator.
+
+    params: the model's parameters (ZeRO 1/2: the flat buffer they are views of, alignment padding included;
+    ZeRO-3: the `ds_tensor` partitions plus parameters kept whole, i.e. persistent ones). optimizer: fp32 master
+    weights and the optimizer's state tensors (Adam's exp_avg and exp_avg_sq; not the scalar step counter).
+    grads: parameters' .grad / DeepSpeed's grad_accum, and the optimizer's gradient partitions. buffers:
+    anything else the optimizer holds (communication buckets, ...). A storage shared by several views counts
+    once, in the first category that claims it, in that order."""
+    zero = engine.optimizer
+    inner = getattr(zero, "optimizer", zero)  # the torch optimizer inside DeepSpeed's wrapper, if any
+    params = list(engine.module.parameters())
+    masters = [t for name in _MASTER_ATTRS for t in _walk(getattr(zero, name, None))]
+    states = [v for state in inner.state.values() for key, v in state.items()
+              if key != "step" and isinstance(v, torch.Tensor)]
+    claims = {
+        "params": [t for p in params for t in (p.data, getattr(p, "ds_tensor", None)) if t is not None],
+        "optimizer": [m.data for m in masters] + states,
+        "grads": ([t for p in params for t in (p.grad, getattr(p, "grad_accum", None)) if t is not None]
+                  + [m.grad for m in masters if m.grad is not None]
+                  + [t for name in _GRAD_ATTRS for t in _walk(getattr(zero, name, None))]),
+        "buffers": list(_walk(zero)),
+    }
+    claimed: set[tuple] = set()
+    held = dict.fromkeys(HELD, 0)
+    for category in CATEGORIES:
+        for t in claims[category]:
+            key = _storage_key(t)
+            if key is not None and key not in claimed:
+                claimed.add(key)
+                held[category] += key[2]
+                if category in MODEL_STATES and t.device.type == "cpu" and engine.device.type != "cpu":
+                    held["offloaded"] += key[2]
+    device = str(states[0].device) if states else (str(masters[0].device) if masters else None)
+    return held, device
+
+
+class StateProbe:
+    """Per category, the most this rank held at the snapshots taken around optimizer-phase calls, while armed."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.armed = False
+        self.peak = dict.fromkeys(HELD, 0)
+        self.optimizer_device: str | None = None
+
+    def snapshot(self) -> None:
+        if not self.armed:
+            return
+        held, device = held_bytes(self.engine)
+        self.peak = {k: max(v, held[k]) for k, v in self.peak.items()}
+        self.optimizer_device = device or self.optimizer_device
+
+
+# ------------------------------------------------------------------------------------------ where time goes
+class PhaseClock:
+    """Seconds per phase since reset(): `compute` is forward + backward (the work of a pipeline stage),
+    `optimizer` the optimizer step and the gradient reductions a pipeline runs just before it; `span` runs from
+    the start of the first compute call to the end of the last. On GPU each timed call ends with a synchronize,
+    so asynchronous kernels are charged to the phase that launched them."""
+
+    def __init__(self, device: torch.device):
+        self._sync = torch.cuda.synchronize if device.type == "cuda" else None
+        self.reset()
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self._first: float | None = None
+        self._last = 0.0
+
+    @property
+    def span(self) -> float:
+        return self._last - self._first if self._first is not None else 0.0
+
+    def wrap(self, phase: str, fn: Callable, around: Callable[[], None] | None = None) -> Callable:
+        def timed(*args, **kwargs):
+            if around:
+                around()  # outside the timed span: snapshots are slow
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if self._sync:
+                self._sync()
+            end = time.perf_counter()
+            self.seconds[phase] += end - start
+            if phase == "compute":
+                self._first = start if self._first is None else self._first
+                self._last = end
+            if around:
+                around()
+            return out
+        return timed
+
+
+def instrument(engine, clock: PhaseClock, probe: StateProbe) -> None:
+    """Time this engine's phases without changing what it computes. The pipeline engine dispatches every
+    schedule instruction through `self._INSTRUCTION_MAP`, so an instance copy with timed entries shadows the
+    class's; the plain engine is driven through forward/backward/step, wrapped on the instance."""
+    from deepspeed.runtime.pipe import schedule
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    if isinstance(engine, PipelineEngine):
+        table = dict(PipelineEngine._INSTRUCTION_MAP)
+        for instr in (schedule.ForwardPass, schedule.BackwardPass):
+            table[instr] = clock.wrap("compute", table[instr])
+        for instr in (schedule.ReduceTiedGrads, schedule.ReduceGrads, schedule.OptimizerStep):
+            table[instr] = clock.wrap("optimizer", table[instr], around=probe.snapshot)
+        engine._INSTRUCTION_MAP = table
+    else:
+        engine.forward = clock.wrap("compute", engine.forward)
+        engine.backward = clock.wrap("compute", engine.backward)
+        engine.step = clock.wrap("optimizer", engine.step, around=probe.snapshot)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: the most allocated since the variant's first step. CPU: the process's peak RSS (Linux reports KiB),
+    which cannot be reset, so later variants of one launch include earlier ones."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({cpu_model()})"
+
+
+# ------------------------------------------------------------------------------------------ one variant
+def _start_schedule(engine) -> None:
+    # As training.loop.train does for a fresh run: DeepSpeed's warm-up schedulers report lr 0 until their first
+    # step(), which would make the first optimizer step a no-op and hide differences between ZeRO stages.
+    sched = engine.lr_scheduler
+    if sched is not None and getattr(sched, "last_batch_iteration", 0) == -1:
+        sched.step()
+
+
+def _close_logs(run) -> None:
+    """setup_logging adds a file handler to DeepSpeed's logger per build; the next variant adds its own."""
+    import deepspeed
+
+    for handler in list(run.log.handlers):
+        if isinstance(handler, logging.FileHandler):
+            deepspeed.utils.logger.removeHandler(handler)
+            handler.close()
+
+
+def _free_memory() -> None:
+    """Once a variant's run is unreachable: collect it (the instrumented engine sits in reference cycles) and
+    hand its cached GPU memory back, before the next variant is built."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def measure(args: argparse.Namespace, world: int, global_batch_size: int) -> dict:
+    from ..config import precision, zero_stage
+    from ..data import GlobalBatchSampler, micro_batches
+    from ..training.loop import train_step
+    from ..training.main import load_and_validate
+    from ..training.metrics import flops_per_token, peak_tflops
+    from ..training.setup import build_run
+
+    ns = argparse.Namespace(config=args.config, deepspeed_config=args.deepspeed_config,
+                            set=args.set + [f"train.global_batch_size={global_batch_size}"])
+    cfg, ds = load_and_validate(ns, world)
+    run = build_run(cfg, ds)
+    engine = run.engine
+    _start_schedule(engine)
+    clock, probe = PhaseClock(engine.device), StateProbe(engine)
+    instrument(engine, clock, probe)
+    sampler = GlobalBatchSampler(len(run.dataset), cfg.train.global_batch_size, cfg.train.micro_batch_size,
+                                 run.dp_rank, run.dp_size, cfg.train.seed, shuffle=cfg.train.shuffle)
+    batches = micro_batches(run.dataset, sampler)
+    if engine.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(engine.device)
+    steps = []
+    total = args.warmup + args.steps + 1
+    for i in range(total):
+        probe.armed = i == total - 1  # the last step is measured, not timed
+        clock.reset()
+        start = time.perf_counter()
+        loss = train_step(run, next(batches))
+        steps.append({"loss": loss, "seconds": time.perf_counter() - start, **clock.seconds, "span": clock.span,
+                      "timed": args.warmup <= i < total - 1})
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+    report = {
+        "rank": run.rank, "stage_id": int(getattr(engine, "stage_id", 0)), "dp_rank": run.dp_rank,
+        "device": device_name(engine.device), "steps": steps, "held": probe.peak,
+        "optimizer_device": probe.optimizer_device, "peak_memory": peak_memory_bytes(engine.device),
+        # ZeRO-3 leaves partitioned parameters empty; ds_numel is their full size.
+        "param_numels": [int(getattr(p, "ds_numel", p.numel())) for p in params],
+        "param_element_size": params[0].element_size() if params else 0,
+        "world": run.world, "dp_size": run.dp_size, "grad_accum": run.grad_accum,
+        "micro_batch_size": cfg.train.micro_batch_size, "global_batch_size": cfg.train.global_batch_size,
+        "seq_len": cfg.data.seq_len, "flops_per_token": flops_per_token(run.model_config, cfg.data.seq_len),
+        "peak_tflops": peak_tflops(engine.device, cfg.train.peak_tflops),
+        "zero_stage": zero_stage(ds), "precision": precision(ds), "pipeline_stages": cfg.parallel.pipeline_stages,
+        "model": cfg.model.preset or cfg.model.path, "threads": torch.get_num_threads(),
+    }
+    _close_logs(run)
+    return report
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="One benchmark rank (started by `deepspeed --module`).")
+    p.add_argument("--config", required=True)
+    p.add_argument("--deepspeed_config", default=None)
+    p.add_argument("--set", action="append", default=[])
+    p.add_argument("--global-batch-sizes", required=True, type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--warmup", type=int, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--result", required=True, help="JSON file rank 0 writes")
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the launcher
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    import torch.distributed as dist
+
+    args = parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    reports = []
+    for gbs in args.global_batch_sizes:
+        reports.append(measure(args, world, gbs))
+        _free_memory()
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, reports)
+    if dist.get_rank() == 0:
+        by_variant = [[gathered[r][v] for r in range(world)] for v in range(len(reports))]
+        tmp = args.result + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"variants": by_variant}, f)
+        os.replace(tmp, args.result)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ driver side
+def step_metrics(reports: list[dict]) -> dict:
+    """Speed of one configuration from its ranks' reports: the median over timed steps of the slowest rank's
+    step time (every rank waits for it), tokens/s over all ranks, TFLOP/s per device and MFU."""
+    r0 = reports[0]
+    per_step = zip(*[[s["seconds"] for s in r["steps"] if s["timed"]] for r in reports])
+    step_time = statistics.median(max(times) for times in per_step)
+    tokens = r0["global_batch_size"] * r0["seq_len"]
+    tflops = r0["flops_per_token"] * tokens / step_time / r0["world"] / 1e12
+    return {"step_time_s": step_time, "tokens_per_s": tokens / step_time, "tflops_per_device": tflops,
+            "mfu": tflops / r0["peak_tflops"] if r0["peak_tflops"] else None,
+            "timed_steps": sum(s["timed"] for s in r0["steps"]), "micro_batch_size": r0["micro_batch_size"],
+            "grad_accum": r0["grad_accum"], "seq_len": r0["seq_len"]}
+
+
+
+class LaunchError(RuntimeError):
+    """A benchmark launch failed; the message ends with the tail of its log."""
+
+
+def add_launch_args(p: argparse.ArgumentParser) -> None:
+    """Options every benchmark shares: the run, how to launch it, how long to measure, where to write."""
+    p.add_argument("--config", required=True, help="run YAML, e.g. recipes/tiny-v3.yaml")
+    p.add_argument("--deepspeed_config", default=None, help="base DeepSpeed JSON (default: the run YAML's)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override the run YAML")
+    p.add_argument("--hostfile", default=None, help="DeepSpeed hostfile: launch on its hosts and slots")
+    p.add_argument("--master-port", type=int, default=None, help="default: a free local port")
+    p.add_argument("--launcher-args", default="", metavar="ARGS",
+                   help='more `deepspeed` launcher options, given with "=": --launcher-args="--master_addr node-0"')
+    p.add_argument("--steps", type=int, default=5, help="timed optimizer steps per configuration")
+    p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps before them")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="per-device peak for MFU (default: the known GPU's bf16 dense peak; none on CPU)")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds one launch may take")
+
+
+def hostfile_slots(hostfile: str) -> int:
+    from deepspeed.launcher.runner import fetch_hostfile
+
+    from ..config import ConfigError
+
+    hosts = fetch_hostfile(hostfile)
+    if not hosts:
+        raise ConfigError(f"--hostfile {hostfile!r} names no hosts (format: 'node-0 slots=8' per line)")
+    return sum(hosts.values())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: str, lines: int = 40) -> str:
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
+
+
+def launch(args: argparse.Namespace, *, world: int, global_batch_sizes: list[int], sets: list[str],
+           deepspeed_config: str | None, result: str, log: str) -> list[list[dict]]:
+    """One `deepspeed` launch of the worker (on `world` local ranks, or on the hostfile's slots); returns, per
+    global batch size, every rank's report. The launcher's output goes to `log`."""
+    bin_dir = os.path.dirname(sys.executable)
+    launcher = shutil.which("deepspeed", path=bin_dir) or shutil.which("deepspeed")
+    if launcher is None:
+        raise LaunchError("the `deepspeed` launcher is not on PATH; install deepspeed in this environment")
+    cmd = [launcher, "--master_port", str(args.master_port or _free_port())]
+    cmd += ["--hostfile", args.hostfile] if args.hostfile else ["--num_gpus", str(world)]
+    cmd += shlex.split(args.launcher_args)
+    cmd += ["--module", "deepseek_ds.bench.worker", "--config", args.config, "--result", os.path.abspath(result),
+            "--global-batch-sizes", ",".join(map(str, global_batch_sizes)),
+            "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    if deepspeed_config:
+        cmd += ["--deepspeed_config", deepspeed_config]
+    for s in sets:
+        cmd += ["--set", s]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # The ranks must find this environment's ninja (one ninja per extension cache, or every op rebuilds).
+    env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
+    if not args.hostfile and "OMP_NUM_THREADS" not in env:
+        # As torchrun does: share the cores among the local ranks. With the default (every rank one thread per
+        # core) OpenMP's spin-waiting threads of co-located ranks starve each other: ZeRO-0 ran ~30x slower
+        # on a 2-core host. On other hosts of a hostfile, set it in .deepspeed_env.
+        env["OMP_NUM_THREADS"] = str(max(1, usable_cpus() // world))
+    if os.path.exists(result):
+        os.remove(result)
+    with open(log, "w") as out:
+        out.write(" ".join(cmd) + "\n")
+        out.flush()
+        # Own session, so that the launcher and its ranks can be stopped together, and nothing else.
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            if proc.poll() is None:  # timed out, or we were interrupted (Ctrl-C): the ranks stop with us
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=60)
+    if rc is None:
+        raise LaunchError(f"launch timed out after {args.timeout:.0f} s (--timeout); log: {log}\n{_tail(log)}")
+    if rc != 0:
+        raise LaunchError(f"launch exited with {rc}; last lines of {log}:\n{_tail(log)}")
+    if not os.path.exists(result):
+        raise LaunchError(f"rank 0 wrote no {result}: with --hostfile run the bench on the first host, or on a "
+                          f"filesystem every host shares; log: {log}")
+    with open(result) as f:
+        return json.load(f)["variants"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

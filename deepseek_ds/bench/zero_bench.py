@@ -1,0 +1,347 @@
+"""`deepseek-ds bench zero`: ZeRO stages side by side on the same model, data and world size.
+
+Each stage is one `deepspeed` launch of the worker with the recipe's DeepSpeed JSON, only
+`zero_optimization.stage` (and, with --offload, the offload devices) changed. Per stage it reports the bytes of
+parameters, gradients and optimizer states each rank actually holds (measured from the engine, not computed)
+next to the ZeRO paper's formula, peak memory, median step time, tokens/s, TFLOP/s per device, MFU, and
+whether the losses of all stages agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+
+from ..config import ConfigError, load_ds_config, load_run_config
+from . import report
+from .report import Column
+from .worker import HELD, MODEL_STATES, LaunchError, add_launch_args, hostfile_slots, launch, step_metrics
+
+# ---------------------------------------------------------------------------------------------- the formula
+MASTER_AND_ADAM_BYTES = 12  # the paper's K: fp32 master weights + Adam's exp_avg and exp_avg_sq, 4 bytes each
+ADAM_ONLY_BYTES = 8         # fp32 at stage 0: the optimizer updates the fp32 parameters, no master copy
+NCCL_ALIGNMENT = 2          # ZeRO 1/2 pad the flat parameter group to a multiple of 2 x N elements
+
+
+def has_master_copy(stage: int, precision: str) -> bool:
+    """ZeRO (stage >= 1) always keeps an fp32 master partition, even when training in fp32 (DeepSpeed clones
+    it); at stage 0 only mixed precision does."""
+    return stage >= 1 or precision != "fp32"
+
+
+def zero_formula(psi: float, n: int, stage: int, param_bytes: int, master: bool) -> dict[str, float]:
+    """Bytes per data-parallel rank from the ZeRO paper (Rajbhandari et al. 2019) with the run's own precision:
+    parameters and gradients take `param_bytes` per element each (2 in mixed precision, 4 in fp32), the
+    optimizer K = 12 (8 without a master copy). Stage >= 1 divides the optimizer by N, >= 2 the gradients,
+    3 the parameters. With param_bytes 2 this is the paper's 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N; in fp32
+    it is 16Ψ, 8Ψ + 12Ψ/N, 4Ψ + 16Ψ/N, 20Ψ/N."""
+    k = MASTER_AND_ADAM_BYTES if master else ADAM_ONLY_BYTES
+    return {"params": param_bytes * psi / (n if stage >= 3 else 1),
+            "grads": param_bytes * psi / (n if stage >= 2 else 1),
+            "optimizer": k * psi / (n if stage >= 1 else 1)}
+
+
+def partition_numel(numels: list[int], n: int, stage: int) -> int:
+    """Elements of one rank's optimizer partition as DeepSpeed 0.19 lays it out (one parameter group, as
+    build_run creates). ZeRO-3 pads every parameter to a multiple of N and gives each rank 1/N of each; ZeRO
+    1/2 flatten the group, pad it to a multiple of 2N and give each rank one contiguous 1/N; stage 0 keeps all."""
+    if stage == 0:
+        return sum(numels)
+    if stage == 3:
+        return sum(-(-x // n) for x in numels)
+    align = NCCL_ALIGNMENT * n
+    return -(-sum(numels) // align) * align // n
+
+
+def expected_optimizer_bytes(numels: list[int], n: int, stage: int, master: bool) -> int:
+    """The formula's optimizer term with DeepSpeed's padding: exact, so the measurement must equal it."""
+    return (MASTER_AND_ADAM_BYTES if master else ADAM_ONLY_BYTES) * partition_numel(numels, n, stage)
+
+
+def stage_ds_config(base: dict, stage: int, offload: bool) -> dict:
+    """The base DeepSpeed JSON at another ZeRO stage. Offload settings apply only where DeepSpeed accepts them
+    (optimizer: stage >= 1, parameters: stage 3); --offload adds them there."""
+    ds = copy.deepcopy(base)
+    zero = dict(ds.get("zero_optimization", {}), stage=stage)
+    if offload and stage >= 1:
+        zero.setdefault("offload_optimizer", {"device": "cpu"})
+    if offload and stage == 3:
+        zero.setdefault("offload_param", {"device": "cpu"})
+    if stage < 1:
+        zero.pop("offload_optimizer", None)
+    if stage < 3:
+        zero.pop("offload_param", None)
+    ds["zero_optimization"] = zero
+    return ds
+
+
+def offload_label(ds: dict) -> str:
+    zero = ds.get("zero_optimization", {})
+    parts = [what for what, key in (("optimizer", "offload_optimizer"), ("params", "offload_param"))
+             if zero.get(key, {}).get("device", "none") != "none"]
+    return "+".join(parts) or "-"
+
+
+# ---------------------------------------------------------------------------------------------- rows
+def rel_diff(losses: list[float], ref: list[float]) -> float:
+    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref))
+
+
+def stage_row(stage: int, offload: str, reports: list[dict]) -> dict:
+    """One stage's table row from its ranks' reports: measured bytes next to the formula, speed, losses."""
+    r0 = reports[0]
+    n, numels = r0["dp_size"], r0["param_numels"]
+    psi = sum(numels)
+    master = has_master_copy(stage, r0["precision"])
+    formula = zero_formula(psi, n, stage, r0["param_element_size"], master)
+    held = {k: max(r["held"][k] for r in reports) for k in HELD}  # the fullest rank decides OOM
+    expected = expected_optimizer_bytes(numels, n, stage, master)
+    measured_states = sum(held[k] for k in MODEL_STATES)
+    on_accelerator = not r0["device"].startswith("CPU")
+    row = {"model": r0["model"], "stage": stage, "offload": offload, "ranks": n, "precision": r0["precision"],
+           "psi": psi,
+           "params_bytes": held["params"], "grads_bytes": held["grads"], "optimizer_bytes": held["optimizer"],
+           "model_states_bytes": measured_states, "buffers_bytes": held["buffers"],
+           "offloaded_bytes": held["offloaded"] if on_accelerator else None,
+           "formula_params_bytes": formula["params"], "formula_grads_bytes": formula["grads"],
+           "formula_optimizer_bytes": formula["optimizer"], "formula_bytes": sum(formula.values()),
+           "ratio": measured_states / sum(formula.values()),
+           **{f"ratio_{k}": held[k] / formula[k] for k in MODEL_STATES},
+           "optimizer_expected_bytes": expected,
+           "optimizer_exact": all(r["held"]["optimizer"] == expected for r in reports),
+           "optimizer_device": r0["optimizer_device"],
+           "peak_memory_bytes": max(r["peak_memory"] for r in reports),
+           "losses": [s["loss"] for s in r0["steps"]], "first_loss": r0["steps"][0]["loss"],
+           "last_loss": r0["steps"][-1]["loss"]}
+    row.update(step_metrics(reports))
+    return row
+
+
+# Relative loss difference still counted as agreement: ZeRO stages only reorder fp32 sums (~1e-7 measured);
+# in bf16 each stage rounds its parameters and gradients at different points (~1e-4 after a few steps).
+LOSS_RTOL = {"fp32": 1e-5, "bf16": 1e-3, "fp16": 1e-3}
+
+
+def compare_losses(rows: list[dict], rtol: float | None) -> None:
+    """Every stage against the first one run: same seed, data and model, so only rounding may differ.
+    The tolerance defaults to the precision's."""
+    rtol = rtol or LOSS_RTOL[rows[0]["precision"]]
+    ref = rows[0]["losses"]
+    for row in rows:
+        row["loss_rel_diff"] = rel_diff(row["losses"], ref)
+        row["loss_rtol"] = rtol
+        row["losses_agree"] = row["loss_rel_diff"] <= rtol
+
+
+# ---------------------------------------------------------------------------------------------- report
+COLUMNS = [
+    Column("stage", "ZeRO"), Column("offload", "offload"),
+    Column("params_bytes", "params / rank", "bytes"), Column("grads_bytes", "grads / rank", "bytes"),
+    Column("optimizer_bytes", "optimizer / rank", "bytes"), Column("model_states_bytes", "model states", "bytes"),
+    Column("formula_bytes", "formula", "bytes"), Column("ratio", "measured / formula", "{:.3f}"),
+    Column("optimizer_exact", "optimizer = padded formula"),
+    Column("offloaded_bytes", "of which in host memory", "bytes"),
+    Column("buffers_bytes", "other buffers", "bytes"),
+    Column("peak_memory_bytes", "peak memory", "bytes"), Column("step_time_s", "step time (s)", "{:.3f}"),
+    Column("tokens_per_s", "tokens/s", "{:,.0f}"), Column("tflops_per_device", "TFLOP/s per device", "{:.4f}"),
+    Column("mfu", "MFU", "{:.1%}"), Column("loss_rel_diff", "loss rel. diff", "{:.1e}"),
+]
+CSV_COLUMNS = [Column(k, k) for k in (
+    "stage", "offload", "ranks", "precision", "psi", "params_bytes", "grads_bytes", "optimizer_bytes",
+    "model_states_bytes", "offloaded_bytes", "buffers_bytes", "formula_params_bytes", "formula_grads_bytes",
+    "formula_optimizer_bytes",
+    "formula_bytes", "ratio", "ratio_params", "ratio_grads", "ratio_optimizer", "optimizer_expected_bytes",
+    "optimizer_exact", "optimizer_device", "peak_memory_bytes", "step_time_s", "tokens_per_s", "tflops_per_device",
+    "mfu", "first_loss", "last_loss", "loss_rel_diff", "loss_rtol", "losses_agree")]
+
+
+def plot_memory(rows: list[dict], path: str) -> None:
+    plt = report.pyplot()
+    labels = [f"ZeRO-{r['stage']}" + (" offload" if r["offload"] != "-" else "") for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    bottom = [0.0] * len(rows)
+    for key, color in (("params", "#4C72B0"), ("grads", "#DD8452"), ("optimizer", "#55A868")):
+        values = [r[f"{key}_bytes"] / 2**20 for r in rows]
+        ax.bar(labels, values, bottom=bottom, label=f"{key} (measured)", color=color)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.scatter(labels, [r["formula_bytes"] / 2**20 for r in rows], marker="_", s=900, color="black", zorder=3,
+               label="ZeRO formula")
+    ax.set_ylabel("MiB per rank")
+    ax.set_title(f"Model states per rank, {rows[0]['ranks']} ranks, {rows[0]['precision']} (Ψ = {rows[0]['psi']:,})")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_speed(rows: list[dict], path: str, cpu: bool) -> None:
+    plt = report.pyplot()
+    labels = [f"ZeRO-{r['stage']}" for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.6), dpi=110)
+    ax1.bar(labels, [r["tokens_per_s"] for r in rows], color="#4C72B0")
+    ax1.set_title("throughput (tokens/s, all ranks)")
+    ax2.bar(labels, [r["peak_memory_bytes"] / 2**30 for r in rows], color="#C44E52")
+    ax2.set_title(f"peak {'RSS' if cpu else 'CUDA memory'} per rank (GiB)")
+    for ax in (ax1, ax2):
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _notes(rows: list[dict], cpu: bool) -> str:
+    ref = rows[0]["stage"]
+    worst = max(r["loss_rel_diff"] for r in rows)
+    agree = "yes" if all(r["losses_agree"] for r in rows) else "**no**"
+    memory = ("CUDA `max_memory_allocated` per rank during the steps" if not cpu else
+              "the process's peak RSS (on the CPU ZeRO's savings hardly show in RSS: the per-category bytes "
+              "above are the measurement that matters)")
+    return f"""\
+**Losses agree across stages** (max relative difference to ZeRO-{ref} over {len(rows[0]['losses'])} steps,
+tolerance {rows[0]['loss_rtol']:g}): {agree} (worst {worst:.1e}).
+
+**Formula.** Bytes per rank from the ZeRO paper (K = 12) with this run's precision: parameters P·Ψ (÷N at
+stage 3), gradients P·Ψ (÷N at stage ≥ 2), optimizer K·Ψ (÷N at stage ≥ 1), with P = 2 (bf16/fp16) or 4
+(fp32) bytes and K = 12 = fp32 master weights + Adam's two moments. In mixed precision that is the paper's
+16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N and 16Ψ/N; in fp32 (what the CPU trains in) it is 16Ψ (K = 8: no master copy at
+stage 0), 8Ψ + 12Ψ/N, 4Ψ + 16Ψ/N and 20Ψ/N, because DeepSpeed keeps an fp32 master partition even for fp32
+parameters. "optimizer = padded formula" checks the measured optimizer bytes of every rank against K x its
+partition size with DeepSpeed's padding (ZeRO 1/2: the flat group padded to a multiple of 2N; ZeRO-3: every
+parameter padded to a multiple of N): it must hold exactly.
+
+**How it is measured.** After the timed steps one more step runs with snapshots around every optimizer-step
+call; each category is the most the rank held at those snapshots, counting each distinct storage once:
+parameters (ZeRO 1/2: the flat buffer they are views of; ZeRO-3: the `ds_tensor` partitions plus the
+parameters it keeps whole), gradients (`.grad`, DeepSpeed's accumulation and partition buffers), optimizer
+(fp32 master partitions and Adam's state), and "other buffers" (everything else the ZeRO optimizer holds, mostly
+the `reduce_bucket_size` communication bucket, which does not shrink with the model). The numbers are the
+fullest rank's. Peak memory is {memory}.
+
+**Reading the ratios.** Stage 1 holds full gradients only while it accumulates them (it reduces at the
+accumulation boundary) and stage 2 reduces each micro-batch into its partition, so the two differ only with
+gradient accumulation > 1. DeepSpeed's gradient partition (`grads_in_partition`) holds every parameter that
+overlaps the rank's partition whole, and ZeRO-3 keeps parameters under `stage3_param_persistence_threshold`
+whole on every rank: with a small model both push the measured/formula ratio above 1; with billions of
+parameters they vanish. With offload DeepSpeed also keeps an fp32 gradient partition in host memory for the
+CPU optimizer step, so gradients exceed the formula; on a GPU "of which in host memory" shows what left the
+device."""
+
+
+def write_report(rows: list[dict], ranks: list[dict], out: str) -> list[str]:
+    os.makedirs(out, exist_ok=True)
+    paths = {k: os.path.join(out, f) for k, f in (("md", "zero.md"), ("csv", "zero.csv"),
+                                                  ("memory", "zero_memory.png"), ("speed", "zero_speed.png"))}
+    report.write_csv(paths["csv"], rows, CSV_COLUMNS)
+    plot_memory(rows, paths["memory"])
+    cpu = report.on_cpu(ranks)
+    plot_speed(rows, paths["speed"], cpu)
+    r = rows[0]
+    report.write_markdown(paths["md"], [
+        f"# ZeRO stages side by side: {r['model']}",
+        f"{r['ranks']} data-parallel ranks, {r['precision']}, Ψ = {r['psi']:,} parameters; each optimizer step "
+        f"{r['micro_batch_size']} sequences of {r['seq_len']} tokens x {r['grad_accum']} micro-batches x {r['ranks']} "
+        f"ranks. Step time: median of {r['timed_steps']} timed steps after warm-up; tokens/s over all ranks; "
+        "memory per rank.",
+        report.markdown_table(rows, COLUMNS),
+        _notes(rows, cpu) + (report.threads_note(ranks) if cpu else ""),
+        "![model states per rank](zero_memory.png)\n\n![throughput and peak memory](zero_speed.png)",
+        "## Environment\n\n" + report.environment_markdown(report.environment(ranks)),
+    ])
+    return list(paths.values())
+
+
+# ---------------------------------------------------------------------------------------------- driver
+def _world(args: argparse.Namespace) -> int:
+    if args.nproc:
+        return args.nproc
+    if args.hostfile:
+        return hostfile_slots(args.hostfile)
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def run_zero_bench(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
+    """Validate every stage, then launch them one after the other; returns the rows and the last launch's
+    per-rank reports (for the environment)."""
+    from ..training.main import load_and_validate
+
+    world = _world(args)
+    raw = os.path.join(args.out, "raw")
+    os.makedirs(raw, exist_ok=True)
+    cfg = load_run_config(args.config, args.set)
+    base = load_ds_config(args.deepspeed_config or cfg.deepspeed_config)
+    global_batch = cfg.train.micro_batch_size * world * args.grad_accum
+    plans = []
+    for stage in args.stages:
+        ds_path = os.path.join(raw, f"zero{stage}.json")
+        ds = stage_ds_config(base, stage, args.offload)
+        with open(ds_path, "w") as f:
+            json.dump(ds, f, indent=2)
+        sets = args.set + ["parallel.pipeline_stages=1", f"train.global_batch_size={global_batch}",
+                           f"train.steps={args.warmup + args.steps + 1}",
+                           f"train.output_dir={os.path.join(raw, f'zero{stage}')}"]
+        if args.peak_tflops:
+            sets.append(f"train.peak_tflops={args.peak_tflops}")
+        # Every stage is checked before the first launch: a bad combination fails in seconds, not minutes.
+        try:
+            load_and_validate(argparse.Namespace(config=args.config, deepspeed_config=ds_path, set=sets), world)
+        except ConfigError as e:
+            raise ConfigError(f"ZeRO-{stage} ({ds_path}): {e}") from e
+        plans.append((stage, ds_path, sets, offload_label(ds)))
+    rows, reports = [], []
+    for stage, ds_path, sets, offload in plans:
+        print(f"ZeRO-{stage}: {world} ranks, {args.warmup} + {args.steps} steps ...", flush=True)
+        reports = launch(args, world=world, global_batch_sizes=[global_batch], sets=sets, deepspeed_config=ds_path,
+                         result=os.path.join(raw, f"zero{stage}.result.json"),
+                         log=os.path.join(raw, f"zero{stage}.log"))[0]
+        rows.append(stage_row(stage, offload, reports))
+    compare_losses(rows, args.loss_rtol)
+    return rows, reports
+
+
+def _stages(text: str) -> list[int]:
+    stages = [int(s) for s in text.split(",")]
+    if not stages or any(s not in (0, 1, 2, 3) for s in stages):
+        raise argparse.ArgumentTypeError(f"--stages {text!r}: a comma-separated list of 0, 1, 2, 3")
+    return stages
+
+
+def _bench(args: argparse.Namespace) -> int:
+    try:
+        rows, ranks = run_zero_bench(args)
+    except LaunchError as e:
+        print(f"deepseek-ds bench zero: {e}", file=sys.stderr)
+        return 1
+    paths = write_report(rows, ranks, args.out)
+    print(report.markdown_table(rows, COLUMNS))
+    print("wrote " + ", ".join(paths))
+    if not all(r["optimizer_exact"] for r in rows):
+        print("warning: measured optimizer bytes differ from the padded formula (see the CSV)", file=sys.stderr)
+    if not all(r["losses_agree"] for r in rows):
+        print(f"warning: losses of the stages differ by more than {rows[0]['loss_rtol']:g}", file=sys.stderr)
+        return 3
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add `zero` to the `deepseek-ds bench` sub-command group."""
+    p = subparsers.add_parser("zero", help="ZeRO stages side by side: measured memory per rank vs the formula, "
+                                           "speed, MFU, loss agreement")
+    add_launch_args(p)
+    p.add_argument("--stages", type=_stages, default=[0, 1, 2, 3], help="ZeRO stages to compare (default 0,1,2,3)")
+    p.add_argument("--offload", action="store_true",
+                   help="offload the optimizer (stage >= 1) and the parameters (stage 3) to CPU")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="ranks (default: the local GPUs, or 2 on CPU; with --hostfile its slots: set --nproc when "
+                        "--launcher-args selects fewer)")
+    p.add_argument("--grad-accum", type=int, default=2,
+                   help="gradient accumulation steps (>= 2 shows stage 1's full gradients between micro-batches)")
+    p.add_argument("--loss-rtol", type=float, default=None,
+                   help="relative loss difference still counted as agreement (default 1e-5 in fp32, 1e-3 in bf16/fp16)")
+    p.add_argument("--out", default="runs/bench/zero", help="report directory (raw launches under OUT/raw)")
+    p.set_defaults(func=_bench)
