@@ -108,33 +108,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _register_optional(sub) -> None:
-    """Sub-commands that live with their own modules."""
+    """Sub-commands that live with their own modules (each module's register() adds its parsers)."""
+    from . import checkpoint_cli, evaluation, export_cli, generate
+    from .bench import checkpoint_bench, data_bench, pipeline_bench, zero_bench
     from .data import cli as data_cli
+    from .launcher import cli as launcher_cli
 
     data = sub.add_parser("data", help="prepare and inspect tokenized datasets").add_subparsers(
         dest="data_command", metavar="SUBCOMMAND", required=True)
     data_cli.register(data)
-    from .launcher import cli as launcher_cli
-
-    launcher_cli.register(sub)
-    from .bench import data_bench
-
-    from . import checkpoint_cli, evaluation, export_cli, generate
-
-    checkpoint_cli.register(sub)
-    export_cli.register(sub)
-    evaluation.register(sub)
-    generate.register(sub)
+    for module in (launcher_cli, checkpoint_cli, export_cli, evaluation, generate):
+        module.register(sub)
     bench = sub.add_parser("bench", help="benchmarks that print tables and write reports").add_subparsers(
         dest="bench_command", metavar="SUBCOMMAND", required=True)
-    data_bench.register(bench)
-    from .bench import checkpoint_bench
-
-    checkpoint_bench.register(bench)
-    from .bench import pipeline_bench, zero_bench
-
-    zero_bench.register(bench)
-    pipeline_bench.register(bench)
+    for module in (data_bench, checkpoint_bench, zero_bench, pipeline_bench):
+        module.register(bench)
 
 
 def main(argv=None) -> int:
