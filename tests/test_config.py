@@ -21,9 +21,11 @@ def ds(name="zero1.json"):
     return load_ds_config(os.path.join(DS, name))
 
 
-def refused(c, d, world, match, cuda=False):
-    with pytest.raises(ConfigError, match=match):
+def refused(c, d, world, match, cuda=False) -> str:
+    """validate() must refuse with a message matching `match`; returns that message."""
+    with pytest.raises(ConfigError, match=match) as e:
         validate(c, d, world, cuda_available=cuda)
+    return str(e.value)
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(DS, "*.json"))), ids=os.path.basename)
@@ -82,60 +84,60 @@ def test_wrong_type_is_refused():
 
 
 def test_batch_arithmetic():
-    refused(cfg(train={"micro_batch_size": 4, "global_batch_size": 10}), ds(), 2,
+    assert refused(cfg(train={"micro_batch_size": 4, "global_batch_size": 10}), ds(), 2,
             r"global_batch_size \(10\).*micro_batch_size \(4\).*data_parallel \(2")
 
 
 def test_world_not_divisible_by_pipeline():
-    refused(cfg(parallel={"pipeline_stages": 2}), ds("zero1_pp.json"), 3, r"world size 3 is not divisible")
+    assert refused(cfg(parallel={"pipeline_stages": 2}), ds("zero1_pp.json"), 3, r"world size 3 is not divisible")
 
 
 def test_pipeline_with_zero2_and_zero3():
     for name in ("zero2.json", "zero3.json"):
-        refused(cfg(parallel={"pipeline_stages": 2}), ds(name), 2, r"cannot be combined with ZeRO stage [23]")
+        assert refused(cfg(parallel={"pipeline_stages": 2}), ds(name), 2, r"cannot be combined with ZeRO stage [23]")
 
 
 def test_fp16_without_cuda():
-    refused(cfg(), ds("zero1_fp16.json"), 2, r"fp16 needs a CUDA GPU", cuda=False)
+    assert refused(cfg(), ds("zero1_fp16.json"), 2, r"fp16 needs a CUDA GPU", cuda=False)
     validate(cfg(), ds("zero1_fp16.json"), 2, cuda_available=True)
 
 
 def test_bf16_with_zero0():
     d = ds("zero0.json")
     d["bf16"] = {"enabled": True}
-    refused(cfg(), d, 2, r"bf16 with ZeRO stage 0.*ZeRO >= 1")
+    assert refused(cfg(), d, 2, r"bf16 with ZeRO stage 0.*ZeRO >= 1")
 
 
 def test_bf16_loss_scale_field():
     d = ds("zero1_bf16.json")
     d["bf16"]["loss_scale"] = 0
-    refused(cfg(), d, 2, r"bf16.loss_scale")
+    assert refused(cfg(), d, 2, r"bf16.loss_scale")
 
 
 def test_more_stages_than_layers():
     c = cfg(model={"preset": "tiny-v3"}, parallel={"pipeline_stages": 8}, train={"micro_batch_size": 1, "global_batch_size": 1})
-    refused(c, ds("zero1_pp.json"), 8, r"pipeline_stages \(8\) exceeds the number of pipeline layers \(7")
+    assert refused(c, ds("zero1_pp.json"), 8, r"pipeline_stages \(8\) exceeds the number of pipeline layers \(7")
 
 
 def test_experts_not_divisible_by_expert_parallel():
     c = cfg(model={"preset": "tiny-v3", "overrides": {"n_routed_experts": 6, "n_group": 3, "topk_group": 1}},
             parallel={"expert_parallel": 4}, train={"micro_batch_size": 1, "global_batch_size": 4})
-    refused(c, ds(), 4, r"routed experts \(6\) are not divisible by parallel.expert_parallel \(4\)")
+    assert refused(c, ds(), 4, r"routed experts \(6\) are not divisible by parallel.expert_parallel \(4\)")
 
 
 def test_expert_parallel_on_dense_model():
-    refused(cfg(model={"preset": "tiny-dense"}, parallel={"expert_parallel": 2}), ds(), 2, r"dense")
+    assert refused(cfg(model={"preset": "tiny-dense"}, parallel={"expert_parallel": 2}), ds(), 2, r"dense")
 
 
 def test_missing_paths():
-    refused(cfg(data={"path": "/nonexistent/data"}), ds(), 2, r"data.path '/nonexistent/data' does not exist")
-    refused(cfg(model={"path": "/nonexistent/model", "preset": None}), ds(), 2, r"model.path '/nonexistent/model' does not exist")
+    assert refused(cfg(data={"path": "/nonexistent/data"}), ds(), 2, r"data.path '/nonexistent/data' does not exist")
+    assert refused(cfg(model={"path": "/nonexistent/model", "preset": None}), ds(), 2, r"model.path '/nonexistent/model' does not exist")
     with pytest.raises(ConfigError, match=r"deepspeed_config .* does not exist"):
         load_ds_config("/nonexistent.json")
 
 
 def test_unknown_preset():
-    refused(cfg(model={"preset": "tiny-v4"}), ds(), 2, r"unknown preset 'tiny-v4'")
+    assert refused(cfg(model={"preset": "tiny-v4"}), ds(), 2, r"unknown preset 'tiny-v4'")
 
 
 def test_explicit_ds_value_contradicting_run_config():

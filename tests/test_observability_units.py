@@ -20,18 +20,20 @@ def ds(name: str, **extra) -> dict:
     return {**load_ds_config(os.path.join(ROOT, "ds_configs", name)), **extra}
 
 
-def refused(cfg: dict, d: dict, match: str) -> None:
-    with pytest.raises(ConfigError, match=match):
+def refused(cfg: dict, d: dict, match: str) -> str:
+    """validate() must refuse with a message matching `match`; returns that message."""
+    with pytest.raises(ConfigError, match=match) as e:
         validate(run_config_from_dict(cfg), d, world_size=2, cuda_available=False)
+    return str(e.value)
 
 
 def test_nan_policy_refusals():
-    refused({"train": {"nan_policy": "ignore"}}, ds("zero1.json"), "train.nan_policy = 'ignore'")
+    assert refused({"train": {"nan_policy": "ignore"}}, ds("zero1.json"), "train.nan_policy = 'ignore'")
     # ZeRO-0 fp32 applies non-finite updates: "skip" cannot be honoured there, "stop" can (without saving).
-    refused({"train": {"nan_policy": "skip"}}, ds("zero0.json"), "ZeRO stage 0 in fp32")
+    assert refused({"train": {"nan_policy": "skip"}}, ds("zero0.json"), "ZeRO stage 0 in fp32")
     validate(run_config_from_dict({"train": {"nan_policy": "stop"}}), ds("zero0.json"), 2, cuda_available=False)
     validate(run_config_from_dict({"train": {"nan_policy": "skip"}}), ds("zero1.json"), 2, cuda_available=False)
-    refused({"train": {"nan_policy": "skip"}}, ds("zero1_bf16.json", bf16={"enabled": True, "check_grad_overflow": False}),
+    assert refused({"train": {"nan_policy": "skip"}}, ds("zero1_bf16.json", bf16={"enabled": True, "check_grad_overflow": False}),
             "ZeRO stage 1 in bf16")
 
 
@@ -45,7 +47,7 @@ def test_which_deepspeed_configs_discard_nonfinite_steps(name, skips):
 def test_missing_monitor_package_is_a_config_error(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    refused({}, ds("zero1.json", wandb={"enabled": True}), r"'wandb' package is not installed.*pip install wandb")
+    assert refused({}, ds("zero1.json", wandb={"enabled": True}), r"'wandb' package is not installed.*pip install wandb")
     # csv_monitor needs no package; a disabled wandb section is not checked.
     validate(run_config_from_dict({}), ds("zero1.json", csv_monitor={"enabled": True}, wandb={"enabled": False}), 2,
              cuda_available=False)
@@ -71,7 +73,7 @@ def test_monitor_output_defaults_to_the_run_directory():
 
 
 def test_peak_tflops_refusal_and_table(monkeypatch):
-    refused({"train": {"peak_tflops": 0}}, ds("zero1.json"), "train.peak_tflops")
+    assert refused({"train": {"peak_tflops": 0}}, ds("zero1.json"), "train.peak_tflops")
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     assert metrics.peak_tflops(cpu, None) is None
     assert metrics.peak_tflops(cpu, 100.0) == 100.0
