@@ -115,7 +115,7 @@ def hf_state_dict_from_checkpoint(tag_dir: str, config, work_dir: str) -> dict[s
     meta = read_meta(tag_dir)
     saved = Layout.from_dict(meta["layout"])
     if saved.zero_stage == 0:
-        scheme, weights = saved.scheme, _zero0_weights(tag_dir, saved)
+        scheme, weights = saved.scheme, _zero0_weights(tag_dir, saved, config)
     else:
         scheme = next((s for s in SCHEMES if is_converted(universal_dir(tag_dir, s))), saved.scheme)
         uni = universal_dir(tag_dir, scheme)
@@ -139,15 +139,19 @@ def hf_state_dict_from_checkpoint(tag_dir: str, config, work_dir: str) -> dict[s
     return out
 
 
-def _zero0_weights(tag_dir: str, saved: Layout) -> dict[str, torch.Tensor]:
-    """ZeRO-0 keeps the model's own (full) weights in its model-states files: per layer for a pipeline."""
+def _zero0_weights(tag_dir: str, saved: Layout, config) -> dict[str, torch.Tensor]:
+    """ZeRO-0 keeps the model's own (full) weights in its model-states files: per layer for a pipeline, where a
+    tied layer's file (named after its first use) holds what the module calls `tied_modules.<key>`."""
     if saved.pipeline_stages == 1:
         states = torch.load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), map_location="cpu", weights_only=True)
         return dict(states["module"])
+    specs = layer_specs(config, seed=None)
     out = {}
     for name in os.listdir(tag_dir):
         m = _LAYER_FILE.match(name)
         if m:
+            i = int(m.group(1))
+            prefix = f"tied_modules.{specs[i].key}." if isinstance(specs[i], TiedLayerSpec) else f"{i}."
             layer = torch.load(os.path.join(tag_dir, name), map_location="cpu", weights_only=True)
-            out.update({f"{int(m.group(1))}.{k}": v for k, v in layer.items()})
+            out.update({prefix + k: v for k, v in layer.items()})
     return out

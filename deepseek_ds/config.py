@@ -58,6 +58,9 @@ class TrainSection:
     dist_timeout_s: int = 1800  # collectives waiting longer than this fail (a dead host ends the job)
     nan_policy: str = "stop"            # non-finite loss: "skip" the step, or "stop" (save, then end the run)
     peak_tflops: float | None = None    # per-device peak for MFU; default: the known GPU's bf16 dense peak
+    # lambda of DeepSeek-V3's multi-token-prediction loss (0.3, later 0.1, in its training); the depth is the
+    # model's num_nextn_predict_layers (model.overrides), 0 in the tiny presets and 1 in deepseek-v3.
+    mtp_loss_weight: float = 0.3
 
 
 @dataclass
@@ -350,6 +353,7 @@ def validate(cfg: RunConfig, ds: dict, world_size: int, cuda_available: bool | N
                 errors.append(f"data.seq_len ({cfg.data.seq_len}) exceeds the model's max_position_embeddings "
                               f"({mcfg.max_position_embeddings})")
             errors += _moe_errors(cfg, ds, mcfg)
+            errors += _mtp_errors(cfg, mcfg)
 
     if cfg.data.path:
         if not os.path.isdir(cfg.data.path):
@@ -376,6 +380,26 @@ def _observability_errors(cfg: RunConfig, ds: dict) -> list[str]:
         errors.append(f"eval.interval ({cfg.eval.interval}) must be >= 0 (0: no evaluation) and eval.batches "
                       f"({cfg.eval.batches}) >= 1")
     return errors
+
+
+# ------------------------------------------------------------------------------------------ MTP checks
+def _mtp_errors(cfg: RunConfig, mcfg) -> list[str]:
+    from .models.layers import mtp_depth
+
+    requested = int(getattr(mcfg, "num_nextn_predict_layers", 0) or 0)
+    depth = mtp_depth(mcfg)
+    weight = cfg.train.mtp_loss_weight
+    if requested < 0:
+        return [f"num_nextn_predict_layers = {requested}: the MTP depth must be >= 0 (model.overrides)"]
+    if requested and not depth:
+        return [f"num_nextn_predict_layers = {requested} but multi-token prediction is DeepSeek-V3's (model_type "
+                f"deepseek_v3), not {mcfg.model_type}'s; remove it from model.overrides"]
+    if weight < 0:
+        return [f"train.mtp_loss_weight = {weight} must be >= 0"]
+    if depth and weight == 0:
+        return [f"train.mtp_loss_weight = 0 leaves the model's {depth} MTP module(s) untrained; give it a weight "
+                "(DeepSeek-V3 used 0.3, then 0.1) or set model.overrides.num_nextn_predict_layers: 0"]
+    return []
 
 
 # ------------------------------------------------------------------------------------------ MoE checks

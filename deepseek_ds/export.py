@@ -5,6 +5,7 @@ compared with PyTorch before they are reported as done. The command line is in e
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tempfile
@@ -16,7 +17,7 @@ from torch import nn
 
 from .checkpoint import META, read_meta, tag_dir_of
 from .checkpoint_universal import hf_state_dict_from_checkpoint
-from .models.hf_io import to_hf_model
+from .models.hf_io import mtp_hf_state_dict, to_hf_model
 from .models.layers import DecoderLayerPipe, hf_key
 from .models.pipeline import layer_specs, prepare_config
 from .models.presets import build_model_config, is_moe
@@ -34,8 +35,8 @@ class ExportError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------------- HF model
-def hf_model_from_checkpoint(checkpoint: str, work_dir: str, experts_implementation: str = "grouped_mm"):
-    """(fp32 transformers CausalLM in eval mode holding the checkpoint's weights, the checkpoint's metadata)."""
+def _checkpoint_layers(checkpoint: str, work_dir: str, experts_implementation: str):
+    """(every pipeline layer of the checkpoint's model with its fp32 weights, the model config, the metadata)."""
     tag_dir = tag_dir_of(checkpoint)
     meta = read_meta(tag_dir)
     config = prepare_config(build_model_config(path=tag_dir), "sdpa", experts_implementation)
@@ -46,19 +47,30 @@ def hf_model_from_checkpoint(checkpoint: str, work_dir: str, experts_implementat
     for layer in layers:
         keys = [k for k in layer.state_dict() if not (isinstance(layer, DecoderLayerPipe) and k.startswith("rotary."))]
         layer.load_state_dict({k: weights[hf_key(layer, k)].float() for k in keys}, strict=False, assign=True)
+    return layers, config, meta
+
+
+def hf_model_from_checkpoint(checkpoint: str, work_dir: str, experts_implementation: str = "grouped_mm"):
+    """(fp32 transformers CausalLM in eval mode holding the checkpoint's weights, the checkpoint's metadata)."""
+    layers, config, meta = _checkpoint_layers(checkpoint, work_dir, experts_implementation)
     return to_hf_model(layers, config), meta
 
 
-def _cast(model: nn.Module, dtype: torch.dtype) -> None:
-    """Cast floating tensors except those transformers keeps in fp32 (router weights and bias), as
-    from_pretrained(dtype=...) will."""
+def _keeps_fp32(model: nn.Module):
+    """Whether transformers keeps a tensor (by name) in fp32 whatever the dtype: the router weights and bias."""
     keep = getattr(model, "_keep_in_fp32_modules_strict", None) or []
     keep_rx = re.compile("|".join(re.escape(k) for k in keep)) if keep else None
+    return lambda name: bool(keep_rx and keep_rx.search(name))
+
+
+def _cast(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast floating tensors except those transformers keeps in fp32, as from_pretrained(dtype=...) will."""
+    keeps_fp32 = _keeps_fp32(model)
     for prefix, mod in model.named_modules():
         for store in (mod._parameters, mod._buffers):
             for name, t in store.items():
                 full = f"{prefix}.{name}" if prefix else name
-                if t is None or not t.is_floating_point() or (keep_rx and keep_rx.search(full)):
+                if t is None or not t.is_floating_point() or keeps_fp32(full):
                     continue
                 if isinstance(t, nn.Parameter):
                     t.data = t.data.to(dtype)
@@ -69,11 +81,16 @@ def _cast(model: nn.Module, dtype: torch.dtype) -> None:
 def export_hf(checkpoint: str, out: str, dtype: str = "bf16", data_dir: str | None = None,
               max_shard_size: str = "5GB", work_dir: str | None = None) -> str:
     """Write a from_pretrained-ready directory: config.json, sharded safetensors (fused experts converted to the
-    per-expert layout by save_pretrained), and the tokenizer of the data the checkpoint was trained on."""
+    per-expert layout by save_pretrained), the MTP modules in the published layout (model-mtp.safetensors, which
+    transformers' MtpModel.from_pretrained reads), and the tokenizer of the data the checkpoint was trained on."""
     from .data import dataset_info, load_tokenizer
 
     with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
-        model, meta = hf_model_from_checkpoint(checkpoint, tmp)
+        layers, config, meta = _checkpoint_layers(checkpoint, tmp, "grouped_mm")
+    model = to_hf_model(layers, config)
+    keeps_fp32 = _keeps_fp32(model)
+    mtp = {k: v if keeps_fp32(k) or not v.is_floating_point() else v.to(DTYPES[dtype])
+           for k, v in mtp_hf_state_dict(layers, config).items()}
     data_dir = data_dir or meta["dataset_dir"]
     if not os.path.isdir(data_dir):
         raise ExportError(f"the tokenizer comes from the training data, but {data_dir} does not exist; pass the "
@@ -84,8 +101,40 @@ def export_hf(checkpoint: str, out: str, dtype: str = "bf16", data_dir: str | No
     _cast(model, DTYPES[dtype])
     model.config.dtype = DTYPES[dtype]
     model.save_pretrained(out, max_shard_size=max_shard_size)
+    if mtp:
+        add_to_hf_dir(out, mtp, "model-mtp.safetensors")
     load_tokenizer(data_dir).save_pretrained(out)
     return out
+
+
+def add_to_hf_dir(hf_dir: str, tensors: dict[str, torch.Tensor], filename: str) -> None:
+    """Add a safetensors file to a save_pretrained directory and list its tensors in the sharded index. A lone
+    model.safetensors becomes a one-shard index first: transformers reads that file, when present, instead of the
+    index."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    index_path = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            index = json.load(f)
+    else:
+        shard = "model-00001-of-00001.safetensors"
+        os.replace(os.path.join(hf_dir, "model.safetensors"), os.path.join(hf_dir, shard))
+        with safe_open(os.path.join(hf_dir, shard), "pt") as f:
+            index = {"metadata": {"total_size": sum(f.get_tensor(k).nbytes for k in f.keys())},
+                     "weight_map": {k: shard for k in f.keys()}}
+    clash = sorted(set(tensors) & set(index["weight_map"]))
+    if clash:
+        raise ExportError(f"{hf_dir} already holds {clash[:3]}")
+    save_file(tensors, os.path.join(hf_dir, filename), metadata={"format": "pt"})
+    index["weight_map"].update({k: filename for k in tensors})
+    index["metadata"]["total_size"] = int(index["metadata"].get("total_size", 0)) + sum(
+        t.numel() * t.element_size() for t in tensors.values())
+    tmp = index_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(index, f, indent=2, sort_keys=True)
+    os.replace(tmp, index_path)
 
 
 # ----------------------------------------------------------------------------------------------- traced formats

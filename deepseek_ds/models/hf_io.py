@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from .layers import DecoderLayerPipe, EmbeddingPipe, family_of, hf_key
+from .layers import DecoderLayerPipe, EmbeddingPipe, LMHeadPipe, MTPLayerPipe, family_of, hf_key
 
 
 def hf_state_dict(layers) -> dict[str, torch.Tensor]:
@@ -30,8 +30,9 @@ def hf_state_dict(layers) -> dict[str, torch.Tensor]:
 
 
 def to_hf_model(layers, config) -> nn.Module:
-    """A transformers CausalLM holding (sharing) the weights of the given layers."""
-    sd = hf_state_dict(layers)
+    """A transformers CausalLM holding (sharing) the weights of the given layers (MTP modules aside: transformers'
+    CausalLM has none; mtp_hf_state_dict gives their tensors)."""
+    sd = hf_state_dict(l for l in layers if not isinstance(l, MTPLayerPipe))
     if getattr(config, "tie_word_embeddings", False):
         sd["lm_head.weight"] = next(l for l in layers if isinstance(l, EmbeddingPipe)).embed_tokens.weight
     with torch.device("meta"):
@@ -49,6 +50,37 @@ def to_hf_model(layers, config) -> nn.Module:
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     return model.eval()
+
+
+def mtp_hf_state_dict(layers, config) -> dict[str, torch.Tensor]:
+    """The MTP modules' tensors in the published DeepSeek-V3 layout: `model.layers.{num_hidden_layers + k - 1}.*`,
+    experts one tensor per expert and projection, and each module's copy of the shared embedding and head
+    (`embed_tokens`, `shared_head.head`), which the published checkpoints store and transformers' MtpModel skips.
+    save_pretrained converts only what the CausalLM holds, so this split of the fused experts is ours."""
+    layers = list(layers)
+    mtp = [l for l in layers if isinstance(l, MTPLayerPipe)]
+    if not mtp:
+        return {}
+    embed = next(l for l in layers if isinstance(l, EmbeddingPipe)).embed_tokens.weight
+    head = next((l.lm_head.weight for l in layers if isinstance(l, LMHeadPipe)), embed)
+    out = {}
+    for name, tensor in hf_state_dict(mtp).items():
+        prefix, leaf = name.rsplit(".", 1)
+        if prefix.endswith("mlp.experts") and leaf == "gate_up_proj":
+            half = tensor.shape[1] // 2  # per expert [gate; up], as load_hf_weights fuses them
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}.{e}.gate_proj.weight"] = tensor[e, :half]
+                out[f"{prefix}.{e}.up_proj.weight"] = tensor[e, half:]
+        elif prefix.endswith("mlp.experts") and leaf == "down_proj":
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}.{e}.down_proj.weight"] = tensor[e]
+        else:
+            out[name] = tensor
+    for layer in mtp:
+        out[layer.hf_prefix + "embed_tokens.weight"] = embed
+        out[layer.hf_prefix + "shared_head.head.weight"] = head
+    # Copies: safetensors refuses tensors that share memory (expert slices, the embedding used by every depth).
+    return {k: v.detach().clone() for k, v in out.items()}
 
 
 # -------------------------------------------------------------------------------------------- reading a directory

@@ -1,6 +1,7 @@
 """Pipeline-stage layers built from transformers' own DeepSeek / Llama modules.
 
-Only `(hidden_states, position_ids)` travels between stages; every decoder layer rebuilds its rotary
+Only `(hidden_states, position_ids)` travels between stages (plus `input_ids` when the model has multi-token
+prediction modules, which embed future tokens on the last stage); every decoder layer rebuilds its rotary
 embedding locally (it has no parameters). Each layer knows the HF name prefix of its weights, which is
 what lets a stage read and write exactly its own tensors of an HF directory.
 """
@@ -35,6 +36,11 @@ def family_of(config) -> Family:
     return FAMILIES[config.model_type]
 
 
+def mtp_depth(config) -> int:
+    """Number of multi-token-prediction modules (DeepSeek-V3's `num_nextn_predict_layers`; 0 for other models)."""
+    return int(getattr(config, "num_nextn_predict_layers", 0) or 0) if config.model_type == "deepseek_v3" else 0
+
+
 def init_weights_(module: nn.Module, std: float, seed: int) -> None:
     """Initialise one layer from its own seed, so that the initial model does not depend on how layers are split
     into stages or which rank builds them. Written by hand because transformers initialises a whole model from
@@ -62,12 +68,15 @@ class EmbeddingPipe(nn.Module):
     def __init__(self, config, seed: int | None = None):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, getattr(config, "pad_token_id", None))
+        self.carry_ids = mtp_depth(config) > 0  # the MTP modules on the last stage embed the input tokens again
         if seed is not None:
             init_weights_(self, config.initializer_range, seed)
 
     def forward(self, input_ids: torch.Tensor):
         hidden = self.embed_tokens(input_ids)
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
+        if self.carry_ids:
+            return hidden, position_ids.contiguous(), input_ids
         return hidden, position_ids.contiguous()
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -89,13 +98,14 @@ class DecoderLayerPipe(nn.Module):
     def hf_key(self, local_key: str) -> str:
         return self.hf_prefix + local_key.removeprefix("layer.")
 
-    def forward(self, inputs):
-        hidden, position_ids = inputs
+    def run_layer(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         position_embeddings = self.rotary(hidden, position_ids)
         # attention_mask=None: SDPA/flash take their causal path, identical to transformers' own mask-free path.
-        hidden = self.layer(hidden, attention_mask=None, position_ids=position_ids,
-                            position_embeddings=position_embeddings)
-        return hidden, position_ids
+        return self.layer(hidden, attention_mask=None, position_ids=position_ids, position_embeddings=position_embeddings)
+
+    def forward(self, inputs):
+        hidden, position_ids, *ids = inputs
+        return self.run_layer(hidden, position_ids), position_ids, *ids
 
 
 class FinalNormPipe(nn.Module):
@@ -108,8 +118,9 @@ class FinalNormPipe(nn.Module):
             init_weights_(self, config.initializer_range, seed)
 
     def forward(self, inputs):
-        hidden, _position_ids = inputs
-        return self.norm(hidden)
+        hidden, *rest = inputs
+        # With MTP modules the positions and input ids go on to them (in training; see mtp_embed_forward).
+        return (self.norm(hidden), *rest) if len(rest) == 2 else self.norm(hidden)
 
 
 class LMHeadPipe(nn.Module):
@@ -121,8 +132,64 @@ class LMHeadPipe(nn.Module):
         if seed is not None:
             init_weights_(self, config.initializer_range, seed)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def forward(self, hidden):
+        return _logits(self.lm_head, hidden)
+
+
+# ----------------------------------------------------------------------------------------------- multi-token prediction
+class MTPLayerPipe(DecoderLayerPipe):
+    """DeepSeek-V3's multi-token-prediction module k (tech report sec. 2.2), training-only: it predicts token i+k+1
+    at position i from the previous depth's representation and the embedding of token i+k:
+        h'_i = eh_proj([enorm(Emb(t_{i+k})); hnorm(h^{k-1}_i)]),  h^k = shared_head.norm(TRM_k(h')),
+    with h^0 the main model's final (normed) hidden state and the embedding and output head shared with the main
+    model. The order of the concatenation and the norm that feeds the next depth follow transformers' MtpLayer,
+    so an export loads there; the names are the published checkpoint's `model.layers.{num_hidden_layers + k - 1}.*`.
+
+    In the pipeline it sits on the last stage after `mtp_embed_forward`, and passes on a flat tuple
+    (position_ids, token embeddings, h^k, main output, outputs of depths 1..k); the last depth hands the head the
+    tuple of outputs, depth k's covering the first T - k positions. In evaluation it is skipped: the main model
+    alone is the language model.
+    """
+
+    def __init__(self, config, layer_idx: int, seed: int | None = None):
+        super().__init__(config, layer_idx, seed=None)
+        norm = family_of(config).norm
+        self.depth = layer_idx - config.num_hidden_layers + 1
+        self.last = self.depth == mtp_depth(config)
+        self.enorm = norm(config.hidden_size, eps=config.rms_norm_eps)
+        self.hnorm = norm(config.hidden_size, eps=config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = norm(config.hidden_size, eps=config.rms_norm_eps)
+        if seed is not None:
+            init_weights_(self, config.initializer_range, seed)
+
+    def forward(self, inputs):
+        if not isinstance(inputs, tuple):
+            return inputs  # evaluation: mtp_embed_forward passed on the main output alone
+        position_ids, embeds, previous, *outputs = inputs
+        # Position i reads token i + depth: only the first T - depth positions have one (and a target), so depth k
+        # runs on T - k positions. No padding: the balance losses and expert loads then see real tokens only.
+        length = embeds.shape[1] - self.depth
+        hidden = self.eh_proj(torch.cat([self.enorm(embeds[:, self.depth:]), self.hnorm(previous[:, :length])], dim=-1))
+        hidden = self.shared_head.norm(self.run_layer(hidden, position_ids[:, :length]))
+        outputs.append(hidden)
+        return tuple(outputs) if self.last else (position_ids, embeds, hidden, *outputs)
+
+
+def mtp_embed_forward(embedding: EmbeddingPipe, inputs):
+    """The tied embedding's use on the last stage: embeds the input tokens once for every MTP depth."""
+    normed, position_ids, input_ids = inputs
+    if not embedding.training:
+        return normed
+    return position_ids, embedding.embed_tokens(input_ids), normed, normed
+
+
+def _logits(project, hidden):
+    """Logits of the main output, or the tuple of logits of (main, MTP depth 1..D) in MTP training."""
+    if isinstance(hidden, tuple):
+        return tuple(project(h) for h in hidden)
+    return project(hidden)
 
 
 def hf_key(layer: nn.Module, local_key: str) -> str:
@@ -132,5 +199,5 @@ def hf_key(layer: nn.Module, local_key: str) -> str:
     return layer.hf_prefix + local_key
 
 
-def tied_head_forward(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
-    return embedding.project(hidden)
+def tied_head_forward(embedding: EmbeddingPipe, hidden):
+    return _logits(embedding.project, hidden)

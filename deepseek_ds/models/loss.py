@@ -1,10 +1,14 @@
-"""Causal LM loss, token-weighted over the whole global batch.
+"""Causal LM loss, token-weighted over the whole global batch, with DeepSeek-V3's multi-token-prediction loss.
 
 DeepSpeed divides each micro-batch loss by the gradient-accumulation steps and averages gradients over
 data-parallel ranks. Scaling each micro-batch's summed token loss by dp * gas / (valid tokens in the global
 batch) turns that into exactly the mean over every valid token of the global batch, which is what
 transformers computes for the same batch in one piece, even when micro-batches hold different numbers of
 valid (non -100) tokens.
+
+With D MTP modules the model returns (main logits, depth-1 logits, ..., depth-D logits); depth k covers the
+first T-k positions and at position i predicts token i+k+1, i.e. its targets are labels[:, k:]. Each depth's loss is its own token mean over the global
+batch and the total is L_main + weight / D * sum_k L_k (DeepSeek-V3 tech report eq. 24-25).
 """
 
 from __future__ import annotations
@@ -15,22 +19,53 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 
 
+def shift_labels(labels: torch.Tensor, k: int) -> torch.Tensor:
+    """Targets of MTP depth k (k = 0: the main model's)."""
+    return labels[:, k:]
+
+
 class TokenWeightedLoss:
     __name__ = "TokenWeightedLoss"
 
-    def __init__(self):
-        self.scale = None  # set per global batch by the training loop (set_global_tokens)
+    def __init__(self, mtp_depth: int = 0, mtp_weight: float = 0.0):
+        self.mtp_depth = mtp_depth
+        self.mtp_weight = mtp_weight
+        self.scales = None  # per depth (0: main), set per global batch by the training loop (set_global_tokens)
+        self._parts = None  # detached scaled losses per depth, summed over this rank's micro-batches
 
-    def set_global_tokens(self, global_valid_tokens: int, dp_size: int, grad_accum: int) -> None:
-        self.scale = dp_size * grad_accum / max(int(global_valid_tokens), 1)
+    def set_global_tokens(self, global_valid_tokens, dp_size: int, grad_accum: int) -> None:
+        """global_valid_tokens: valid targets of the global batch, an int, or one per depth (count_valid_tokens)."""
+        counts = global_valid_tokens if isinstance(global_valid_tokens, (list, tuple)) else [global_valid_tokens]
+        if len(counts) != 1 + self.mtp_depth:
+            raise ValueError(f"expected valid-token counts for the main loss and {self.mtp_depth} MTP depths, got {counts}")
+        self.scales = [dp_size * grad_accum / max(int(c), 1) for c in counts]
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if self.scale is None:
+    def __call__(self, logits, labels: torch.Tensor) -> torch.Tensor:
+        if self.scales is None:
             raise RuntimeError("TokenWeightedLoss.set_global_tokens must be called before each global batch")
-        summed = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                 ignore_index=IGNORE_INDEX, reduction="sum")
-        return summed * self.scale
+        outputs = logits if isinstance(logits, tuple) else (logits,)
+        parts = torch.stack([
+            F.cross_entropy(out.float().reshape(-1, out.shape[-1]), shift_labels(labels, k).reshape(-1),
+                            ignore_index=IGNORE_INDEX, reduction="sum") * self.scales[k]
+            for k, out in enumerate(outputs)])
+        detached = parts.detach().double()
+        self._parts = detached if self._parts is None else self._parts + detached
+        if len(outputs) == 1:
+            return parts[0]
+        return parts[0] + self.mtp_weight / (len(outputs) - 1) * parts[1:].sum()
+
+    def take_parts(self, device) -> torch.Tensor:
+        """[main, depth 1..D] losses of this rank's micro-batches since the last call, each scaled as in training
+        (summed over every rank and divided by dp x gas they are the global-batch means); zeros where this rank
+        computed no loss (earlier pipeline stages)."""
+        parts = torch.zeros(1 + self.mtp_depth, dtype=torch.float64, device=device)
+        if self._parts is not None:
+            parts += self._parts.to(device)
+        self._parts = None
+        return parts
 
 
-def count_valid_tokens(micro_batches) -> int:
-    return sum(int((labels != IGNORE_INDEX).sum()) for _, labels in micro_batches)
+def count_valid_tokens(micro_batches, depth: int = 0) -> list[int]:
+    """Valid targets of the main loss and of each MTP depth 1..depth over the given micro-batches."""
+    return [sum(int((shift_labels(labels, k) != IGNORE_INDEX).sum()) for _, labels in micro_batches)
+            for k in range(depth + 1)]

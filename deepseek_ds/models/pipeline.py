@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
@@ -12,7 +13,8 @@ from deepspeed.runtime import utils as ds_utils
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .layers import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, tied_head_forward
+from .layers import (DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, MTPLayerPipe, mtp_depth,
+                     mtp_embed_forward, tied_head_forward)
 from .loss import TokenWeightedLoss
 from .presets import is_moe
 
@@ -21,23 +23,35 @@ _SEED_STRIDE = 1000
 
 
 def layer_specs(config, seed: int | None) -> list:
-    """embedding, one spec per decoder layer, final norm, head (tied to the embedding when the config says so)."""
+    """embedding, one spec per decoder layer, final norm, [MTP: the tied embedding's second use, one spec per
+    MTP depth,] head (tied to the embedding when the config says so). The embedding is a tied layer whenever a
+    later stage uses it too, so DeepSpeed keeps the copies equal and sums their gradients."""
     def s(i):
         return None if seed is None else seed * _SEED_STRIDE + i
 
-    n = config.num_hidden_layers
+    n, depth = config.num_hidden_layers, mtp_depth(config)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     embed = (TiedLayerSpec("embed", EmbeddingPipe, config, s(0), tied_weight_attr=["embed_tokens.weight"])
-             if tied else LayerSpec(EmbeddingPipe, config, s(0)))
+             if tied or depth else LayerSpec(EmbeddingPipe, config, s(0)))
     specs = [embed]
     specs += [LayerSpec(DecoderLayerPipe, config, i, s(i + 1)) for i in range(n)]
     specs.append(LayerSpec(FinalNormPipe, config, s(n + 1)))
+    if depth:
+        specs.append(TiedLayerSpec("embed", EmbeddingPipe, config, s(0), forward_fn=mtp_embed_forward,
+                                   tied_weight_attr=["embed_tokens.weight"]))
+        # Seeds n+3+k: the head keeps n+2, so adding MTP modules leaves the main model's initial weights unchanged.
+        specs += [LayerSpec(MTPLayerPipe, config, n + k, s(n + 3 + k)) for k in range(depth)]
     if tied:
         specs.append(TiedLayerSpec("embed", EmbeddingPipe, config, s(0), forward_fn=tied_head_forward,
                                    tied_weight_attr=["embed_tokens.weight"]))
     else:
         specs.append(LayerSpec(LMHeadPipe, config, s(n + 2)))
     return specs
+
+
+def mtp_tail_start(config) -> int | None:
+    """Index of the first spec that must sit on the last pipeline stage (the MTP modules need the head), if any."""
+    return config.num_hidden_layers + 2 if mtp_depth(config) else None
 
 
 # ----------------------------------------------------------------------------------------------- partitioning
@@ -57,12 +71,15 @@ def layer_costs(config) -> list[LayerCost]:
             layer = spec.build()
         total = sum(p.numel() for p in layer.parameters())
         active = total
-        if isinstance(spec, TiedLayerSpec) and spec.forward_fn is not None:
+        if isinstance(spec, TiedLayerSpec) and spec.forward_fn is mtp_embed_forward:
+            name, total, active = "MTPEmbed(tied)", 0, 0
+        elif isinstance(spec, TiedLayerSpec) and spec.forward_fn is not None:
             name, total = "LMHead(tied)", 0  # weights live with the embedding stage... unless on another stage
         else:
             name = type(layer).__name__
         if isinstance(layer, DecoderLayerPipe):
-            name = f"{'MoE' if hasattr(layer.layer.mlp, 'experts') else 'Dense'}Layer{layer.layer_idx}"
+            kind = "MTP" if isinstance(layer, MTPLayerPipe) else ""
+            name = f"{kind}{'MoE' if hasattr(layer.layer.mlp, 'experts') else 'Dense'}Layer{layer.layer_idx}"
             experts = getattr(layer.layer.mlp, "experts", None)
             if experts is not None:
                 routed = sum(p.numel() for p in experts.parameters())
@@ -85,6 +102,7 @@ def _stage_weights(costs: list[LayerCost], config, seq_len: int) -> list[float]:
     compute = [6 * c.active_params + (attn_flops if "Layer" in c.name and "LMHead" not in c.name else 0) for c in costs]
     if costs[-1].name == "LMHead(tied)":
         compute[-1] = 6 * config.hidden_size * config.vocab_size
+    compute[-1] *= 1 + mtp_depth(config)  # the head also projects every MTP depth
     total_c, total_m = sum(compute) or 1, sum(c.params for c in costs) or 1
     return [0.5 * cp / total_c + 0.5 * c.params / total_m for cp, c in zip(compute, costs)]
 
@@ -95,18 +113,25 @@ def partition(config, num_stages: int, method: str = "balanced", seq_len: int = 
     '0,10,20,...' / per-stage layer counts 'counts:3,4,4,3'. Every layer is assigned: no layer is ever dropped."""
     costs = layer_costs(config)
     n = len(costs)
-    if num_stages > n:
-        raise ValueError(f"parallel.pipeline_stages ({num_stages}) exceeds the number of pipeline layers ({n})")
+    # The MTP modules and the head form one unit (the tail) that the computed layouts keep on the last stage.
+    tail = mtp_tail_start(config)
+    units = n if tail is None else tail + 1
+
+    def per_unit(values: list) -> list:
+        return values if tail is None else values[:tail] + [sum(values[tail:])]
+
+    if num_stages > units:
+        raise ValueError(f"parallel.pipeline_stages ({num_stages}) exceeds the number of pipeline layers ({units})")
     m = method.lower()
     if m == "balanced":
-        parts = ds_utils.partition_balanced(_stage_weights(costs, config, seq_len), num_stages)
+        parts = ds_utils.partition_balanced(per_unit(_stage_weights(costs, config, seq_len)), num_stages)
     elif m == "uniform":
-        parts = ds_utils.partition_uniform(n, num_stages)
+        parts = ds_utils.partition_uniform(units, num_stages)
     elif m == "parameters":
-        parts = ds_utils.partition_balanced([c.params for c in costs], num_stages)
+        parts = ds_utils.partition_balanced(per_unit([c.params for c in costs]), num_stages)
     elif m.startswith("type:"):
         rx = re.compile(method.split(":", 1)[1], re.IGNORECASE)
-        parts = ds_utils.partition_balanced([1 if rx.search(c.name) else 0 for c in costs], num_stages)
+        parts = ds_utils.partition_balanced(per_unit([1 if rx.search(c.name) else 0 for c in costs]), num_stages)
     elif m.startswith("counts:"):
         counts = [int(x) for x in m.split(":", 1)[1].split(",")]
         parts = [0]
@@ -118,10 +143,16 @@ def partition(config, num_stages: int, method: str = "balanced", seq_len: int = 
         raise ValueError(f"model.partition_method: unknown method {method!r}; use balanced, uniform, parameters, "
                          "type:REGEX, counts:a,b,... or explicit boundaries 0,a,b,...,N")
     parts = [int(p) for p in parts]  # DeepSpeed's helpers return numpy ints, which break seed_fn and JSON
+    if tail is not None and not (m.startswith("counts:") or m[0].isdigit()) and parts[-1] == units:
+        parts[-1] = n  # the tail unit back to its layers
     if len(parts) != num_stages + 1 or parts[0] != 0 or parts[-1] != n or any(a >= b for a, b in zip(parts, parts[1:])):
         raise ValueError(f"model.partition_method {method!r} gives boundaries {parts}: need {num_stages + 1} strictly "
                          f"increasing indices from 0 to {n} ({n} layers: embedding, "
                          f"{config.num_hidden_layers} decoder layers, norm, head)")
+    if tail is not None and parts[-2] > tail:
+        raise ValueError(f"model.partition_method {method!r} gives boundaries {parts}, but the MTP modules (layers "
+                         f"{tail}-{n - 2}) must be on the last stage with the head: the last stage must start at "
+                         f"layer {tail} or earlier")
     return parts
 
 
@@ -161,24 +192,35 @@ class DeepSeekPipelineModule(PipelineModule):
 
 class SequentialLM(nn.Module):
     """All layers in one module, for the plain DeepSpeed engine (ZeRO 0-3 without pipeline parallelism).
-    Built from the same specs and seeds as the pipeline, so both start from identical weights."""
+    Built from the same specs and seeds as the pipeline, so both start from identical weights. `layers[i]` is the
+    module of spec i, as a pipeline stage names it `i`; a tied spec's later uses (the tied head, the MTP modules'
+    embedding) call the first use's module and hold an empty placeholder, so the indices stay aligned."""
 
     def __init__(self, specs, activation_checkpoint_interval: int = 0):
         super().__init__()
-        tied = [s for s in specs if isinstance(s, TiedLayerSpec)]
-        self.layers = nn.ModuleList(s.build() for s in specs if not (isinstance(s, TiedLayerSpec) and s.forward_fn))
-        self.tied_head = bool(tied)
+        layers, self._calls, tied = [], [], {}
+        for spec in specs:
+            if isinstance(spec, TiedLayerSpec) and spec.key in tied:
+                layers.append(nn.Identity())
+                self._calls.append(partial(spec.forward_fn, tied[spec.key]))
+                continue
+            layers.append(spec.build())
+            self._calls.append(None)
+            if isinstance(spec, TiedLayerSpec):
+                tied[spec.key] = layers[-1]
+        self.layers = nn.ModuleList(layers)
         self.ckpt_interval = activation_checkpoint_interval
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor):
         x = input_ids
-        for i, layer in enumerate(self.layers):
-            if self.ckpt_interval and isinstance(layer, DecoderLayerPipe) and self.training and i % self.ckpt_interval == 0:
+        for i, (layer, call) in enumerate(zip(self.layers, self._calls)):
+            if call is not None:
+                x = call(x)
+            elif (self.ckpt_interval and type(layer) is DecoderLayerPipe and self.training
+                  and i % self.ckpt_interval == 0):
                 x = checkpoint(layer, x, use_reentrant=False)
             else:
                 x = layer(x)
-        if self.tied_head:
-            x = self.layers[0].project(x)
         return x
 
 

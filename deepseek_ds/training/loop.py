@@ -27,8 +27,9 @@ def train_step(run: Run, micro_batches: list) -> float:
     """One optimizer step on this rank's share of the global batch; returns the global-batch loss."""
     engine = run.engine
     # Collectives take device tensors (NCCL refuses host ones).
-    n_valid = torch.tensor([count_valid_tokens(micro_batches)], dtype=torch.float64, device=engine.device)
-    n_global = int(_all_reduce(n_valid, run.dp_group).item())
+    n_valid = torch.tensor(count_valid_tokens(micro_batches, run.loss_fn.mtp_depth), dtype=torch.float64,
+                           device=engine.device)
+    n_global = [int(c) for c in _all_reduce(n_valid, run.dp_group).tolist()]
     run.loss_fn.set_global_tokens(n_global, run.dp_size, run.grad_accum)
     if run.pipeline:
         return float(engine.train_batch(iter(micro_batches)))
@@ -41,6 +42,18 @@ def train_step(run: Run, micro_batches: list) -> float:
         total += loss.detach().double()
     # The scaled micro losses sum to (dp x gas) x this rank's share of the token-weighted global loss.
     return float(_all_reduce(total, run.dp_group).item() / (run.dp_size * run.grad_accum))
+
+
+def mtp_loss_breakdown(run: Run) -> dict[str, float]:
+    """The main LM loss and each MTP depth's loss of the step that just ended (a collective: every rank calls it).
+    `loss` is what was optimised, lm_loss + mtp_loss_weight x mtp_loss."""
+    parts = run.loss_fn.take_parts(run.engine.device)
+    dist.all_reduce(parts)  # pipeline: only the last stage of each replica holds them; zeros elsewhere
+    parts = (parts / (run.dp_size * run.grad_accum)).tolist()
+    record = {"lm_loss": parts[0], "mtp_loss": sum(parts[1:]) / len(parts[1:])}
+    if len(parts) > 2:
+        record.update({f"mtp_loss_{k}": v for k, v in enumerate(parts[1:], start=1)})
+    return record
 
 
 def train(run: Run) -> dict:
@@ -94,6 +107,8 @@ def train(run: Run) -> dict:
             "skipped": engine.skipped_steps > skipped_before, "skipped_steps": engine.skipped_steps,
             "consumed_samples": sampler.consumed_samples,
         }
+        if run.loss_fn.mtp_depth:
+            record.update(mtp_loss_breakdown(run))
         if run.balancer:  # router bias update from this step's load (before the stats that report the bias)
             record.update(run.balancer.after_step(record["skipped"]))
         if routers:

@@ -90,6 +90,8 @@ def console_line(record: dict) -> str:
     parts = [f"loss {num('loss', '.4f')}", f"lr {num('lr', '.2e')}", f"gnorm {num('grad_norm', '.3f')}",
              f"{num('tokens_per_sec', '.0f')} tok/s", f"{num('tflops_per_device', '.3g')} TFLOP/s",
              f"mfu {num('mfu', '.1%')}", f"mem {num('memory_gb', '.2f')} GB"]
+    if "mtp_loss" in record:
+        parts.insert(1, f"lm {num('lm_loss', '.4f')}, mtp {num('mtp_loss', '.4f')}")
     if "moe/load_ratio_max" in record:
         parts.append(f"expert max/mean {num('moe/load_ratio_max', '.2f')}")
     if record.get("skipped_steps"):

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from deepspeed.moe.ep_router import TokenChoiceTopKRouter
 from torch import nn
 
-from ..models.layers import DecoderLayerPipe
+from ..models.layers import DecoderLayerPipe, mtp_depth
 from ..models.moe import HF_ROUTERS, router_bias
 from ..models.presets import is_moe
 
@@ -23,10 +23,11 @@ BIAS_STATS = ("min", "max", "mean", "std")
 
 
 def moe_layer_indices(config) -> list[int]:
-    """Decoder layers with routed experts (transformers' rule: every layer from first_k_dense_replace on)."""
+    """Decoder layers with routed experts (transformers' rule: every layer from first_k_dense_replace on), and the
+    MTP modules' (numbered on after the decoder layers, as in the published checkpoints)."""
     if not is_moe(config):
         return []
-    return list(range(config.first_k_dense_replace, config.num_hidden_layers))
+    return list(range(config.first_k_dense_replace, config.num_hidden_layers + mtp_depth(config)))
 
 
 def _router_of(layer: DecoderLayerPipe) -> tuple[nn.Module, int] | None:

@@ -18,6 +18,7 @@ from ..config import RunConfig
 from ..models.loss import TokenWeightedLoss
 from ..models.moe import LoadBalancer, autoep_section, resolve_settings, restore_fp32_biases, snapshot_biases
 from ..models.hf_io import has_weights, load_hf_weights
+from ..models.layers import mtp_depth
 from ..models.pipeline import build_model, local_layers, partition, partition_table, prepare_config
 from ..models.presets import build_model_config, num_routed_experts
 
@@ -116,7 +117,7 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
 
     pp = cfg.parallel.pipeline_stages
     dp = world // pp
-    loss_fn = TokenWeightedLoss()
+    loss_fn = TokenWeightedLoss(mtp_depth(mcfg), cfg.train.mtp_loss_weight)
     torch.manual_seed(cfg.train.seed)
     if pp > 1:
         parts = partition(mcfg, pp, cfg.model.partition_method, cfg.data.seq_len)

@@ -1,0 +1,191 @@
+"""Multi-token prediction (DeepSeek-V3's MTP modules, depth 2 here so that chaining between depths is exercised).
+
+The reference is transformers' own MtpModel (tests/reference.py): our MTP logits equal its logits, training under
+ZeRO-1, PP=2 and EP=2 gives its single-process losses (total, main and per depth), and the HF export of a pipeline
+checkpoint loads into it through its own from_pretrained with the logits our checkpoint gives.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from deepseek_ds.config import ConfigError, load_ds_config, load_run_config, validate
+from deepseek_ds.models.layers import mtp_depth
+from deepseek_ds.models.loss import TokenWeightedLoss, count_valid_tokens
+from deepseek_ds.models.pipeline import build_model, mtp_tail_start, partition, prepare_config
+from deepseek_ds.models.presets import build_model_config
+from launch_utils import train
+from reference import mtp_logits, mtp_reference_loss, reference_losses, reference_model
+from test_checkpoint import _cli
+
+STEPS = 3
+DEPTH = 2
+SETS = [f"train.steps={STEPS}", "train.micro_batch_size=2", "train.global_batch_size=8", "data.seq_len=64",
+        "train.warmup_steps=0", "checkpoint.interval=0", f"model.overrides.num_nextn_predict_layers={DEPTH}"]
+
+
+def _cfg(data_dir: str, extra=()):
+    return load_run_config("recipes/tiny-v3.yaml", SETS + [f"data.path={data_dir}", *extra])
+
+
+def _batch(vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, vocab, (2, 41), generator=torch.Generator().manual_seed(seed))
+    return ids[:, :-1], ids[:, 1:]
+
+
+# ----------------------------------------------------------------------------------------------- in one process
+def test_mtp_logits_and_loss_equal_transformers_mtp_model(data_dir):
+    cfg = _cfg(data_dir)
+    main, mcfg, mtp = reference_model(cfg, with_mtp=True)
+    ours = build_model(mcfg, 1, cfg.train.seed).train()
+    x, y = _batch(mcfg.vocab_size)
+    with torch.no_grad():
+        expected, got = mtp_logits(main, mtp, x), ours(x)
+        assert len(got) == 1 + DEPTH
+        for k, (a, b) in enumerate(zip(expected, got)):
+            assert b.shape[1] == x.shape[1] - k  # the last k positions have no token i+k (and no target)
+            assert torch.allclose(a, b, atol=1e-5), f"depth {k}"
+        loss_fn = TokenWeightedLoss(DEPTH, cfg.train.mtp_loss_weight)
+        loss_fn.set_global_tokens(count_valid_tokens([(x, y)], DEPTH), dp_size=1, grad_accum=1)
+        loss = loss_fn(got, y)
+        ref_loss, ref_parts = mtp_reference_loss(main, mtp, x, y, cfg.train.mtp_loss_weight)
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
+    assert loss_fn.take_parts("cpu").tolist() == pytest.approx(ref_parts, rel=1e-6)
+    # The MTP modules are training-only: in evaluation the model is the main language model alone.
+    with torch.no_grad():
+        assert torch.allclose(ours.eval()(x), main(input_ids=x).logits, atol=1e-5)
+
+
+def test_mtp_modules_share_the_embedding_and_head_gradients(data_dir):
+    """The MTP loss reaches the main model's embedding (through the tied copy) and head."""
+    cfg = _cfg(data_dir)
+    mcfg = prepare_config(build_model_config("tiny-v3", overrides={"num_nextn_predict_layers": DEPTH}))
+    model = build_model(mcfg, 1, cfg.train.seed).train()
+    x, y = _batch(mcfg.vocab_size, seed=1)
+    only_mtp = TokenWeightedLoss(DEPTH, 1.0)
+    only_mtp.set_global_tokens(count_valid_tokens([(x, y)], DEPTH), 1, 1)
+    logits = model(x)
+    only_mtp((logits[0].detach(), *logits[1:]), y).backward()  # main logits detached: MTP's gradient only
+    embed, head = model.layers[0].embed_tokens.weight, model.layers[-1].lm_head.weight
+    assert embed.grad is not None and embed.grad.abs().sum() > 0
+    assert head.grad is not None and head.grad.abs().sum() > 0
+    # The main decoder layers too, through the final hidden state the first MTP module starts from.
+    assert model.layers[1].layer.input_layernorm.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("method", ["balanced", "uniform", "parameters", "type:MoELayer"])
+def test_partitions_keep_mtp_on_the_last_stage(stages, method):
+    cfg = build_model_config("tiny-v3", overrides={"num_nextn_predict_layers": DEPTH})
+    parts = partition(cfg, stages, method, seq_len=64)
+    tail = mtp_tail_start(cfg)
+    assert parts[-1] == tail + 1 + DEPTH + 1 and parts[-2] <= tail, parts  # MTP embed, D modules, head: one stage
+    assert len(parts) == stages + 1 and all(a < b for a, b in zip(parts, parts[1:]))
+
+
+def test_explicit_partition_splitting_mtp_from_the_head_is_refused():
+    cfg = build_model_config("tiny-v3", overrides={"num_nextn_predict_layers": DEPTH})
+    n = cfg.num_hidden_layers + 3 + 1 + DEPTH
+    with pytest.raises(ValueError, match="MTP modules .* must be on the last stage") as err:
+        partition(cfg, 2, f"0,{n - 1},{n}")
+    assert f"start at layer {mtp_tail_start(cfg)} or earlier" in str(err.value)
+
+
+@pytest.mark.parametrize("preset,sets,message", [
+    ("tiny-v2", ["model.overrides.num_nextn_predict_layers=1"], "multi-token prediction is DeepSeek-V3's"),
+    ("tiny-v3", ["model.overrides.num_nextn_predict_layers=1", "train.mtp_loss_weight=0"], "untrained"),
+    ("tiny-v3", ["model.overrides.num_nextn_predict_layers=1", "train.mtp_loss_weight=-1"], "must be >= 0"),
+])
+def test_bad_mtp_settings_are_refused(preset, sets, message, tmp_path):
+    cfg = load_run_config(f"recipes/{preset}.yaml", sets + [f"train.output_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=message) as err:
+        validate(cfg, load_ds_config(cfg.deepspeed_config), world_size=2, cuda_available=False)
+    assert "train.mtp_loss_weight" in str(err.value) or "num_nextn_predict_layers" in str(err.value)
+
+
+def test_published_v3_shape_has_one_mtp_module():
+    assert mtp_depth(build_model_config("deepseek-v3")) == 1
+    assert mtp_depth(build_model_config("tiny-v3")) == 0
+
+
+# ----------------------------------------------------------------------------------------------- launched runs
+@pytest.fixture(scope="module")
+def reference(data_dir):
+    parts = []
+    losses = reference_losses(_cfg(data_dir), data_dir, mtp_log=parts)
+    return losses, parts
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(data_dir, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("mtp_pp2"))
+    records = train(2, out, SETS + [f"data.path={data_dir}", "parallel.pipeline_stages=2"],
+                    ds_config="ds_configs/zero1_pp.json")
+    return out, records
+
+
+def _assert_equal_reference(records, reference):
+    losses, parts = reference
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in records] == pytest.approx(losses, rel=1e-5)
+    assert [r["lm_loss"] for r in records] == pytest.approx([p[0] for p in parts], rel=1e-5)
+    for k in range(1, DEPTH + 1):
+        assert [r[f"mtp_loss_{k}"] for r in records] == pytest.approx([p[k] for p in parts], rel=1e-5)
+    assert [r["mtp_loss"] for r in records] == pytest.approx([sum(p[1:]) / DEPTH for p in parts], rel=1e-5)
+    assert len(set(losses)) == STEPS  # the reference trains
+
+
+def test_pipeline_mtp_training_equals_reference(pipeline_run, reference):
+    _assert_equal_reference(pipeline_run[1], reference)
+
+
+@pytest.mark.parametrize("name,ds_config,extra", [
+    ("zero1", "ds_configs/zero1.json", []),
+    ("ep2-zero1", "ds_configs/zero1.json", ["parallel.expert_parallel=2"]),
+])
+def test_mtp_training_equals_reference(name, ds_config, extra, reference, data_dir, tmp_path):
+    records = train(2, str(tmp_path / name), SETS + extra + [f"data.path={data_dir}"], ds_config=ds_config)
+    _assert_equal_reference(records, reference)
+    # The MTP modules' MoE layers are balanced and reported like the others (layer index n + k - 1).
+    assert f"moe/layer{4 + DEPTH - 1}/load_ratio" in records[-1]
+
+
+def test_export_loads_in_transformers_mtp_model(pipeline_run, data_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_layers import MtpModel
+
+    from deepseek_ds.checkpoint import latest_tag
+    from deepseek_ds.evaluation import model_from_checkpoint, run_config_for
+
+    out_dir, _ = pipeline_run
+    tag = os.path.join(out_dir, "checkpoints", latest_tag(os.path.join(out_dir, "checkpoints")))
+    hf_dir = tmp_path / "hf"
+    assert _cli(["export", "hf", tag, "--out", str(hf_dir), "--dtype", "fp32", "--work-dir", str(tmp_path)]) == 0
+    assert json.loads((hf_dir / "config.json").read_text())["num_nextn_predict_layers"] == DEPTH
+    weight_map = json.loads((hf_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    n = 4
+    for k in range(DEPTH):  # the published DeepSeek-V3 layout of MTP module k
+        for key in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "embed_tokens.weight",
+                    "shared_head.head.weight", "mlp.experts.7.up_proj.weight", "mlp.gate.e_score_correction_bias",
+                    "self_attn.kv_a_proj_with_mqa.weight"):
+            assert weight_map[f"model.layers.{n + k}.{key}"] == "model-mtp.safetensors"
+
+    main = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    # transformers finds MTP weights by the published model's pattern (layer 61); point it at this model's layers.
+    main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{n + k}\..*" for k in range(DEPTH)]
+    mtp = MtpModel.from_pretrained(main).eval()
+
+    ours, mcfg = model_from_checkpoint(tag, run_config_for(tag, None, []))
+    ours.train()  # MTP outputs are produced in training mode (no dropout in these models)
+    x, _ = _batch(mcfg.vocab_size, seed=2)
+    with torch.no_grad():
+        expected, got = mtp_logits(main, mtp, x), ours(x)
+    for k, (a, b) in enumerate(zip(expected, got)):
+        assert torch.allclose(a, b, atol=1e-5), f"depth {k}"
+    # And the trained MTP modules are not the initial ones: the comparison can fail.
+    init, _, init_mtp = reference_model(_cfg(data_dir), with_mtp=True)
+    assert not torch.allclose(init_mtp.layers[0].eh_proj.weight, mtp.layers[0].eh_proj.weight)
