@@ -86,10 +86,12 @@ class EvalSection:
 @dataclass
 class MoESection:
     """DeepSeekMoE load balancing (models/moe.py). null: the model family's published value (DeepSeek-V3: bias
-    update speed 0.001, sequence-wise loss 1e-4; DeepSeek-V2: expert-level loss 0.003, device-level loss 0.05)."""
+    update speed 0.001, sequence-wise loss 1e-4; DeepSeek-V2: expert-level loss 0.003, device-level loss 0.05,
+    communication loss 0.02; the last two only for models with more than one expert group)."""
     bias_update_speed: float | None = None  # gamma of V3's auxiliary-loss-free balancing; 0: off
     seq_aux_alpha: float | None = None      # sequence-wise (V3) = expert-level (V2) balance loss factor; 0: off
     device_aux_alpha: float | None = None   # V2 device-level balance loss over the model's n_group groups; 0: off
+    comm_aux_alpha: float | None = None     # V2 communication balance loss (tokens sent to each group); 0: off
 
 
 @dataclass
@@ -420,9 +422,10 @@ def _moe_errors(cfg: RunConfig, ds: dict, mcfg) -> list[str]:
     if settings.bias_update_speed > 0 and mcfg.model_type != "deepseek_v3":
         errors.append(f"moe.bias_update_speed = {settings.bias_update_speed}: {mcfg.model_type} routers have no "
                       "e_score_correction_bias (only DeepSeek-V3's do); set it to 0")
-    if settings.device_aux_alpha > 0 and settings.device_groups == 1:
-        errors.append(f"moe.device_aux_alpha = {settings.device_aux_alpha} needs device groups, but the model's "
-                      "n_group is 1 (one group: the loss is a constant); set it to 0 or model.overrides.n_group")
+    for key in ("device_aux_alpha", "comm_aux_alpha"):
+        if getattr(settings, key) > 0 and settings.device_groups == 1:
+            errors.append(f"moe.{key} = {getattr(settings, key)} needs device groups, but the model's n_group is 1 "
+                          "(one group: the loss is a constant); set it to 0 or model.overrides.n_group")
     if "expert_parallel" in ds:
         errors.append("deepspeed_config has an 'expert_parallel' section: set parallel.expert_parallel in the run "
                       "YAML instead (deepseek-ds writes the AutoEP section for the model)")

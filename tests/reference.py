@@ -120,7 +120,8 @@ def reference_losses(cfg: RunConfig, data_dir: str, moe_log: list | None = None,
         if balancer:
             aux = balancer.after_step(skipped=False)
             if moe_log is not None:
-                moe_log.append({**aux, "biases": {name: router_bias(r).clone() for name, (_, r) in balancer.blocks.items()}})
+                moe_log.append({**aux, "biases": {name: router_bias(r).clone() for name, (_, r) in balancer.blocks.items()
+                                                  if router_bias(r) is not None}})
         sched.step()
         opt.zero_grad()
         losses.append(loss.item())

@@ -1,6 +1,7 @@
 """MoE load balancing and expert parallelism under the real launcher: every layout (ZeRO-1, PP=2, AutoEP EP=2 with
 ZeRO 1/2/3, PP=2 x DP=2 x EP=2) gives the single-process reference's LM losses, balance losses and router biases,
-on every rank; the biases stay fp32 and are in DeepSpeed's checkpoint."""
+on every rank; the biases stay fp32 and are in DeepSpeed's checkpoint. DeepSeek-V2's three balance losses, each
+logged by the training loop, equal the reference's too."""
 
 import json
 import os
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from deepseek_ds.config import load_run_config
-from launch_utils import deepspeed
+from launch_utils import deepspeed, train
 from reference import reference_losses
 
 STEPS = 4
@@ -85,3 +86,21 @@ def test_layout_equals_reference(name, ranks, ds_config, extra, reference, data_
     for layer, bias in saved.items():
         assert bias.dtype == torch.float32 and torch.equal(bias, reference["biases"][layer])
 
+
+
+def test_v2_balance_losses_equal_reference(data_dir, tmp_path):
+    """DeepSeek-V2 routing limited to 1 of 2 device groups, with its expert-, device- and communication-level balance
+    losses, trained by train.py on 2 ranks: losses and each logged balance term equal the reference's."""
+    sets = [f"train.steps={STEPS}", "train.micro_batch_size=2", "train.global_batch_size=8", "data.seq_len=64",
+            "train.warmup_steps=0", "checkpoint.interval=0", f"data.path={data_dir}", "model.overrides.n_group=2",
+            "model.overrides.topk_group=1", "model.overrides.topk_method=group_limited_greedy",
+            "moe.seq_aux_alpha=0.01", "moe.device_aux_alpha=0.05", "moe.comm_aux_alpha=0.02"]
+    log = []
+    expected = reference_losses(load_run_config("recipes/tiny-v2.yaml", sets), data_dir, log)
+    records = train(2, str(tmp_path / "v2"), sets, config="recipes/tiny-v2.yaml")
+    assert [r["loss"] for r in records] == pytest.approx(expected, rel=1e-5)
+    for key in ("aux_loss", "aux_loss_seq", "aux_loss_device", "aux_loss_comm"):
+        assert [r[key] for r in records] == pytest.approx([r[key] for r in log], rel=1e-5), key
+        assert all(r[key] > 0 for r in log), key
+    assert [r["aux_loss"] for r in records] == pytest.approx(
+        [r["aux_loss_seq"] + r["aux_loss_device"] + r["aux_loss_comm"] for r in records], rel=1e-9)

@@ -12,7 +12,7 @@ from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
 from deepseek_ds.config import MoESection, load_run_config
-from deepseek_ds.models.moe import (BalanceSettings, LoadBalancer, balance_loss_per_sequence, moe_blocks, resolve_settings,
+from deepseek_ds.models.moe import (BalanceSettings, LoadBalancer, balance_losses, moe_blocks, resolve_settings,
                                     restore_fp32_biases, snapshot_biases)
 from deepseek_ds.models.pipeline import build_model, prepare_config
 from deepseek_ds.models.presets import build_model_config
@@ -33,8 +33,8 @@ def toy_block() -> DeepseekV3MoE:
 
 
 def settings(**kw) -> BalanceSettings:
-    base = dict(bias_update_speed=GAMMA, seq_aux_alpha=0.0, device_aux_alpha=0.0, device_groups=1,
-                score_func="sigmoid", num_experts=4, top_k=1)
+    base = dict(bias_update_speed=GAMMA, seq_aux_alpha=0.0, device_aux_alpha=0.0, comm_aux_alpha=0.0, device_groups=1,
+                device_limit=1, score_func="sigmoid", num_experts=4, top_k=1)
     return BalanceSettings(**{**base, **kw})
 
 
@@ -73,8 +73,10 @@ def test_bias_update_equals_hand_computation():
     assert torch.equal(bias, want)
 
 
-def hand_balance_loss(logits, chosen, k, alpha, device_alpha=0.0, groups=1, sigmoid=True) -> float:
-    """DeepSeek-V3 eq. 17-20 and DeepSeek-V2 eq. 12-17 for one sequence, written out with Python loops."""
+def hand_balance_loss(logits, chosen, k, alpha, device_alpha=0.0, groups=1, sigmoid=True, comm_alpha=0.0,
+                      limit=1) -> list[float]:
+    """DeepSeek-V3 eq. 17-20 and DeepSeek-V2 eq. 12-20 for one sequence, written out with Python loops:
+    [sequence-wise / expert-level, device-level, communication]."""
     t, e = len(logits), len(logits[0])
     s = []
     for row in logits:
@@ -86,31 +88,36 @@ def hand_balance_loss(logits, chosen, k, alpha, device_alpha=0.0, groups=1, sigm
         s.append([v / sum(raw) for v in raw])
     f = [e / (k * t) * sum(1 for tok in chosen if i in tok) for i in range(e)]
     p = [sum(s[tok][i] for tok in range(t)) / t for i in range(e)]
-    loss = alpha * sum(fi * pi for fi, pi in zip(f, p))
+    seq = alpha * sum(fi * pi for fi, pi in zip(f, p))
+    device = comm = 0.0
     size = e // groups
     for d in range(groups):
         members = range(d * size, (d + 1) * size)
-        loss += device_alpha * (sum(f[j] for j in members) / size) * sum(p[j] for j in members)
-    return loss
+        device += device_alpha * (sum(f[j] for j in members) / size) * sum(p[j] for j in members)
+        sent = sum(1 for tok in chosen if any(j in members for j in tok))  # tokens with an expert in group d
+        comm += comm_alpha * (groups / (limit * t) * sent) * sum(p[j] for j in members)
+    return [seq, device, comm]
 
 
-@pytest.mark.parametrize("score_func,device_alpha", [("sigmoid", 0.0), ("softmax", 0.0), ("softmax", 0.05)])
-def test_balance_loss_equals_hand_computation(score_func, device_alpha):
+@pytest.mark.parametrize("score_func,device_alpha,comm_alpha", [("sigmoid", 0.0, 0.0), ("softmax", 0.0, 0.0),
+                                                                ("softmax", 0.05, 0.0), ("softmax", 0.05, 0.02)])
+def test_balance_loss_equals_hand_computation(score_func, device_alpha, comm_alpha):
     gen = torch.Generator().manual_seed(3)
-    b, t, e, k = 2, 5, 8, 2
+    b, t, e, k, groups, limit = 2, 5, 8, 3, 4, 2
     logits = torch.randn(b, t, e, generator=gen, dtype=torch.float64)
     chosen = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(b * t)]).view(b, t, k)
-    s = settings(seq_aux_alpha=0.01, device_aux_alpha=device_alpha, device_groups=4, score_func=score_func,
-                 num_experts=e, top_k=k)
-    got = balance_loss_per_sequence(logits, chosen, s)
+    s = settings(seq_aux_alpha=0.01, device_aux_alpha=device_alpha, comm_aux_alpha=comm_alpha, device_groups=groups,
+                 device_limit=limit, score_func=score_func, num_experts=e, top_k=k)
+    got = balance_losses(logits, chosen, s)
     for i in range(b):
-        want = hand_balance_loss(logits[i].tolist(), chosen[i].tolist(), k, 0.01, device_alpha, 4,
-                                 sigmoid=score_func == "sigmoid")
-        assert float(got[i]) == pytest.approx(want, rel=1e-6)
-    # Perfect balance gives alpha exactly (sum_i f_i P_i = 1): the loss measures imbalance, not scale.
-    uniform = balance_loss_per_sequence(torch.zeros(1, 4, 4), torch.arange(4).view(1, 4, 1),
-                                        settings(seq_aux_alpha=0.01, score_func=score_func))
-    assert float(uniform) == pytest.approx(0.01, rel=1e-6)
+        want = hand_balance_loss(logits[i].tolist(), chosen[i].tolist(), k, 0.01, device_alpha, groups,
+                                 sigmoid=score_func == "sigmoid", comm_alpha=comm_alpha, limit=limit)
+        assert got[i].tolist() == pytest.approx(want, rel=1e-6)
+    # Perfect balance gives alpha exactly (sum_i f_i P_i = 1): the loss measures imbalance, not scale. So does the
+    # communication loss when every token's experts span exactly M groups, equally often.
+    uniform = balance_losses(torch.zeros(1, 4, 4), torch.arange(4).view(1, 4, 1),
+                             settings(seq_aux_alpha=0.01, comm_aux_alpha=0.02, device_groups=2, score_func=score_func))
+    assert uniform[0].tolist() == pytest.approx([0.01, 0.0, 0.02], rel=1e-6)
 
 
 def test_balance_loss_gradient_through_hooks_equals_adding_it_to_the_loss():
@@ -132,7 +139,7 @@ def test_balance_loss_gradient_through_hooks_equals_adding_it_to_the_loss():
 
     out = by_hand(x)
     logits, _, idx = by_hand.gate(x)
-    aux = balance_loss_per_sequence(logits.view(3, 7, -1), idx.view(3, 7, -1), s).sum()
+    aux = balance_losses(logits.view(3, 7, -1), idx.view(3, 7, -1), s).sum()
     main = (out * w).sum()
     without_aux = torch.autograd.grad(main, by_hand.gate.weight, retain_graph=True)[0]
     (main + scale * aux).backward()
@@ -141,16 +148,21 @@ def test_balance_loss_gradient_through_hooks_equals_adding_it_to_the_loss():
     # The router weight really receives the balance loss's gradient: without it the gradient is another.
     grad = hooked.gate.weight.grad
     assert (grad - without_aux).abs().max() > 100 * (grad - by_hand.gate.weight.grad).abs().max()
-    # The logged value is the mean over the global batch's sequences.
-    assert balancer.after_step(skipped=False)["aux_loss"] == pytest.approx(float(aux.detach()) / 6, rel=1e-9)
+    # The logged value is the mean over the global batch's sequences, with its one active term.
+    logged = balancer.after_step(skipped=False)
+    assert logged["aux_loss"] == pytest.approx(float(aux.detach()) / 6, rel=1e-9)
+    assert logged["aux_loss_seq"] == logged["aux_loss"] and "aux_loss_device" not in logged
 
 
 def test_family_defaults_and_overrides():
     v3 = resolve_settings(MoESection(), build_model_config("tiny-v3"))
     assert (v3.bias_update_speed, v3.seq_aux_alpha, v3.device_aux_alpha, v3.score_func) == (1e-3, 1e-4, 0.0, "sigmoid")
     v2 = resolve_settings(MoESection(), build_model_config("tiny-v2", overrides={"n_group": 2}))
-    assert (v2.bias_update_speed, v2.seq_aux_alpha, v2.device_aux_alpha, v2.score_func) == (0.0, 3e-3, 0.05, "softmax")
-    assert resolve_settings(MoESection(), build_model_config("tiny-v2")).device_aux_alpha == 0.0  # n_group 1
+    assert (v2.bias_update_speed, v2.seq_aux_alpha, v2.device_aux_alpha, v2.comm_aux_alpha, v2.score_func) == \
+        (0.0, 3e-3, 0.05, 0.02, "softmax")
+    one_group = resolve_settings(MoESection(), build_model_config("tiny-v2"))
+    assert (one_group.device_aux_alpha, one_group.comm_aux_alpha) == (0.0, 0.0)  # n_group 1
+    assert resolve_settings(MoESection(), build_model_config("deepseek-v2")).device_limit == 3  # M of DeepSeek-V2
     assert resolve_settings(MoESection(), build_model_config("tiny-dense")) is None
     cfg = load_run_config("recipes/tiny-v3.yaml", ["moe.bias_update_speed=0", "moe.seq_aux_alpha=2e-4"])
     off = resolve_settings(cfg.moe, build_model_config("tiny-v3"))
@@ -204,6 +216,7 @@ def test_bias_stays_fp32_when_deepspeed_casts_buffers():
     (["moe.seq_aux_alpha=-1"], "moe.seq_aux_alpha = -1.0 must be >= 0"),
     (["model.preset=tiny-v2", "moe.bias_update_speed=0.001"], "deepseek_v2 routers have no e_score_correction_bias"),
     (["model.preset=tiny-v2", "moe.device_aux_alpha=0.05"], "n_group is 1"),
+    (["model.preset=tiny-v2", "moe.comm_aux_alpha=0.02"], "moe.comm_aux_alpha = 0.02 needs device groups"),
     (["model.preset=tiny-dense", "moe.seq_aux_alpha=0.001"], "is dense"),
     # 4 ranks, PP=2 x DP=2 x EP=2 with stage 0 = embedding + the dense layer 0 only: AutoEP would find no experts.
     (["parallel.pipeline_stages=2", "parallel.expert_parallel=2", "model.partition_method=counts:2,5"],

@@ -4,7 +4,7 @@
   `e_score_correction_bias` moves by gamma * sign(mean load - load), the load being the tokens routed to each
   expert in that step, summed over the data-parallel ranks (which see different data).
 - Sequence-wise balance loss (V3 eq. 17-20; the same per-sequence formula is V2's expert-level loss, eq. 12-14,
-  on softmax scores) and V2's device-level balance loss (eq. 15-17).
+  on softmax scores), V2's device-level balance loss (eq. 15-17) and V2's communication balance loss (eq. 18-20).
 
 Everything is attached with forward hooks, so the model stays transformers' own: a hook on each router keeps its
 logits and top-k choice, a hook on the MoE block (which sees the (batch, seq, hidden) shape the router does not)
@@ -32,9 +32,11 @@ BIAS = "e_score_correction_bias"
 # The published settings (DeepSeek-V3 tech report sec. 4.2; DeepSeek-V2 paper sec. 3.1.2), used where the run
 # config leaves a key null. V2's routers have no correction bias; its device-level loss needs device groups.
 FAMILY_DEFAULTS = {
-    "deepseek_v3": {"bias_update_speed": 1e-3, "seq_aux_alpha": 1e-4, "device_aux_alpha": 0.0},
-    "deepseek_v2": {"bias_update_speed": 0.0, "seq_aux_alpha": 3e-3, "device_aux_alpha": 0.05},
+    "deepseek_v3": {"bias_update_speed": 1e-3, "seq_aux_alpha": 1e-4, "device_aux_alpha": 0.0, "comm_aux_alpha": 0.0},
+    "deepseek_v2": {"bias_update_speed": 0.0, "seq_aux_alpha": 3e-3, "device_aux_alpha": 0.05, "comm_aux_alpha": 0.02},
 }
+# The balance losses, in the order balance_losses returns them; logged as aux_loss_<name>.
+AUX_TERMS = ("seq", "device", "comm")
 
 
 @dataclass(frozen=True)
@@ -42,14 +44,16 @@ class BalanceSettings:
     bias_update_speed: float   # gamma; 0: off
     seq_aux_alpha: float       # sequence-wise (V3) / expert-level (V2) balance loss factor; 0: off
     device_aux_alpha: float    # V2 device-level balance loss factor; 0: off
+    comm_aux_alpha: float      # V2 communication balance loss factor; 0: off
     device_groups: int         # experts split into this many contiguous device groups (the model's n_group)
+    device_limit: int          # M: the most device groups one token's experts may span (the model's topk_group)
     score_func: str            # "sigmoid" (V3) or "softmax" (V2)
     num_experts: int
     top_k: int
 
     @property
     def has_aux(self) -> bool:
-        return self.seq_aux_alpha > 0 or self.device_aux_alpha > 0
+        return self.seq_aux_alpha > 0 or self.device_aux_alpha > 0 or self.comm_aux_alpha > 0
 
     @property
     def active(self) -> bool:
@@ -63,17 +67,22 @@ def resolve_settings(section, config) -> BalanceSettings | None:
         return None
     groups = int(getattr(config, "n_group", 1) or 1)
     values = {k: float(v if (v := getattr(section, k)) is not None else d) for k, d in defaults.items()}
-    if section.device_aux_alpha is None and groups == 1:
-        values["device_aux_alpha"] = 0.0  # one device group: the loss is a constant
-    return BalanceSettings(**values, device_groups=groups,
+    for key in ("device_aux_alpha", "comm_aux_alpha"):
+        if getattr(section, key) is None and groups == 1:
+            values[key] = 0.0  # one device group: the loss is a constant
+    return BalanceSettings(**values, device_groups=groups, device_limit=int(getattr(config, "topk_group", 1) or groups),
                            score_func="sigmoid" if config.model_type == "deepseek_v3" else "softmax",
                            num_experts=int(config.n_routed_experts), top_k=int(config.num_experts_per_tok))
 
 
 # ----------------------------------------------------------------------------------------------- the losses
-def balance_loss_per_sequence(logits: torch.Tensor, indices: torch.Tensor, s: BalanceSettings) -> torch.Tensor:
-    """alpha * sum_i f_i P_i (+ the device-level term) for each sequence: logits (B, T, E), indices (B, T, K) -> (B,).
-    f_i = E / (K T) * tokens of the sequence routed to i; P_i = mean over its tokens of the normalised affinity."""
+def balance_losses(logits: torch.Tensor, indices: torch.Tensor, s: BalanceSettings) -> torch.Tensor:
+    """Each sequence's balance losses, weighted by their alphas, in AUX_TERMS order: logits (B, T, E), indices
+    (B, T, K) -> (B, 3). With f_i = E / (K T) * tokens of the sequence routed to expert i, P_i = mean over its tokens
+    of the normalised affinity, D device groups E_d of experts and M = device_limit:
+      seq     alpha1 * sum_i f_i P_i
+      device  alpha2 * sum_d (mean_{i in E_d} f_i) (sum_{i in E_d} P_i)
+      comm    alpha3 * sum_d f''_d (sum_{i in E_d} P_i),  f''_d = D / (M T) * tokens of the sequence sent to group d."""
     b, t, e = logits.shape
     scores = logits.float().sigmoid() if s.score_func == "sigmoid" else logits.float().softmax(-1)
     if s.score_func == "sigmoid":
@@ -82,11 +91,18 @@ def balance_loss_per_sequence(logits: torch.Tensor, indices: torch.Tensor, s: Ba
     counts = torch.zeros(b, e, dtype=p.dtype, device=p.device)
     counts.scatter_add_(1, indices.reshape(b, -1), torch.ones(b, indices[0].numel(), dtype=p.dtype, device=p.device))
     f = counts * (e / (s.top_k * t))
-    loss = s.seq_aux_alpha * (f * p).sum(-1)
+    out = torch.zeros(b, len(AUX_TERMS), dtype=p.dtype, device=p.device)
+    out[:, 0] = s.seq_aux_alpha * (f * p).sum(-1)
+    d = s.device_groups
+    p_group = p.view(b, d, -1).sum(-1)
     if s.device_aux_alpha > 0:
-        d = s.device_groups
-        loss = loss + s.device_aux_alpha * (f.view(b, d, -1).mean(-1) * p.view(b, d, -1).sum(-1)).sum(-1)
-    return loss
+        out[:, 1] = s.device_aux_alpha * (f.view(b, d, -1).mean(-1) * p_group).sum(-1)
+    if s.comm_aux_alpha > 0:
+        groups = indices.reshape(b, t, -1) // (e // d)
+        sent = torch.zeros(b, t, d, dtype=p.dtype, device=p.device).scatter_(2, groups, 1.0)  # token t -> group d
+        f_comm = sent.sum(1) * (d / (s.device_limit * t))
+        out[:, 2] = s.comm_aux_alpha * (f_comm * p_group).sum(-1)
+    return out
 
 
 class _AuxLossGrad(torch.autograd.Function):
@@ -167,7 +183,7 @@ class LoadBalancer:
         self.blocks = moe_blocks(model)
         self.routers = [router for _, router in self.blocks.values()]
         self.counts = torch.zeros(len(self.blocks), settings.num_experts, dtype=torch.float64, device=device)
-        self.aux_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.aux_sums = torch.zeros(len(AUX_TERMS), dtype=torch.float64, device=device)
         self._routed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for row, (block, router) in enumerate(self.blocks.values()):
             router.register_forward_hook(partial(self._on_router, row))
@@ -192,9 +208,10 @@ class LoadBalancer:
         if not self.s.has_aux:
             return None
         b, t = args[0].shape[:2]
-        aux = balance_loss_per_sequence(logits.view(b, t, -1), indices.view(b, t, -1), self.s).sum()
+        terms = balance_losses(logits.view(b, t, -1), indices.view(b, t, -1), self.s).sum(0)
+        aux = terms.sum()
         if counting:
-            self.aux_sum += aux.detach().double()
+            self.aux_sums += terms.detach().double()
         scale = self.aux_grad_scale * (self.loss_scale() if self.loss_scale else 1.0)
         return _AuxLossGrad.apply(output, aux, scale)
 
@@ -202,10 +219,13 @@ class LoadBalancer:
         """Bias update from this step's load (none when DeepSpeed skipped the step), then reset the counts."""
         metrics = {}
         if self.s.has_aux:
-            total = self.aux_sum.clone()
+            total = self.aux_sums.clone()
             if dist.is_initialized():
                 dist.all_reduce(total)  # every stage's layers, every replica's sequences
-            metrics["aux_loss"] = float(total) / self.global_batch_size
+            means = (total / self.global_batch_size).tolist()
+            metrics["aux_loss"] = sum(means)
+            alphas = (self.s.seq_aux_alpha, self.s.device_aux_alpha, self.s.comm_aux_alpha)
+            metrics.update({f"aux_loss_{name}": v for name, v, a in zip(AUX_TERMS, means, alphas) if a > 0})
         if self.s.bias_update_speed > 0 and not skipped and self.routers:
             load = self.counts.clone()
             if dist.is_initialized():
@@ -216,7 +236,7 @@ class LoadBalancer:
                     bias = router_bias(router)
                     bias.add_(step.to(bias.dtype))
         self.counts.zero_()
-        self.aux_sum.zero_()
+        self.aux_sums.zero_()
         return metrics
 
 
