@@ -62,6 +62,19 @@ def release_shm_buffers() -> None:
         os.unlink(name)
 
 
+def share_cpu_threads() -> int | None:
+    """On CPU, give each local rank its share of the cores, as torchrun does, unless OMP_NUM_THREADS is set. With
+    torch's default (every rank one thread per core) the ranks' spinning OpenMP threads starve each other: a
+    2-rank run on 2 cores ran many times slower. Returns the thread count it set, if any."""
+    from ..bench.report import usable_cpus
+
+    if "OMP_NUM_THREADS" in os.environ or get_accelerator().device_name() != "cpu":
+        return None
+    threads = max(1, usable_cpus() // int(os.environ.get("LOCAL_SIZE", 1)))
+    torch.set_num_threads(threads)
+    return threads
+
+
 def setup_logging(output_dir: str, rank: int) -> logging.Logger:
     """Every rank logs to its own file (for post-mortems); only rank 0 also talks on the console.
     DeepSpeed's own INFO chatter goes to the files, not the terminal."""
@@ -104,7 +117,10 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
     from ..data import DataError, PackedDataset, dataset_info
 
     rank, world = init_distributed(cfg.train.dist_timeout_s)
+    threads = share_cpu_threads()
     log = setup_logging(cfg.train.output_dir, rank)
+    if threads is not None:
+        log.info("CPU: %d torch threads per rank (set OMP_NUM_THREADS to choose)", threads)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     dataset_dir = prepare_data(cfg, local_rank)
     mcfg = prepare_config(build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides),
