@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from deepseek_ds.data import GlobalBatchSampler, micro_batches
 from deepseek_ds.models.moe import moe_blocks, router_bias
-from deepseek_ds.training.loop import train_step
+from deepseek_ds.training.loop import start_lr_schedule, train_step
 from deepseek_ds.training.main import load_and_validate, parse_args
 from deepseek_ds.training.setup import build_run
 
@@ -21,7 +21,7 @@ def main(argv: list[str]) -> int:
     cfg, ds = load_and_validate(args, int(os.environ["WORLD_SIZE"]))
     run = build_run(cfg, ds)
     engine, out = run.engine, cfg.train.output_dir
-    engine.lr_scheduler.step()  # as the training loop does: the first step is not at lr 0
+    start_lr_schedule(engine)  # as the training loop does: the first step is not at lr 0
     sampler = GlobalBatchSampler(len(run.dataset), cfg.train.global_batch_size, cfg.train.micro_batch_size,
                                  run.dp_rank, run.dp_size, cfg.train.seed, shuffle=cfg.train.shuffle)
     batches = micro_batches(run.dataset, sampler)

@@ -202,14 +202,6 @@ def device_name(device: torch.device) -> str:
 
 
 # ------------------------------------------------------------------------------------------ one variant
-def _start_schedule(engine) -> None:
-    # As training.loop.train does for a fresh run: DeepSpeed's warm-up schedulers report lr 0 until their first
-    # step(), which would make the first optimizer step a no-op and hide differences between ZeRO stages.
-    sched = engine.lr_scheduler
-    if sched is not None and getattr(sched, "last_batch_iteration", 0) == -1:
-        sched.step()
-
-
 def _close_logs(run) -> None:
     """setup_logging adds a file handler to DeepSpeed's logger per build; the next variant adds its own."""
     import deepspeed
@@ -231,7 +223,7 @@ def _free_memory() -> None:
 def measure(args: argparse.Namespace, world: int, global_batch_size: int) -> dict:
     from ..config import precision, zero_stage
     from ..data import GlobalBatchSampler, micro_batches
-    from ..training.loop import train_step
+    from ..training.loop import start_lr_schedule, train_step
     from ..training.main import load_and_validate
     from ..training.metrics import flops_per_token, peak_tflops
     from ..training.setup import build_run
@@ -241,7 +233,7 @@ def measure(args: argparse.Namespace, world: int, global_batch_size: int) -> dic
     cfg, ds = load_and_validate(ns, world)
     run = build_run(cfg, ds)
     engine = run.engine
-    _start_schedule(engine)
+    start_lr_schedule(engine)
     clock, probe = PhaseClock(engine.device), StateProbe(engine)
     instrument(engine, clock, probe)
     sampler = GlobalBatchSampler(len(run.dataset), cfg.train.global_batch_size, cfg.train.micro_batch_size,

@@ -44,6 +44,14 @@ def train_step(run: Run, micro_batches: list) -> float:
     return float(_all_reduce(total, run.dp_group).item() / (run.dp_size * run.grad_accum))
 
 
+def start_lr_schedule(engine) -> None:
+    """DeepSpeed's warm-up schedulers report lr 0 until their first step(): without this the first optimizer step
+    of a fresh run would be wasted at lr 0."""
+    sched = engine.lr_scheduler
+    if sched is not None and getattr(sched, "last_batch_iteration", 0) == -1:
+        sched.step()
+
+
 def mtp_loss_breakdown(run: Run) -> dict[str, float]:
     """The main LM loss and each MTP depth's loss of the step that just ended (a collective: every rank calls it).
     `loss` is what was optimised, lm_loss + mtp_loss_weight x mtp_loss."""
@@ -65,11 +73,8 @@ def train(run: Run) -> dict:
     ckpt_dir = cfg.checkpoint_dir
     stop = checkpoint.StopOnSignal(engine.device)  # SIGTERM/SIGINT: finish the step, save, exit cleanly
     state = checkpoint.resume(run) or {}
-    sched = engine.lr_scheduler
-    if not state and sched is not None and getattr(sched, "last_batch_iteration", 0) == -1:
-        # DeepSpeed's warm-up schedulers report lr 0 until their first step(): without this the first
-        # optimizer step of a fresh run would be wasted at lr 0.
-        sched.step()
+    if not state:
+        start_lr_schedule(engine)
     start_step = int(state.get("step", 0))
     consumed = int(state.get("consumed_samples", 0))
     if start_step and is_rank0:
