@@ -144,7 +144,7 @@ def test_deepseek_v3_16_stage_balance():
     parts = partition(cfg, 16)
     table = partition_table(cfg, parts)
     shares = [float(line.split()[-1].rstrip("%")) for line in table.splitlines()[1:]]
-    assert len(shares) == 16 and abs(sum(shares) - 100) < 0.5
+    assert len(shares) == 16 and abs(sum(shares) - 100) <= 16 * 0.05 + 1e-9  # each printed share rounded to 0.1%
     assert max(shares) <= 1.5 * (100 / 16)
 
 
