@@ -102,19 +102,34 @@ class Layout:
     pipeline_parts: tuple[int, ...] | None
     zero_stage: int
     precision: str
+    expert_parallel: int = 1
 
     @property
     def scheme(self) -> str:
         return PIPELINE if self.pipeline_stages > 1 else SEQUENTIAL
 
+    @property
+    def autoep(self) -> bool:
+        """Whether DeepSpeed's AutoEP replaced the MoE blocks (it names their tensors differently)."""
+        return self.expert_parallel > 1
+
     def describe(self) -> str:
-        return f"dp={self.data_parallel} pp={self.pipeline_stages} zero={self.zero_stage} {self.precision}"
+        return (f"dp={self.data_parallel} pp={self.pipeline_stages} ep={self.expert_parallel} zero={self.zero_stage} "
+                f"{self.precision}")
 
     @classmethod
     def from_dict(cls, d: dict) -> "Layout":
         parts = d.get("pipeline_parts")
         return cls(d["data_parallel"], d["pipeline_stages"], tuple(parts) if parts else None, d["zero_stage"],
-                   d["precision"])
+                   d["precision"], d.get("expert_parallel", 1))
+
+
+def saved_layout(meta: dict) -> Layout:
+    """The layout of a checkpoint. Checkpoints written before the layout recorded expert parallelism have it in
+    their run config."""
+    layout = dict(meta["layout"])
+    layout.setdefault("expert_parallel", meta["run_config"].get("parallel", {}).get("expert_parallel", 1))
+    return Layout.from_dict(layout)
 
 
 def current_layout(run) -> Layout:
@@ -122,7 +137,7 @@ def current_layout(run) -> Layout:
     precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
     parts = tuple(int(p) for p in engine.module.parts) if run.pipeline else None
     return Layout(run.dp_size, run.cfg.parallel.pipeline_stages, parts, int(engine.zero_optimization_stage()),
-                  precision)
+                  precision, run.cfg.parallel.expert_parallel)
 
 
 def model_fingerprint(config) -> dict:
@@ -306,7 +321,8 @@ def _save_buffers(tag_dir: str, run) -> None:
 
     from .checkpoint_universal import layout_names
 
-    names = layout_names(run.model_config, current_layout(run).scheme)
+    layout = current_layout(run)
+    names = layout_names(run.model_config, layout.scheme, layout.autoep)
     tensors = {names[k]: v.detach().cpu().contiguous() for k, v in _local_buffers(run).items() if k in names}
     stage = run.engine.stage_id if run.pipeline else 0
     os.makedirs(os.path.join(tag_dir, "buffers"), exist_ok=True)
@@ -327,7 +343,8 @@ def read_buffers(tag_dir: str) -> dict[str, torch.Tensor]:
 def _restore_buffers(run, tag_dir: str) -> None:
     from .checkpoint_universal import layout_names
 
-    names = layout_names(run.model_config, current_layout(run).scheme)
+    layout = current_layout(run)
+    names = layout_names(run.model_config, layout.scheme, layout.autoep)
     saved = read_buffers(tag_dir)
     with torch.no_grad():
         for key, buf in _local_buffers(run).items():
@@ -361,12 +378,23 @@ def _loads_natively(saved: Layout, now: Layout) -> bool:
     rank holds the whole optimizer state of its pipeline stage)."""
     same_pipeline = (saved.pipeline_stages, saved.pipeline_parts) == (now.pipeline_stages, now.pipeline_parts)
     return saved == now or (saved.zero_stage == now.zero_stage == 0 and saved.precision == now.precision
-                            and same_pipeline)
+                            and same_pipeline and saved.expert_parallel == now.expert_parallel)
 
 
 def _check_reshardable(tag_dir: str, saved: Layout, now: Layout) -> None:
     fix = ("resume with the saved layout, or `deepseek-ds export hf` it and start a new run from the export "
            "with model.path")
+    if saved.expert_parallel != now.expert_parallel:
+        # Refused, not resharded: with EP 1 and > 1 the MoE blocks are different modules (transformers' gate and fused
+        # experts; AutoEP's router and grouped w1/w2/w3), which DeepSpeed's universal loader does not map onto each
+        # other; between two AutoEP sizes it would restore the experts' optimizer group under the saved group name
+        # (ep_size_<saved size>).
+        raise CheckpointError(f"checkpoint {tag_dir} ({saved.describe()}) cannot be resumed as {now.describe()}: "
+                              f"parallel.expert_parallel = {now.expert_parallel} but the checkpoint was trained with "
+                              f"{saved.expert_parallel}, and DeepSpeed moves a checkpoint only between runs of the same "
+                              f"expert-parallel size; set parallel.expert_parallel = {saved.expert_parallel} (the "
+                              "data-parallel size and ZeRO stage may change), or `deepseek-ds export hf` it and start "
+                              "a new run from the export with model.path")
     if 0 in (saved.zero_stage, now.zero_stage):
         raise CheckpointError(f"checkpoint {tag_dir} ({saved.describe()}) cannot be resumed as {now.describe()}: "
                               f"resharding goes through DeepSpeed universal checkpoints, which need ZeRO >= 1 on "
@@ -392,7 +420,7 @@ def resume(run) -> dict | None:
     tag_dir = os.path.join(ckpt_dir, tag)
     meta = read_meta(tag_dir)
     check_compatible(tag_dir, meta, run.model_config, dataset_info(run.dataset_dir)["tokenizer_hash"])
-    saved, now = Layout.from_dict(meta["layout"]), current_layout(run)
+    saved, now = saved_layout(meta), current_layout(run)
     with trusted_types_only():
         if _loads_natively(saved, now):
             path, _ = run.engine.load_checkpoint(ckpt_dir, tag=tag)

@@ -12,7 +12,7 @@ def _size_gb(path: str) -> float:
 
 
 def cmd_list(args) -> int:
-    from .checkpoint import PIPELINE, SEQUENTIAL, Layout, complete_tags, read_meta
+    from .checkpoint import PIPELINE, SEQUENTIAL, complete_tags, read_meta, saved_layout
     from .checkpoint_universal import is_converted, universal_dir
 
     tags = complete_tags(args.checkpoint_dir)
@@ -24,7 +24,7 @@ def cmd_list(args) -> int:
         meta = read_meta(tag_dir)
         converted = [s for s in (SEQUENTIAL, PIPELINE) if is_converted(universal_dir(tag_dir, s))]
         print(f"{tag}  step {meta['step']:>8}  samples {meta['consumed_samples']:>10}  "
-              f"{Layout.from_dict(meta['layout']).describe():<24} {_size_gb(tag_dir):8.3f} GB  {meta['saved_at']}"
+              f"{saved_layout(meta).describe():<28} {_size_gb(tag_dir):8.3f} GB  {meta['saved_at']}"
               + (f"  universal: {', '.join(converted)}" if converted else ""))
     return 0
 

@@ -21,6 +21,7 @@ import math
 import os
 import re
 import sys
+import tempfile
 from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass
 
@@ -143,12 +144,15 @@ def run_config_for(tag_dir: str, config: str | None, sets: list[str]):
     return run_config_from_dict(apply_overrides(read_meta(tag_dir)["run_config"], sets))
 
 
-def load_weights(model, tag_dir: str) -> None:
+def load_weights(model, tag_dir: str, config) -> None:
     """Load a DeepSpeed checkpoint's weights into a SequentialLM, whatever layout wrote it: pipeline per-layer
     files, the fp32 master weights of ZeRO 1/2/3 (consolidated by DeepSpeed's zero_to_fp32, any world size),
-    or the one model-states file of ZeRO-0."""
-    from .checkpoint import trusted_types_only
+    the one model-states file of ZeRO-0, or the experts of an expert-parallel run."""
+    from .checkpoint import read_meta, saved_layout, trusted_types_only
 
+    if saved_layout(read_meta(tag_dir)).autoep:
+        model.load_state_dict(_autoep_weights(tag_dir, config))
+        return
     with trusted_types_only():
         layer_files = [f for f in glob.glob(os.path.join(tag_dir, "layer_*-model_states.pt")) if _LAYER_FILE.search(f)]
         if layer_files:
@@ -170,6 +174,18 @@ def load_weights(model, tag_dir: str) -> None:
     model.load_state_dict(module)
 
 
+def _autoep_weights(tag_dir: str, config) -> dict[str, torch.Tensor]:
+    """An expert-parallel checkpoint's weights by SequentialLM name. zero_to_fp32 takes AutoEP's per-expert files for
+    model-states files and fails; the export's reader (a universal conversion) knows them and names tensors the HF
+    way, which SequentialLM's names map to."""
+    from .checkpoint import SEQUENTIAL
+    from .checkpoint_universal import hf_state_dict_from_checkpoint, layout_names
+
+    with tempfile.TemporaryDirectory() as tmp:
+        weights = hf_state_dict_from_checkpoint(tag_dir, config, tmp)
+    return {name: weights[hf] for name, hf in layout_names(config, SEQUENTIAL).items()}
+
+
 def model_from_checkpoint(tag_dir: str, cfg):
     """(SequentialLM with the checkpoint's weights in fp32, its transformers config)."""
     from .models.pipeline import build_model, prepare_config
@@ -178,7 +194,7 @@ def model_from_checkpoint(tag_dir: str, cfg):
     mcfg = prepare_config(build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides),
                           cfg.model.attn_implementation, cfg.model.experts_implementation)
     model = build_model(mcfg, 1, cfg.train.seed)
-    load_weights(model, tag_dir)
+    load_weights(model, tag_dir, mcfg)
     return model, mcfg
 
 
