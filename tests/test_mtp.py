@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from deepseek_ds.models.pipeline import build_model, mtp_tail_start, partition, 
 from deepseek_ds.models.presets import build_model_config
 from launch_utils import train
 from reference import mtp_logits, mtp_reference_loss, reference_losses, reference_model
-from test_checkpoint import _cli
+from test_checkpoint import _cli, fresh_ckpt_dir
 
 STEPS = 3
 DEPTH = 2
@@ -123,7 +124,7 @@ def reference(data_dir):
 @pytest.fixture(scope="module")
 def pipeline_run(data_dir, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("mtp_pp2"))
-    records = train(2, out, SETS + [f"data.path={data_dir}", "parallel.pipeline_stages=2"],
+    records = train(2, out, SETS + [f"data.path={data_dir}", "parallel.pipeline_stages=2", "checkpoint.interval=2"],
                     ds_config="ds_configs/zero1_pp.json")
     return out, records
 
@@ -141,6 +142,18 @@ def _assert_equal_reference(records, reference):
 
 def test_pipeline_mtp_training_equals_reference(pipeline_run, reference):
     _assert_equal_reference(pipeline_run[1], reference)
+
+
+def test_pipeline_mtp_checkpoint_resumes_on_one_rank(pipeline_run, data_dir, tmp_path):
+    """PP=2 -> one process through a universal checkpoint: the tied embedding (`tied_modules.embed` on both stages)
+    and the MTP modules map onto SequentialLM's names, and the resumed step 3 repeats the run's losses."""
+    out, records = pipeline_run
+    ckpt = fresh_ckpt_dir(Path(out) / "checkpoints" / "step00000002", tmp_path / "ckpt")
+    resumed = train(1, str(tmp_path / "resumed"), SETS + [f"data.path={data_dir}", f"checkpoint.dir={ckpt}"],
+                    ds_config="ds_configs/zero1.json")
+    assert [r["step"] for r in resumed] == [3]
+    for key in ("loss", "lm_loss", "mtp_loss_1", "mtp_loss_2"):
+        assert resumed[0][key] == pytest.approx(records[2][key], rel=1e-5), key
 
 
 @pytest.mark.parametrize("name,ds_config,extra", [
