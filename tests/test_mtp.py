@@ -108,6 +108,23 @@ def test_bad_mtp_settings_are_refused(preset, sets, message, tmp_path):
     assert "train.mtp_loss_weight" in str(err.value) or "num_nextn_predict_layers" in str(err.value)
 
 
+def test_flops_per_token_count_the_mtp_modules():
+    """Each MTP module adds 6 x its active parameters (its MoE layer with top-k of the routed experts, eh_proj,
+    norms), one more head projection and one more layer's attention, counted here from the module itself."""
+    from deepseek_ds.models.layers import MTPLayerPipe
+    from deepseek_ds.training.metrics import flops_per_token
+
+    seq = 64
+    base = prepare_config(build_model_config("tiny-v3"))
+    mcfg = prepare_config(build_model_config("tiny-v3", overrides={"num_nextn_predict_layers": 1}))
+    module = MTPLayerPipe(mcfg, mcfg.num_hidden_layers)
+    routed = sum(p.numel() for p in module.layer.mlp.experts.parameters())
+    active = sum(p.numel() for p in module.parameters()) - routed + routed * mcfg.num_experts_per_tok // mcfg.n_routed_experts
+    head = mcfg.vocab_size * mcfg.hidden_size
+    attention = 6 * mcfg.num_attention_heads * seq * (mcfg.qk_nope_head_dim + mcfg.qk_rope_head_dim + mcfg.v_head_dim) / 2
+    assert flops_per_token(mcfg, seq) - flops_per_token(base, seq) == pytest.approx(6 * (active + head) + attention)
+
+
 def test_published_v3_shape_has_one_mtp_module():
     assert mtp_depth(build_model_config("deepseek-v3")) == 1
     assert mtp_depth(build_model_config("tiny-v3")) == 0

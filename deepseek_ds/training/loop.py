@@ -158,6 +158,7 @@ def train(run: Run) -> dict:
             log.info("\n".join([
                 "done:",
                 f"  loss        {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over {summary['steps']} steps",
+                *_mtp_lines(recs),
                 f"  throughput  {summary['tokens_per_sec']:.0f} tokens/s ({run.world} ranks)",
                 *_validation_lines(recs),
                 f"  checkpoint  {last_saved}",
@@ -165,6 +166,14 @@ def train(run: Run) -> dict:
                 f"  loss curve  {summary['plot']}",
             ]))
     return summary
+
+
+def _mtp_lines(records: list[dict]) -> list[str]:
+    if "lm_loss" not in records[0]:
+        return []
+    first, last = records[0], records[-1]
+    return [f"  of which    main {first['lm_loss']:.4f} -> {last['lm_loss']:.4f}, "
+            f"MTP {first['mtp_loss']:.4f} -> {last['mtp_loss']:.4f}"]
 
 
 def _validation_lines(records: list[dict]) -> list[str]:
