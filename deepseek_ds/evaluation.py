@@ -158,7 +158,7 @@ def load_weights(model, tag_dir: str, config) -> None:
         if layer_files:
             for f in layer_files:
                 idx = int(_LAYER_FILE.search(f).group(1))
-                # A tied head has no file of its own; SequentialLM.layers holds every other layer in spec order.
+                # A tied layer's later uses have no file of their own; SequentialLM.layers[i] is spec i.
                 model.layers[idx].load_state_dict(torch.load(f, map_location="cpu", weights_only=True))
             return
         states = torch.load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), map_location="cpu", weights_only=True)

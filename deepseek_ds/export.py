@@ -82,7 +82,8 @@ def export_hf(checkpoint: str, out: str, dtype: str = "bf16", data_dir: str | No
               max_shard_size: str = "5GB", work_dir: str | None = None) -> str:
     """Write a from_pretrained-ready directory: config.json, sharded safetensors (fused experts converted to the
     per-expert layout by save_pretrained), the MTP modules in the published layout (model-mtp.safetensors, which
-    transformers' MtpModel.from_pretrained reads), and the tokenizer of the data the checkpoint was trained on."""
+    transformers' MtpModel.from_pretrained reads: it finds them by V3's `model.layers.61.*`, other shapes need that
+    pattern set on the main model), and the tokenizer of the data the checkpoint was trained on."""
     from .data import dataset_info, load_tokenizer
 
     with tempfile.TemporaryDirectory(dir=work_dir) as tmp:

@@ -78,6 +78,32 @@ def test_mtp_modules_share_the_embedding_and_head_gradients(data_dir):
     assert model.layers[1].layer.input_layernorm.weight.grad.abs().sum() > 0
 
 
+def test_hf_directory_without_mtp_tensors_loads_the_rest(data_dir, tmp_path):
+    """Adding MTP to a model trained without it: the main layers load from the directory, the MTP modules keep their
+    seeded initialisation (and a directory that has them loads them)."""
+    from deepseek_ds.export import add_to_hf_dir
+    from deepseek_ds.models.hf_io import load_hf_weights, mtp_hf_state_dict, mtp_layers_absent
+    from deepseek_ds.models.pipeline import local_layers
+
+    plain, _ = reference_model(load_run_config("recipes/tiny-v3.yaml", ["train.seed=7"]))
+    plain.save_pretrained(tmp_path / "plain")
+    mcfg = prepare_config(build_model_config("tiny-v3", overrides={"num_nextn_predict_layers": DEPTH}))
+    layers = local_layers(build_model(mcfg, 1, seed=1))
+    load, absent = mtp_layers_absent(layers, str(tmp_path / "plain"))
+    assert [l.depth for l in absent] == list(range(1, DEPTH + 1)) and len(load) == len(layers) - DEPTH
+    load_hf_weights(load, str(tmp_path / "plain"), mcfg.n_routed_experts)
+    assert torch.equal(layers[0].embed_tokens.weight, plain.model.embed_tokens.weight)
+    # Once the directory has MTP tensors (the export's per-expert layout), they are read, experts fused back.
+    source = local_layers(build_model(mcfg, 1, seed=2))
+    add_to_hf_dir(str(tmp_path / "plain"), mtp_hf_state_dict(source, mcfg), "model-mtp.safetensors")
+    load, absent = mtp_layers_absent(layers, str(tmp_path / "plain"))
+    assert not absent
+    load_hf_weights(load, str(tmp_path / "plain"), mcfg.n_routed_experts)
+    for got, want in zip(layers[-1 - DEPTH:-1], source[-1 - DEPTH:-1]):
+        assert got.depth == want.depth and all(torch.equal(a, b) for a, b in zip(got.state_dict().values(),
+                                                                                  want.state_dict().values()))
+
+
 @pytest.mark.parametrize("stages", [2, 3, 4])
 @pytest.mark.parametrize("method", ["balanced", "uniform", "parameters", "type:MoELayer"])
 def test_partitions_keep_mtp_on_the_last_stage(stages, method):

@@ -130,7 +130,7 @@ def on_cpu(ranks: list[dict]) -> bool:
 def threads_note(ranks: list[dict]) -> str:
     threads = " or ".join(sorted({str(r["threads"]) for r in ranks}))
     how = (f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} was set for this run" if "OMP_NUM_THREADS" in os.environ
-           else "the launch set OMP_NUM_THREADS to the usable cores divided by the local ranks, as torchrun does")
+           else "the launch set OMP_NUM_THREADS to the usable cores divided by the local ranks")
     return (f"\n\n**Threads.** Each rank ran {threads} torch thread(s): {how}. With one thread per core in every "
             "rank, OpenMP's spin-waiting threads of co-located ranks starve each other (ZeRO-0 ran about 30x slower "
             "on a 2-core host).")

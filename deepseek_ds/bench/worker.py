@@ -384,7 +384,7 @@ def launch(args: argparse.Namespace, *, world: int, global_batch_sizes: list[int
     # The ranks must find this environment's ninja (one ninja per extension cache, or every op rebuilds).
     env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
     if not args.hostfile and "OMP_NUM_THREADS" not in env:
-        # As torchrun does: share the cores among the local ranks. With the default (every rank one thread per
+        # Share the cores among the local ranks. With the default (every rank one thread per
         # core) OpenMP's spin-waiting threads of co-located ranks starve each other: ZeRO-0 ran ~30x slower
         # on a 2-core host. On other hosts of a hostfile, set it in .deepspeed_env.
         env["OMP_NUM_THREADS"] = str(max(1, usable_cpus() // world))

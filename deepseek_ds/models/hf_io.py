@@ -148,5 +148,12 @@ def load_hf_weights(layers, hf_dir: str, num_experts: int = 0) -> int:
     return read
 
 
+def mtp_layers_absent(layers, hf_dir: str) -> tuple[list, list]:
+    """(the layers to load, the MTP modules the directory has no tensors for)."""
+    names = _weight_map(hf_dir)
+    absent = [l for l in layers if isinstance(l, MTPLayerPipe) and not any(n.startswith(l.hf_prefix) for n in names)]
+    return [l for l in layers if l not in absent], absent
+
+
 def has_weights(hf_dir: str) -> bool:
     return any(os.path.isfile(os.path.join(hf_dir, f)) for f in ("model.safetensors.index.json", "model.safetensors"))

@@ -94,10 +94,10 @@ def balance_losses(logits: torch.Tensor, indices: torch.Tensor, s: BalanceSettin
     out = torch.zeros(b, len(AUX_TERMS), dtype=p.dtype, device=p.device)
     out[:, 0] = s.seq_aux_alpha * (f * p).sum(-1)
     d = s.device_groups
-    p_group = p.view(b, d, -1).sum(-1)
     if s.device_aux_alpha > 0:
-        out[:, 1] = s.device_aux_alpha * (f.view(b, d, -1).mean(-1) * p_group).sum(-1)
+        out[:, 1] = s.device_aux_alpha * (f.view(b, d, -1).mean(-1) * p.view(b, d, -1).sum(-1)).sum(-1)
     if s.comm_aux_alpha > 0:
+        p_group = p.view(b, d, -1).sum(-1)
         groups = indices.reshape(b, t, -1) // (e // d)
         sent = torch.zeros(b, t, d, dtype=p.dtype, device=p.device).scatter_(2, groups, 1.0)  # token t -> group d
         f_comm = sent.sum(1) * (d / (s.device_limit * t))

@@ -72,7 +72,8 @@ def layer_costs(config) -> list[LayerCost]:
         total = sum(p.numel() for p in layer.parameters())
         active = total
         if isinstance(spec, TiedLayerSpec) and spec.forward_fn is mtp_embed_forward:
-            name, total, active = "MTPEmbed(tied)", 0, 0
+            # With pipeline stages the last one holds its own copy of the tied embedding (and its optimizer state).
+            name, active = "MTPEmbed(tied)", 0
         elif isinstance(spec, TiedLayerSpec) and spec.forward_fn is not None:
             name, total = "LMHead(tied)", 0  # weights live with the embedding stage... unless on another stage
         else:
@@ -121,7 +122,8 @@ def partition(config, num_stages: int, method: str = "balanced", seq_len: int = 
         return values if tail is None else values[:tail] + [sum(values[tail:])]
 
     if num_stages > units:
-        raise ValueError(f"parallel.pipeline_stages ({num_stages}) exceeds the number of pipeline layers ({units})")
+        raise ValueError(f"parallel.pipeline_stages ({num_stages}) exceeds the number of pipeline layers ({units}"
+                         + (", the MTP modules and the head counting as one)" if tail is not None else ")"))
     m = method.lower()
     if m == "balanced":
         parts = ds_utils.partition_balanced(per_unit(_stage_weights(costs, config, seq_len)), num_stages)
@@ -148,7 +150,8 @@ def partition(config, num_stages: int, method: str = "balanced", seq_len: int = 
     if len(parts) != num_stages + 1 or parts[0] != 0 or parts[-1] != n or any(a >= b for a, b in zip(parts, parts[1:])):
         raise ValueError(f"model.partition_method {method!r} gives boundaries {parts}: need {num_stages + 1} strictly "
                          f"increasing indices from 0 to {n} ({n} layers: embedding, "
-                         f"{config.num_hidden_layers} decoder layers, norm, head)")
+                         f"{config.num_hidden_layers} decoder layers, norm, "
+                         + (f"MTP embedding, {mtp_depth(config)} MTP modules, " if tail is not None else "") + "head)")
     if tail is not None and parts[-2] > tail:
         raise ValueError(f"model.partition_method {method!r} gives boundaries {parts}, but the MTP modules (layers "
                          f"{tail}-{n - 2}) must be on the last stage with the head: the last stage must start at "

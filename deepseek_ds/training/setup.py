@@ -17,7 +17,7 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 from ..config import RunConfig
 from ..models.loss import TokenWeightedLoss
 from ..models.moe import LoadBalancer, autoep_section, resolve_settings, restore_fp32_biases, snapshot_biases
-from ..models.hf_io import has_weights, load_hf_weights
+from ..models.hf_io import has_weights, load_hf_weights, mtp_layers_absent
 from ..models.layers import mtp_depth
 from ..models.pipeline import build_model, local_layers, partition, partition_table, prepare_config
 from ..models.presets import build_model_config, num_routed_experts
@@ -63,16 +63,26 @@ def release_shm_buffers() -> None:
 
 
 def share_cpu_threads() -> int | None:
-    """On CPU, give each local rank its share of the cores, as torchrun does, unless OMP_NUM_THREADS is set. With
-    torch's default (every rank one thread per core) the ranks' spinning OpenMP threads starve each other: a
-    2-rank run on 2 cores ran many times slower. Returns the thread count it set, if any."""
+    """On CPU, give each local rank its share of the cores unless OMP_NUM_THREADS is set. With torch's default
+    (every rank one thread per core) the ranks' spinning OpenMP threads starve each other: a 2-rank run on 2 cores
+    ran many times slower. Returns the thread count it set, if any."""
     from ..bench.report import usable_cpus
 
     if "OMP_NUM_THREADS" in os.environ or get_accelerator().device_name() != "cpu":
         return None
-    threads = max(1, usable_cpus() // int(os.environ.get("LOCAL_SIZE", 1)))
+    threads = max(1, usable_cpus() // local_ranks())
     torch.set_num_threads(threads)
     return threads
+
+
+def local_ranks() -> int:
+    """Ranks on this host, from whichever launcher started us: DeepSpeed's (LOCAL_SIZE), torchrun's
+    (LOCAL_WORLD_SIZE), Open MPI's or Slurm's."""
+    for var in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
 
 
 def setup_logging(output_dir: str, rank: int) -> logging.Logger:
@@ -145,7 +155,11 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
         model = build_model(mcfg, 1, cfg.train.seed,
                             activation_checkpoint_interval=cfg.model.activation_checkpoint_interval)
     if cfg.model.path and has_weights(cfg.model.path):
-        read = load_hf_weights(local_layers(model), cfg.model.path, num_routed_experts(mcfg))
+        layers, absent = mtp_layers_absent(local_layers(model), cfg.model.path)
+        for layer in absent:  # adding MTP to a model trained without it (transformers' V3 config defaults to depth 1)
+            log.info("%s has no MTP module %d (%s*): it starts from its seeded initialisation", cfg.model.path,
+                     layer.depth, layer.hf_prefix)
+        read = load_hf_weights(layers, cfg.model.path, num_routed_experts(mcfg))
         log.info("loaded %.1f MB of weights for this rank's layers from %s", read / 2**20, cfg.model.path)
     if cfg.parallel.expert_parallel > 1:
         ds = {**ds, "expert_parallel": autoep_section(mcfg, cfg.parallel.expert_parallel)}
