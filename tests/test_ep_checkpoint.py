@@ -1,11 +1,11 @@
 """Checkpoints of expert-parallel runs (parallel.expert_parallel=2: DeepSpeed's AutoEP holds 4 of the 8 experts of
 every MoE layer on each rank, the MTP module's included). `export hf` reassembles the experts: the export gives the
 loss the run logged for the next step, and its tensors are the ones in DeepSpeed's own per-expert files. A resume
-on another ZeRO stage goes through a universal checkpoint and repeats the run; a resume without expert parallelism
-is refused up front, naming parallel.expert_parallel. `eval` loads such a checkpoint too.
+on another ZeRO stage or data-parallel size goes through a universal checkpoint and repeats the run; a resume
+without expert parallelism is refused up front, naming parallel.expert_parallel. `eval` loads such a checkpoint.
 
-One 3-step EP=2 ZeRO-1 run (saves at steps 2 and 3) is shared by the module; one ZeRO-2 resume of it is the only
-other launch."""
+One 3-step EP=2 ZeRO-1 run (saves at steps 2 and 3) is shared by the module; a ZeRO-2 resume and a 4-rank resume
+of it are the other launches."""
 
 from __future__ import annotations
 
@@ -153,17 +153,20 @@ def test_eval_model_of_an_expert_parallel_checkpoint_is_the_export(ep_run, expor
         assert torch.allclose(ours.eval()(x), reference(input_ids=x).logits, atol=1e-5)
 
 
-def test_resume_on_zero2_reshards_through_universal_and_exports(ep_run, data_dir, tmp_path):
-    """ZeRO-1 -> ZeRO-2 with the same EP=2: the universal conversion carries AutoEP's experts and the router biases
-    (from buffers/); step 3 repeats the run's, and the ZeRO-2 checkpoint exports like the ZeRO-1 one."""
+@pytest.mark.parametrize("ranks,ds_config,layout", [(2, "ds_configs/zero2.json", "dp=2 pp=1 ep=2 zero=2 fp32"),
+                                                     (4, "ds_configs/zero1.json", "dp=4 pp=1 ep=2 zero=1 fp32")],
+                         ids=["zero2", "dp4"])
+def test_resume_reshards_through_universal_and_exports(ranks, ds_config, layout, ep_run, data_dir, tmp_path):
+    """ZeRO-1 -> ZeRO-2, and 2 -> 4 data-parallel ranks, with the same EP=2: the universal conversion carries AutoEP's
+    experts and the router biases (from buffers/); step 3 repeats the run's, and the new checkpoint exports like
+    the first."""
     ckpt = fresh_ckpt_dir(ep_run["step2"], tmp_path / "ckpt")
-    records = train(2, str(tmp_path / "out"), _sets(data_dir, f"checkpoint.dir={ckpt}"),
-                    ds_config="ds_configs/zero2.json")
+    records = train(ranks, str(tmp_path / "out"), _sets(data_dir, f"checkpoint.dir={ckpt}"), ds_config=ds_config)
     assert _losses(records) == pytest.approx({3: ep_run["records"][3]["loss"]}, abs=1e-5)
     assert _router_biases(records)[3] == pytest.approx(_router_biases(list(ep_run["records"].values()))[3], abs=1e-7)
     assert is_converted(universal_dir(str(ckpt / "step00000002"), "sequential"))
     tag = ckpt / "step00000003"
-    assert checkpoint.saved_layout(checkpoint.read_meta(str(tag))).describe() == "dp=2 pp=1 ep=2 zero=2 fp32"
+    assert checkpoint.saved_layout(checkpoint.read_meta(str(tag))).describe() == layout
     assert set(checkpoint.read_buffers(str(tag))) == {f"model.layers.{i}.mlp.gate.e_score_correction_bias"
                                                       for i in (1, 2, 3, 4)}
     _assert_equal_deepspeed_files(_export(tag, tmp_path / "hf"), tag)
