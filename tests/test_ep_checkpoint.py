@@ -15,13 +15,13 @@ import shutil
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from deepseek_ds import checkpoint
 from deepseek_ds.checkpoint_universal import is_converted, universal_dir
 from launch_utils import train
 from test_checkpoint import _cli, _losses, _router_biases, fresh_ckpt_dir
+from test_export import _training_loss
 
 SEQ, MICRO, GLOBAL = 64, 2, 8
 EP = ["parallel.expert_parallel=2", "model.overrides.num_nextn_predict_layers=1"]
@@ -54,22 +54,6 @@ def _export(tag, out) -> dict[str, torch.Tensor]:
 def exported(ep_run, tmp_path_factory):
     out = tmp_path_factory.mktemp("ep2_export") / "hf"
     return out, _export(ep_run["step2"], out)
-
-
-def _training_lm_loss(model, data_dir: str, step: int) -> float:
-    """The main model's token-weighted loss on the global batch of training step `step`."""
-    from deepseek_ds.data import GlobalBatchSampler, PackedDataset, micro_batches
-
-    dataset = PackedDataset(data_dir, SEQ)
-    sampler = GlobalBatchSampler(len(dataset), GLOBAL, MICRO, 0, 1, 1234, consumed_samples=(step - 1) * GLOBAL)
-    total, tokens = 0.0, 0
-    with torch.no_grad():
-        for input_ids, labels in next(micro_batches(dataset, sampler)):
-            logits = model(input_ids=input_ids).logits
-            total += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                     ignore_index=-100, reduction="sum").item()
-            tokens += int((labels != -100).sum())
-    return total / tokens
 
 
 def _deepspeed_expert_tensors(tag) -> dict[str, torch.Tensor]:
@@ -112,7 +96,7 @@ def test_export_reproduces_the_logged_loss(ep_run, exported, data_dir):
 
     out, _ = exported
     model = AutoModelForCausalLM.from_pretrained(out).eval()
-    assert abs(_training_lm_loss(model, data_dir, 3) - ep_run["records"][3]["lm_loss"]) < 1e-5
+    assert abs(_training_loss(model, data_dir, 3, SEQ, GLOBAL, MICRO) - ep_run["records"][3]["lm_loss"]) < 1e-5
 
 
 def test_exported_experts_are_deepspeeds_expert_files_in_expert_order(ep_run, exported):

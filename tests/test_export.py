@@ -16,12 +16,15 @@ from safetensors import safe_open
 from test_checkpoint import GLOBAL_BATCH, _cli, pipeline_run, zero1_run, zero3_run
 
 
-def _training_loss(model, data_dir: str, step: int) -> float:
-    """The token-weighted loss of the global batch that training step `step` used (training's TokenWeightedLoss)."""
+def _training_loss(model, data_dir: str, step: int, seq_len: int = 128, global_batch: int = GLOBAL_BATCH,
+                   micro_batch: int = 8) -> float:
+    """The token-weighted (main-model) loss of the global batch that training step `step` used (training's
+    TokenWeightedLoss), for a run of the given shape."""
     from deepseek_ds.data import GlobalBatchSampler, PackedDataset, micro_batches
 
-    dataset = PackedDataset(data_dir, 128)
-    sampler = GlobalBatchSampler(len(dataset), GLOBAL_BATCH, 8, 0, 1, 1234, consumed_samples=(step - 1) * GLOBAL_BATCH)
+    dataset = PackedDataset(data_dir, seq_len)
+    sampler = GlobalBatchSampler(len(dataset), global_batch, micro_batch, 0, 1, 1234,
+                                 consumed_samples=(step - 1) * global_batch)
     total, tokens = 0.0, 0
     with torch.no_grad():
         for input_ids, labels in next(micro_batches(dataset, sampler)):

@@ -27,7 +27,8 @@ def last_command(stdout: str) -> list[str]:
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_scripts_are_valid_bash(script):
-    subprocess.run(["bash", "-n", str(LAUNCH / script)], check=True)
+    proc = subprocess.run(["bash", "-n", str(LAUNCH / script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_pdsh_builds_the_deepspeed_command(tmp_path):
