@@ -6,6 +6,7 @@ import argparse
 import os
 import platform
 import sys
+import time
 
 import yaml
 
@@ -43,6 +44,19 @@ def write_resolved(cfg, ds, world: int) -> None:
         yaml.safe_dump(doc, f, sort_keys=False)
 
 
+# How long the other ranks of a host leave local rank 0 to report a failure that every rank hits.
+REPORT_GRACE_S = 3.0
+
+
+def report_failure(message: str) -> None:
+    """Every rank fails the same way; one message per host, no tracebacks. The launcher kills a host's other ranks
+    as soon as one exits, so local rank 0 reports at once and the others only if it has not ended the job within
+    REPORT_GRACE_S (otherwise a faster rank's exit could kill rank 0 before it printed)."""
+    if int(os.environ.get("LOCAL_RANK", 0)) != 0:
+        time.sleep(REPORT_GRACE_S)
+    print(f"deepseek-ds: {message}", file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", 0))
@@ -50,9 +64,7 @@ def main(argv=None) -> int:
     try:
         cfg, ds = load_and_validate(args, world)
     except ConfigError as e:
-        # Every rank fails the same way; one message is enough.
-        if rank == 0:
-            print(f"deepseek-ds: {e}", file=sys.stderr)
+        report_failure(str(e))
         return 2
 
     from .loop import train
@@ -69,9 +81,7 @@ def main(argv=None) -> int:
     try:
         train(run)
     except NonFiniteLoss as e:
-        # Every rank sees the same non-finite loss; one message, no tracebacks.
-        if rank == 0:
-            print(f"deepseek-ds: {e}", file=sys.stderr)
+        report_failure(str(e))
         dist.destroy_process_group()
         return 3
     dist.barrier()
