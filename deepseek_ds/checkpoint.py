@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .data.atomic import write_bytes_atomic, write_json_atomic
+from .utils.fs import write_bytes_atomic, write_json_atomic
 
 FORMAT_VERSION = 1
 META = "checkpoint.json"

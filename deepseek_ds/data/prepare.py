@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from .atomic import publish_dir, temp_dir_for, write_json_atomic
+from ..utils.fs import publish_dir, temp_dir_for, write_json_atomic
 from .errors import DataError
 from .layout import FORMAT_VERSION, META, PLAN, SPLITS, TOKENIZER_DIR, read_json, shard_files
 from .shards import ShardTask, group_by_size, init_worker, is_done, shard_key, write_shard

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .atomic import write_bytes_atomic, write_json_atomic
+from ..utils.fs import write_bytes_atomic, write_json_atomic
 from .layout import check_shard, read_json, shard_files
 from .errors import DataError
 from .sources import DocTable, read_docs
