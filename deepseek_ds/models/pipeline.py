@@ -4,7 +4,6 @@ that run it: DeepSpeed's PipelineModule (pipeline_stages > 1) and a plain sequen
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -13,6 +12,8 @@ from deepspeed.runtime import utils as ds_utils
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from . import flops
+from .flops import LayerCost
 from .layers import (DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, MTPLayerPipe, mtp_depth,
                      mtp_embed_forward, tied_head_forward)
 from .loss import TokenWeightedLoss
@@ -55,13 +56,6 @@ def mtp_tail_start(config) -> int | None:
 
 
 # ----------------------------------------------------------------------------------------------- partitioning
-@dataclass(frozen=True)
-class LayerCost:
-    name: str
-    params: int          # all parameters the stage must hold
-    active_params: int   # parameters touched per token (one MoE layer uses only top-k routed experts)
-
-
 def layer_costs(config) -> list[LayerCost]:
     """Per-spec parameter counts, built on the meta device so real shapes (671B) cost no memory."""
     costs = []
@@ -87,23 +81,14 @@ def layer_costs(config) -> list[LayerCost]:
                 active = total - routed + routed * k // config.n_routed_experts
         if isinstance(layer, EmbeddingPipe) and not (isinstance(spec, TiedLayerSpec) and spec.forward_fn is not None):
             active = 0  # a lookup, no matmul
-        costs.append(LayerCost(name, total, active))
+        costs.append(LayerCost(name, total, active, attention=isinstance(layer, DecoderLayerPipe)))
     return costs
 
 
 def _stage_weights(costs: list[LayerCost], config, seq_len: int) -> list[float]:
-    """Estimated share of one stage's time and memory for each layer: half compute, half parameter memory.
-    Compute is 6 x active params per token plus the attention score/value matmuls; the head includes the softmax."""
-    attn_flops = 0
-    if hasattr(config, "qk_nope_head_dim"):
-        head_dim_qk = config.qk_nope_head_dim + config.qk_rope_head_dim
-        attn_flops = 6 * config.num_attention_heads * seq_len * (head_dim_qk + config.v_head_dim) // 2
-    else:
-        attn_flops = 6 * config.num_attention_heads * seq_len * (config.hidden_size // config.num_attention_heads)
-    compute = [6 * c.active_params + (attn_flops if "Layer" in c.name and "LMHead" not in c.name else 0) for c in costs]
-    if costs[-1].name == "LMHead(tied)":
-        compute[-1] = 6 * config.hidden_size * config.vocab_size
-    compute[-1] *= 1 + mtp_depth(config)  # the head also projects every MTP depth
+    """Estimated share of one stage's time and memory for each layer: half compute (training FLOPs per token),
+    half parameter memory."""
+    compute = flops.layer_flops(costs, config, seq_len)
     total_c, total_m = sum(compute) or 1, sum(c.params for c in costs) or 1
     return [0.5 * cp / total_c + 0.5 * c.params / total_m for cp, c in zip(compute, costs)]
 

@@ -11,7 +11,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from ..models.layers import mtp_depth
+from ..models import flops
 from ..models.pipeline import layer_costs
 
 # Dense bf16 tensor-core peak of one device in TFLOP/s (vendor data sheets), matched in order against
@@ -44,19 +44,8 @@ def memory_gb(device: torch.device) -> float:
 
 
 def flops_per_token(model_config, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x active (non-embedding) parameters plus the attention score and value
-    matmuls (causal: half the square), the usual PaLM/Megatron accounting. Each MTP module adds its layer's
-    parameters and attention, and one more pass through the shared head."""
-    costs = layer_costs(model_config)
-    depth = mtp_depth(model_config)
-    active = sum(c.active_params for c in costs) + depth * costs[-1].active_params
-    if hasattr(model_config, "qk_nope_head_dim"):
-        qk = model_config.qk_nope_head_dim + model_config.qk_rope_head_dim
-        v = model_config.v_head_dim
-    else:
-        qk = v = model_config.hidden_size // model_config.num_attention_heads
-    attn = 6 * (model_config.num_hidden_layers + depth) * model_config.num_attention_heads * seq_len * (qk + v) / 2
-    return 6 * active + attn
+    """Training FLOPs per token of the whole model, MTP modules included (the formula: models/flops.py)."""
+    return float(flops.per_token(layer_costs(model_config), model_config, seq_len))
 
 
 class StepMeter:
