@@ -1,8 +1,23 @@
-"""Shared, session-scoped fixtures: the expensive things (a prepared corpus) are built once."""
+"""Session-scoped fixtures: the expensive things (a prepared corpus, the checkpointing runs that several test files
+start from) are built once, on first use, whatever the import mode or the order the tests run in."""
+
+from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
+
+from helpers import checkpoint_sets, deepspeed, losses, read_metrics, router_biases, snapshot, train
+
+KINDS = ("unit", "launch", "multihost")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Every test says what it needs (pyproject.toml registers the markers), so `-m unit` is the fast set."""
+    unmarked = [item.nodeid for item in items if not any(item.get_closest_marker(k) for k in KINDS)]
+    if unmarked:
+        raise pytest.UsageError(f"tests without a {'/'.join(KINDS)} marker: " + ", ".join(unmarked))
 
 
 @pytest.fixture(scope="session")
@@ -12,3 +27,65 @@ def data_dir(tmp_path_factory) -> str:
 
     cache = os.environ.get("DEEPSEEK_DS_TEST_DATA") or str(tmp_path_factory.mktemp("data_cache"))
     return ensure_builtin_dataset(cache, vocab_size=2048, max_mb=1.0, progress=False)
+
+
+# ----------------------------------------------------------------------------------------------- checkpointing runs
+# recipes/tiny-v3.yaml on 2 ranks. test_checkpoint.py resumes, reshards and kills them; test_export.py exports their
+# checkpoints. Each result holds the per-step losses and copies ("step<N>") of step directories that later runs
+# writing into the same checkpoint.dir cannot change.
+
+# Rank 1 dies by SIGKILL right after writing its optimizer shard of step 4: the rest of that checkpoint is not.
+KILL_DURING_SAVE = """
+import os, signal, sys
+import torch
+_save = torch.save
+
+def save(obj, f, *args, **kwargs):
+    _save(obj, f, *args, **kwargs)
+    if os.environ.get("RANK") == "1" and ".step00000004.partial" in str(f) and str(f).endswith("optim_states.pt"):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+torch.save = save
+from deepseek_ds.training.main import main
+sys.exit(main())
+"""
+
+
+@pytest.fixture(scope="session")
+def zero1(tmp_path_factory, data_dir) -> dict:
+    """ZeRO-1, 4 steps, saves at 2 and 4; rank 1 is killed while saving step 4."""
+    root = tmp_path_factory.mktemp("zero1")
+    script = root / "kill_during_save.py"
+    script.write_text(KILL_DURING_SAVE)
+    out = root / "out"
+    args = [str(script), "--config", "recipes/tiny-v3.yaml", "--set", f"train.output_dir={out}"]
+    for s in checkpoint_sets(data_dir, 4, 2):
+        args += ["--set", s]
+    proc = deepspeed(2, args, check=False)
+    ckpt = out / "checkpoints"
+    listing = sorted(os.listdir(ckpt))
+    latest = (ckpt / "latest").read_text()
+    records = read_metrics(str(out))
+    return {"proc": proc, "out": out, "ckpt": ckpt, "listing": listing, "latest": latest,
+            "losses": losses(records), "biases": router_biases(records),
+            "step2": snapshot(ckpt, "step00000002", root / "snap")}
+
+
+@pytest.fixture(scope="session")
+def zero3(tmp_path_factory, data_dir) -> dict:
+    """ZeRO-3, 8 steps straight, saves at 4 and 8."""
+    root = tmp_path_factory.mktemp("zero3")
+    out = root / "out"
+    run_losses = losses(train(2, str(out), checkpoint_sets(data_dir, 8, 4), "ds_configs/zero3.json"))
+    return {"out": out, "losses": run_losses, "step4": snapshot(out / "checkpoints", "step00000004", root / "snap")}
+
+
+@pytest.fixture(scope="session")
+def pipeline(tmp_path_factory, data_dir) -> dict:
+    """2 pipeline stages (dp 1), ZeRO-1, 4 steps, saves at 2 and 4."""
+    root = tmp_path_factory.mktemp("pp")
+    out = root / "out"
+    run_losses = losses(train(2, str(out), checkpoint_sets(data_dir, 4, 2, "parallel.pipeline_stages=2"),
+                              "ds_configs/zero1_pp.json"))
+    return {"out": out, "losses": run_losses,
+            "step2": snapshot(Path(out) / "checkpoints", "step00000002", root / "snap")}

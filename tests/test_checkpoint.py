@@ -1,15 +1,15 @@
-"""Checkpoints through the real launcher: a rank killed mid-save, exact resume (ZeRO-1, ZeRO-3, PP=2), stop on
-SIGTERM, resharding (2 ranks -> 1, PP=2 -> PP=1), refusal of a foreign checkpoint, retention, and the CLI.
+"""Checkpoints through the real launcher: a rank killed mid-save, exact resume (ZeRO-1, ZeRO-3, PP=2, and with
+dropout: the RNG), stop on SIGTERM, resharding (2 ranks -> 1, PP=2 -> PP=1), refusal of a foreign checkpoint,
+retention, and the CLI.
 
 Launches are few and shared: each reference run also provides the checkpoints that the resume runs and
-tests/test_export.py start from (memoised per session by name)."""
+tests/test_export.py start from (session fixtures in conftest.py)."""
 
 from __future__ import annotations
 
 import json
 import os
 import pickle
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,120 +22,15 @@ import torch
 
 from deepseek_ds import checkpoint
 from deepseek_ds.checkpoint_universal import is_converted, universal_dir
-from launch_utils import BIN, ROOT, deepspeed, free_port, launch_env, read_metrics, train
+from helpers import (BIN, ROOT, checkpoint_sets, cli, fresh_ckpt_dir, free_port, launch_env, losses, read_metrics,
+                     router_biases, snapshot, train)
 
 GLOBAL_BATCH = 16  # recipes/tiny-v3.yaml
-
-# Rank 1 dies by SIGKILL right after writing its optimizer shard of step 4: the rest of that checkpoint is not.
-KILL_DURING_SAVE = """
-import os, signal, sys
-import torch
-_save = torch.save
-
-def save(obj, f, *args, **kwargs):
-    _save(obj, f, *args, **kwargs)
-    if os.environ.get("RANK") == "1" and ".step00000004.partial" in str(f) and str(f).endswith("optim_states.pt"):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-torch.save = save
-from deepseek_ds.training.main import main
-sys.exit(main())
-"""
-
-_RUNS: dict[str, dict] = {}
-
-
-def _once(name: str, make) -> dict:
-    if name not in _RUNS:
-        _RUNS[name] = make()
-    return _RUNS[name]
-
-
-def _sets(data_dir: str, steps: int, interval: int, *extra: str) -> list[str]:
-    return [f"data.path={data_dir}", f"train.steps={steps}", f"checkpoint.interval={interval}", "eval.interval=0",
-            *extra]
-
-
-def _losses(records: list[dict]) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in records}
-
-
-def _router_biases(records: list[dict]) -> dict[int, dict]:
-    """Per step, the router-bias statistics the training loop logs (after that step's bias update)."""
-    return {r["step"]: {k: v for k, v in r.items() if k.startswith("moe/") and "/bias_" in k} for r in records}
-
-
-def _snapshot(ckpt_dir: Path, tag: str, dest: Path) -> Path:
-    """A copy of one step directory, so later runs writing into `ckpt_dir` do not change it."""
-    shutil.copytree(ckpt_dir / tag, dest / tag)
-    return dest / tag
-
-
-def fresh_ckpt_dir(snapshot: Path, dest: Path) -> Path:
-    """A checkpoint.dir holding only `snapshot`: what a resuming run gets to write into."""
-    shutil.copytree(snapshot, dest / snapshot.name)
-    return dest
-
-
-# ----------------------------------------------------------------------------------------------- the runs
-def zero1_run(tmp_path_factory, data_dir) -> dict:
-    """2 ranks, ZeRO-1, 4 steps, saves at 2 and 4; rank 1 is killed while saving step 4."""
-    def make():
-        root = tmp_path_factory.mktemp("zero1")
-        script = root / "kill_during_save.py"
-        script.write_text(KILL_DURING_SAVE)
-        out = root / "out"
-        args = [str(script), "--config", "recipes/tiny-v3.yaml", "--set", f"train.output_dir={out}"]
-        for s in _sets(data_dir, 4, 2):
-            args += ["--set", s]
-        proc = deepspeed(2, args, check=False)
-        ckpt = out / "checkpoints"
-        listing = sorted(os.listdir(ckpt))
-        latest = (ckpt / "latest").read_text()
-        records = read_metrics(str(out))
-        return {"proc": proc, "out": out, "ckpt": ckpt, "listing": listing, "latest": latest,
-                "losses": _losses(records), "biases": _router_biases(records),
-                "step2": _snapshot(ckpt, "step00000002", root / "snap")}
-    return _once("zero1", make)
-
-
-def zero3_run(tmp_path_factory, data_dir) -> dict:
-    """2 ranks, ZeRO-3, 8 steps straight, saves at 4 and 8."""
-    def make():
-        root = tmp_path_factory.mktemp("zero3")
-        out = root / "out"
-        losses = _losses(train(2, str(out), _sets(data_dir, 8, 4), "ds_configs/zero3.json"))
-        return {"out": out, "losses": losses, "step4": _snapshot(out / "checkpoints", "step00000004", root / "snap")}
-    return _once("zero3", make)
-
-
-def pipeline_run(tmp_path_factory, data_dir) -> dict:
-    """2 pipeline stages (dp 1), ZeRO-1, 4 steps, saves at 2 and 4."""
-    def make():
-        root = tmp_path_factory.mktemp("pp")
-        out = root / "out"
-        losses = _losses(train(2, str(out), _sets(data_dir, 4, 2, "parallel.pipeline_stages=2"),
-                               "ds_configs/zero1_pp.json"))
-        return {"out": out, "losses": losses, "step2": _snapshot(out / "checkpoints", "step00000002", root / "snap")}
-    return _once("pp", make)
-
-
-@pytest.fixture(scope="session")
-def zero1(tmp_path_factory, data_dir):
-    return zero1_run(tmp_path_factory, data_dir)
-
-
-@pytest.fixture(scope="session")
-def zero3(tmp_path_factory, data_dir):
-    return zero3_run(tmp_path_factory, data_dir)
-
-
-@pytest.fixture(scope="session")
-def pipeline(tmp_path_factory, data_dir):
-    return pipeline_run(tmp_path_factory, data_dir)
+DROPOUT = "model.overrides.attention_dropout=0.1"  # the tiny presets have none
 
 
 # ----------------------------------------------------------------------------------------------- atomic + exact
+@pytest.mark.launch
 def test_rank_killed_mid_save_leaves_latest_on_the_complete_checkpoint(zero1):
     assert zero1["proc"].returncode != 0
     assert sorted(zero1["losses"]) == [1, 2, 3, 4]  # the reference losses were all logged before the kill
@@ -144,11 +39,12 @@ def test_rank_killed_mid_save_leaves_latest_on_the_complete_checkpoint(zero1):
     assert checkpoint.latest_tag(str(zero1["ckpt"])) == "step00000002"
 
 
+@pytest.mark.launch
 def test_resume_after_the_kill_is_bitwise_exact_zero1(zero1, tmp_path, data_dir):
     """A new run in the same checkpoint.dir resumes from step 2 on its own and repeats steps 3-4 bit for bit."""
     ckpt = zero1["ckpt"]
-    resumed = _losses(train(2, str(tmp_path / "out"), _sets(data_dir, 4, 2, f"checkpoint.dir={ckpt}",
-                                                             "checkpoint.keep=1")))
+    sets = checkpoint_sets(data_dir, 4, 2, f"checkpoint.dir={ckpt}", "checkpoint.keep=1")
+    resumed = losses(train(2, str(tmp_path / "out"), sets))
     assert resumed == {3: zero1["losses"][3], 4: zero1["losses"][4]}
     listing = sorted(os.listdir(ckpt))
     assert ".step00000004.partial" not in listing  # cleaned on resume
@@ -169,22 +65,44 @@ def test_resume_after_the_kill_is_bitwise_exact_zero1(zero1, tmp_path, data_dir)
                                                       for i in (1, 2, 3)}
 
 
+@pytest.mark.launch
 def test_resume_on_one_rank_reshards_zero1(zero1, tmp_path, data_dir):
     """dp 2 -> 1 through an automatic universal conversion; step 4 also checks that Adam's moments followed."""
     ckpt = fresh_ckpt_dir(zero1["step2"], tmp_path / "ckpt")
-    records = train(1, str(tmp_path / "out"), _sets(data_dir, 4, 2, f"checkpoint.dir={ckpt}"))
-    resumed = _losses(records)
+    records = train(1, str(tmp_path / "out"), checkpoint_sets(data_dir, 4, 2, f"checkpoint.dir={ckpt}"))
+    resumed = losses(records)
     assert sorted(resumed) == [3, 4]
     for step in (3, 4):
         assert abs(resumed[step] - zero1["losses"][step]) < 1e-5
     # The universal checkpoint holds parameters only: the router biases came back from buffers/*.safetensors.
-    bias = _router_biases(records)[3]
+    bias = router_biases(records)[3]
     assert bias and any(abs(v) > 0 for v in bias.values())
     assert bias == pytest.approx(zero1["biases"][3], abs=1e-7)
     assert is_converted(universal_dir(str(ckpt / "step00000002"), "sequential"))
     assert checkpoint.read_meta(str(ckpt / "step00000004"))["layout"]["data_parallel"] == 1
 
 
+@pytest.fixture(scope="module")
+def dropout(tmp_path_factory, data_dir) -> dict:
+    """zero1's run without the kill and with attention dropout on: the dropout masks come from each rank's torch RNG,
+    so a resume repeats the run only if the checkpoint restored that RNG."""
+    root = tmp_path_factory.mktemp("dropout")
+    out = root / "out"
+    run_losses = losses(train(2, str(out), checkpoint_sets(data_dir, 4, 2, DROPOUT)))
+    return {"losses": run_losses, "step2": snapshot(out / "checkpoints", "step00000002", root / "snap")}
+
+
+@pytest.mark.launch
+def test_resume_with_dropout_restores_the_rng_bitwise(dropout, zero1, tmp_path, data_dir):
+    """4 steps straight == 2 steps + resume + 2 steps, bit for bit, with dropout drawing from the RNG every step."""
+    assert dropout["losses"][1] != zero1["losses"][1]  # the same run without dropout: dropout is really on
+    ckpt = fresh_ckpt_dir(dropout["step2"], tmp_path / "ckpt")
+    resumed = losses(train(2, str(tmp_path / "out"), checkpoint_sets(data_dir, 4, 2, DROPOUT,
+                                                                      f"checkpoint.dir={ckpt}")))
+    assert resumed == {3: dropout["losses"][3], 4: dropout["losses"][4]}
+
+
+@pytest.mark.launch
 def test_sigterm_stops_cleanly_and_resume_is_bitwise_exact_zero3(zero3, tmp_path, data_dir):
     """Resume the ZeRO-3 run from step 4, SIGTERM every rank (as a scheduler does) once step 5 is logged: the ranks
     finish a step, save it and exit 0; every loss up to there equals the uninterrupted run's bit for bit."""
@@ -193,7 +111,7 @@ def test_sigterm_stops_cleanly_and_resume_is_bitwise_exact_zero3(zero3, tmp_path
     cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "train.py",
            "--config", "recipes/tiny-v3.yaml", "--deepspeed_config", "ds_configs/zero3.json",
            "--set", f"train.output_dir={out}"]
-    for s in _sets(data_dir, 8, 4, f"checkpoint.dir={ckpt}"):
+    for s in checkpoint_sets(data_dir, 8, 4, f"checkpoint.dir={ckpt}"):
         cmd += ["--set", s]
     with open(tmp_path / "launcher.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=log, stderr=subprocess.STDOUT)
@@ -209,7 +127,7 @@ def test_sigterm_stops_cleanly_and_resume_is_bitwise_exact_zero3(zero3, tmp_path
             p.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=300)
     assert rc == 0, (tmp_path / "launcher.log").read_text()[-3000:]
-    resumed = _losses(read_metrics(str(out)))
+    resumed = losses(read_metrics(str(out)))
     stopped = max(resumed)
     assert 5 <= stopped < 8, f"stopped at step {stopped}: the signal was not acted on before the end"
     assert resumed == {s: zero3["losses"][s] for s in range(5, stopped + 1)}
@@ -218,51 +136,38 @@ def test_sigterm_stops_cleanly_and_resume_is_bitwise_exact_zero3(zero3, tmp_path
     assert meta["step"] == stopped and meta["consumed_samples"] == stopped * GLOBAL_BATCH
 
 
+@pytest.mark.launch
 def test_resume_is_bitwise_exact_pipeline(pipeline, tmp_path, data_dir):
     ckpt = fresh_ckpt_dir(pipeline["step2"], tmp_path / "ckpt")
-    resumed = _losses(train(2, str(tmp_path / "out"), _sets(data_dir, 4, 2, f"checkpoint.dir={ckpt}",
-                                                             "parallel.pipeline_stages=2"), "ds_configs/zero1_pp.json"))
+    sets = checkpoint_sets(data_dir, 4, 2, f"checkpoint.dir={ckpt}", "parallel.pipeline_stages=2")
+    resumed = losses(train(2, str(tmp_path / "out"), sets, "ds_configs/zero1_pp.json"))
     assert resumed == {3: pipeline["losses"][3], 4: pipeline["losses"][4]}
     assert sorted(os.listdir(ckpt / "step00000004" / "buffers")) == ["stage_00.safetensors", "stage_01.safetensors"]
 
 
+@pytest.mark.launch
 def test_reshard_cli_then_resume_pipeline_on_one_stage(pipeline, tmp_path, data_dir, capsys):
     """PP=2 -> PP=1: `deepseek-ds checkpoint reshard` renames the pipeline's parameters (`<i>.key`) to
     SequentialLM's (`layers.<i>.key`) through their HF names; the resumed run uses that conversion."""
     ckpt = fresh_ckpt_dir(pipeline["step2"], tmp_path / "ckpt")
-    assert _cli(["checkpoint", "reshard", str(ckpt), "--pipeline-stages", "1", "--workers", "1"]) == 0
+    assert cli(["checkpoint", "reshard", str(ckpt), "--pipeline-stages", "1", "--workers", "1"]) == 0
     uni = Path(universal_dir(str(ckpt / "step00000002"), "sequential"))
     assert (uni / "zero" / "layers.1.layer.self_attn.kv_a_proj_with_mqa.weight" / "fp32.pt").is_file()
     assert not (uni / "zero" / "1.layer.self_attn.kv_a_proj_with_mqa.weight").exists()
     converted_at = (uni / "universal.json").stat().st_mtime_ns
-    resumed = _losses(train(1, str(tmp_path / "out"), _sets(data_dir, 4, 2, f"checkpoint.dir={ckpt}")))
+    resumed = losses(train(1, str(tmp_path / "out"), checkpoint_sets(data_dir, 4, 2, f"checkpoint.dir={ckpt}")))
     assert sorted(resumed) == [3, 4]
     for step in (3, 4):
         assert abs(resumed[step] - pipeline["losses"][step]) < 1e-5
     assert (uni / "universal.json").stat().st_mtime_ns == converted_at  # reused, not converted again
     capsys.readouterr()
-    assert _cli(["checkpoint", "list", str(ckpt)]) == 0
+    assert cli(["checkpoint", "list", str(ckpt)]) == 0
     listing = capsys.readouterr().out
     assert "step00000002" in listing and "universal: sequential" in listing and "dp=1 pp=1" in listing
 
 
 # ----------------------------------------------------------------------------------------------- in-process
-def _cli(argv: list[str]) -> int:
-    """Our sub-commands exactly as `deepseek-ds` will dispatch them once cli.py registers them."""
-    import argparse
-
-    from deepseek_ds import checkpoint_cli, export_cli
-    from deepseek_ds.bench import checkpoint_bench
-
-    parser = argparse.ArgumentParser(prog="deepseek-ds")
-    sub = parser.add_subparsers(dest="command", required=True)
-    checkpoint_cli.register(sub)
-    export_cli.register(sub)
-    checkpoint_bench.register(sub.add_parser("bench").add_subparsers(dest="bench_command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
+@pytest.mark.launch
 def test_foreign_checkpoint_is_refused(zero1, tmp_path, data_dir):
     """resume() itself (in a world of one) refuses another model before touching the engine; the message names
     every differing field, and the tokenizer."""
@@ -299,6 +204,7 @@ def test_foreign_checkpoint_is_refused(zero1, tmp_path, data_dir):
     checkpoint.check_compatible(tag, meta, build_model_config("tiny-v3"), meta["tokenizer_hash"])  # its own: fine
 
 
+@pytest.mark.unit
 def test_latest_tag_skips_incomplete_directories(tmp_path):
     def tag(name: str, complete: bool):
         (tmp_path / name).mkdir()
@@ -324,6 +230,7 @@ class _Payload:
         return os.mkdir, (self.marker,)
 
 
+@pytest.mark.launch
 def test_tampered_checkpoint_is_never_unpickled(zero1, tmp_path):
     """A model-states file replaced by a pickle carrying code: DeepSpeed would torch.load it with
     weights_only=False; under trusted_types_only the code does not run."""
@@ -340,6 +247,7 @@ def test_tampered_checkpoint_is_never_unpickled(zero1, tmp_path):
     assert "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ  # restored on the way out
 
 
+@pytest.mark.unit
 def test_signal_only_sets_a_flag():
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -352,6 +260,7 @@ def test_signal_only_sets_a_flag():
             signal.signal(s, handler)
 
 
+@pytest.mark.launch
 def test_checkpoint_bench_prints_save_load_and_raw_rows(data_dir, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "deepseek_ds.bench.checkpoint_bench", "--set", f"data.path={data_dir}",
                            "--repeats", "1", "--work-dir", str(tmp_path)], cwd=ROOT, env=launch_env(),

@@ -1,6 +1,5 @@
 """Data preparation, packed datasets, tokenizers, errors and the data CLI on a tiny corpus."""
 
-import argparse
 import concurrent.futures
 import json
 import os
@@ -13,10 +12,13 @@ import pytest
 
 from deepseek_ds.data import (BlendedDataset, DataError, PackedDataset, dataset_info, ensure_builtin_dataset,
                               load_tokenizer, prepare_dataset)
-from deepseek_ds.data import cli as data_cli
 from deepseek_ds.data import shards as shards_module
 from deepseek_ds.data.builtin import stdlib_files
 from deepseek_ds.data.tokenizer import token_dtype
+
+from helpers import cli
+
+pytestmark = pytest.mark.unit
 
 VOCAB = 400
 SHARD_MB = 0.01  # ~10 KB of text per shard: the tiny corpus still has several shards
@@ -62,18 +64,11 @@ def _tree(root: str) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}
 
 
-def _run_cli(register, argv: list[str]) -> int:
-    parser = argparse.ArgumentParser()
-    register(parser.add_subparsers())
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
 def test_two_workers_via_cli_are_byte_identical(corpus, dataset, tmp_path):
     out = tmp_path / "two_workers"
     argv = ["prepare", "--input", *corpus["inputs"], "--out", str(out), "--vocab-size", str(VOCAB), "--workers", "2",
             "--jsonl-field", "body", "--valid-fraction", "0.1", "--shard-mb", str(SHARD_MB), "--no-progress"]
-    assert _run_cli(data_cli.register, argv) == 0
+    assert cli(["data", *argv]) == 0
     assert len(dataset_info(dataset)["splits"]["train"]["shards"]) >= 4
     one, two = _tree(dataset), _tree(str(out))
     assert sorted(one) == sorted(two)
@@ -249,14 +244,14 @@ def test_hf_dataset_input(tmp_path):
 
 
 def test_dump_prints_training_order(dataset, capsys):
-    assert _run_cli(data_cli.register, ["dump", "--data", dataset, "--seq-len", "8", "--start", "3", "--count", "2"]) == 0
+    assert cli(["data", "dump", "--data", dataset, "--seq-len", "8", "--start", "3", "--count", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
     ds = PackedDataset(dataset, 8)
     assert [json.loads(line) for line in lines] == [ds[3].tolist(), ds[4].tolist()]
 
 
 def test_cli_reports_data_errors(tmp_path, capsys):
-    assert _run_cli(data_cli.register, ["dump", "--data", str(tmp_path), "--seq-len", "8"]) == 2
+    assert cli(["data", "dump", "--data", str(tmp_path), "--seq-len", "8"]) == 2
     assert "not a prepared dataset" in capsys.readouterr().err
 
 

@@ -6,6 +6,8 @@ import torch
 
 from deepseek_ds.data import GlobalBatchSampler, micro_batches
 
+pytestmark = pytest.mark.unit
+
 
 def global_batches(num_samples, gbs, mbs, dp_size, seed, n_batches, shuffle=True, consumed=0):
     """The global batches seen by all ranks together, each rank's slice concatenated in rank order."""

@@ -19,9 +19,9 @@ from safetensors.torch import load_file
 
 from deepseek_ds import checkpoint
 from deepseek_ds.checkpoint_universal import is_converted, universal_dir
-from launch_utils import train
-from test_checkpoint import _cli, _losses, _router_biases, fresh_ckpt_dir
-from test_export import _training_loss
+from helpers import cli, fresh_ckpt_dir, losses, router_biases, train, training_loss
+
+pytestmark = pytest.mark.launch
 
 SEQ, MICRO, GLOBAL = 64, 2, 8
 EP = ["parallel.expert_parallel=2", "model.overrides.num_nextn_predict_layers=1"]
@@ -43,7 +43,7 @@ def ep_run(tmp_path_factory, data_dir) -> dict:
 
 def _export(tag, out) -> dict[str, torch.Tensor]:
     """`export hf` in fp32; returns every tensor of the directory (main model and MTP file)."""
-    assert _cli(["export", "hf", str(tag), "--out", str(out), "--dtype", "fp32", "--work-dir", str(out.parent)]) == 0
+    assert cli(["export", "hf", str(tag), "--out", str(out), "--dtype", "fp32", "--work-dir", str(out.parent)]) == 0
     tensors = {}
     for f in out.glob("*.safetensors"):
         tensors.update(load_file(str(f)))
@@ -96,7 +96,7 @@ def test_export_reproduces_the_logged_loss(ep_run, exported, data_dir):
 
     out, _ = exported
     model = AutoModelForCausalLM.from_pretrained(out).eval()
-    assert abs(_training_loss(model, data_dir, 3, SEQ, GLOBAL, MICRO) - ep_run["records"][3]["lm_loss"]) < 1e-5
+    assert abs(training_loss(model, data_dir, 3, SEQ, GLOBAL, MICRO) - ep_run["records"][3]["lm_loss"]) < 1e-5
 
 
 def test_exported_experts_are_deepspeeds_expert_files_in_expert_order(ep_run, exported):
@@ -146,8 +146,8 @@ def test_resume_reshards_through_universal_and_exports(ranks, ds_config, layout,
     the first."""
     ckpt = fresh_ckpt_dir(ep_run["step2"], tmp_path / "ckpt")
     records = train(ranks, str(tmp_path / "out"), _sets(data_dir, f"checkpoint.dir={ckpt}"), ds_config=ds_config)
-    assert _losses(records) == pytest.approx({3: ep_run["records"][3]["loss"]}, abs=1e-5)
-    assert _router_biases(records)[3] == pytest.approx(_router_biases(list(ep_run["records"].values()))[3], abs=1e-7)
+    assert losses(records) == pytest.approx({3: ep_run["records"][3]["loss"]}, abs=1e-5)
+    assert router_biases(records)[3] == pytest.approx(router_biases(list(ep_run["records"].values()))[3], abs=1e-7)
     assert is_converted(universal_dir(str(ckpt / "step00000002"), "sequential"))
     tag = ckpt / "step00000003"
     assert checkpoint.saved_layout(checkpoint.read_meta(str(tag))).describe() == layout

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from deepseek_ds.config import load_run_config
-from launch_utils import train
+from helpers import train
 from reference import reference_losses, reference_model
 
 STEPS = 3
@@ -33,6 +33,7 @@ LAYOUTS = [
 ]
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("name,ranks,ds_config,extra", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
 def test_losses_equal_single_process_reference(name, ranks, ds_config, extra, reference, data_dir, tmp_path):
     records = train(ranks, str(tmp_path / name), SETS + extra + [f"data.path={data_dir}"], ds_config=ds_config)
@@ -43,6 +44,7 @@ def test_losses_equal_single_process_reference(name, ranks, ds_config, extra, re
     assert len(set(reference)) == STEPS  # the reference really trains: every step's loss differs
 
 
+@pytest.mark.unit
 def test_reference_detects_a_different_batch(data_dir):
     """The comparison above can fail: a different seed (other samples, other init) moves the losses."""
     base = load_run_config("recipes/tiny-v3.yaml", SETS + [f"data.path={data_dir}"])
@@ -51,6 +53,7 @@ def test_reference_detects_a_different_batch(data_dir):
     assert abs(a[0] - b[0]) / a[0] > 1e-4
 
 
+@pytest.mark.launch
 def test_training_from_an_hf_directory_with_pipeline(data_dir, tmp_path):
     """model.path: each stage of a PP=2 run loads only its layers from the sharded safetensors directory;
     the first loss equals transformers' loss of the from_pretrained model on the same global batch."""

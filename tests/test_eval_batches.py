@@ -11,6 +11,8 @@ from deepseek_ds.data import PackedDataset
 from deepseek_ds.evaluation import TokenSums, eval_sample_count, rank_batches
 from deepseek_ds.models.loss import IGNORE_INDEX
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("dp,mb", [(1, 8), (2, 4), (3, 5), (4, 16)])
 def test_ranks_cover_the_evaluation_set_exactly_once(data_dir, dp, mb):

@@ -12,6 +12,8 @@ from deepseek_ds.models.pipeline import (SequentialLM, build_model, layer_costs,
                                          partition_table, prepare_config)
 from deepseek_ds.models.presets import PRESETS, build_model_config, num_routed_experts
 
+pytestmark = pytest.mark.unit
+
 TINY = ["tiny-v3", "tiny-v2", "tiny-dense"]
 
 

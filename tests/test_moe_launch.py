@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from deepseek_ds.config import load_run_config
-from launch_utils import deepspeed, train
+from helpers import deepspeed, train
 from reference import reference_losses
+
+pytestmark = pytest.mark.launch
 
 STEPS = 4
 # Balancing strong enough to change routing and gradients within 4 steps; 2 micro-batches per rank on 2 ranks.

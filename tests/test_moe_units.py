@@ -17,6 +17,8 @@ from deepseek_ds.models.moe import (BalanceSettings, LoadBalancer, balance_losse
 from deepseek_ds.models.pipeline import build_model, prepare_config
 from deepseek_ds.models.presets import build_model_config
 
+pytestmark = pytest.mark.unit
+
 GAMMA = 1e-3
 
 

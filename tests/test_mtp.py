@@ -19,9 +19,8 @@ from deepseek_ds.models.layers import mtp_depth
 from deepseek_ds.models.loss import TokenWeightedLoss, count_valid_tokens
 from deepseek_ds.models.pipeline import build_model, mtp_tail_start, partition, prepare_config
 from deepseek_ds.models.presets import build_model_config
-from launch_utils import train
+from helpers import cli, fresh_ckpt_dir, train
 from reference import mtp_logits, mtp_reference_loss, reference_losses, reference_model
-from test_checkpoint import _cli, fresh_ckpt_dir
 
 STEPS = 3
 DEPTH = 2
@@ -39,6 +38,7 @@ def _batch(vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------------------------- in one process
+@pytest.mark.unit
 def test_mtp_logits_and_loss_equal_transformers_mtp_model(data_dir):
     cfg = _cfg(data_dir)
     main, mcfg, mtp = reference_model(cfg, with_mtp=True)
@@ -61,6 +61,7 @@ def test_mtp_logits_and_loss_equal_transformers_mtp_model(data_dir):
         assert torch.allclose(ours.eval()(x), main(input_ids=x).logits, atol=1e-5)
 
 
+@pytest.mark.unit
 def test_mtp_modules_share_the_embedding_and_head_gradients(data_dir):
     """The MTP loss reaches the main model's embedding (through the tied copy) and head."""
     cfg = _cfg(data_dir)
@@ -78,6 +79,7 @@ def test_mtp_modules_share_the_embedding_and_head_gradients(data_dir):
     assert model.layers[1].layer.input_layernorm.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.unit
 def test_hf_directory_without_mtp_tensors_loads_the_rest(data_dir, tmp_path):
     """Adding MTP to a model trained without it: the main layers load from the directory, the MTP modules keep their
     seeded initialisation (and a directory that has them loads them)."""
@@ -104,6 +106,7 @@ def test_hf_directory_without_mtp_tensors_loads_the_rest(data_dir, tmp_path):
                                                                                   want.state_dict().values()))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("stages", [2, 3, 4])
 @pytest.mark.parametrize("method", ["balanced", "uniform", "parameters", "type:MoELayer"])
 def test_partitions_keep_mtp_on_the_last_stage(stages, method):
@@ -114,6 +117,7 @@ def test_partitions_keep_mtp_on_the_last_stage(stages, method):
     assert len(parts) == stages + 1 and all(a < b for a, b in zip(parts, parts[1:]))
 
 
+@pytest.mark.unit
 def test_explicit_partition_splitting_mtp_from_the_head_is_refused():
     cfg = build_model_config("tiny-v3", overrides={"num_nextn_predict_layers": DEPTH})
     n = cfg.num_hidden_layers + 3 + 1 + DEPTH
@@ -122,18 +126,20 @@ def test_explicit_partition_splitting_mtp_from_the_head_is_refused():
     assert f"start at layer {mtp_tail_start(cfg)} or earlier" in str(err.value)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("preset,sets,message", [
     ("tiny-v2", ["model.overrides.num_nextn_predict_layers=1"], "multi-token prediction is DeepSeek-V3's"),
     ("tiny-v3", ["model.overrides.num_nextn_predict_layers=1", "train.mtp_loss_weight=0"], "untrained"),
     ("tiny-v3", ["model.overrides.num_nextn_predict_layers=1", "train.mtp_loss_weight=-1"], "must be >= 0"),
 ])
 def test_bad_mtp_settings_are_refused(preset, sets, message, tmp_path):
-    cfg = load_run_config(f"recipes/{preset}.yaml", sets + [f"train.output_dir={tmp_path}"])
-    with pytest.raises(ConfigError, match=message) as err:
+    with pytest.raises(ConfigError, match=message) as err:  # a single-field rule refuses at load, the others in validate
+        cfg = load_run_config(f"recipes/{preset}.yaml", sets + [f"train.output_dir={tmp_path}"])
         validate(cfg, load_ds_config(cfg.deepspeed_config), world_size=2, cuda_available=False)
     assert "train.mtp_loss_weight" in str(err.value) or "num_nextn_predict_layers" in str(err.value)
 
 
+@pytest.mark.unit
 def test_flops_per_token_count_the_mtp_modules():
     """Each MTP module adds 6 x its active parameters (its MoE layer with top-k of the routed experts, eh_proj,
     norms), one more head projection and one more layer's attention, counted here from the module itself."""
@@ -151,6 +157,7 @@ def test_flops_per_token_count_the_mtp_modules():
     assert flops_per_token(mcfg, seq) - flops_per_token(base, seq) == pytest.approx(6 * (active + head) + attention)
 
 
+@pytest.mark.unit
 def test_published_v3_shape_has_one_mtp_module():
     assert mtp_depth(build_model_config("deepseek-v3")) == 1
     assert mtp_depth(build_model_config("tiny-v3")) == 0
@@ -183,10 +190,12 @@ def _assert_equal_reference(records, reference):
     assert len(set(losses)) == STEPS  # the reference trains
 
 
+@pytest.mark.launch
 def test_pipeline_mtp_training_equals_reference(pipeline_run, reference):
     _assert_equal_reference(pipeline_run[1], reference)
 
 
+@pytest.mark.launch
 def test_pipeline_mtp_checkpoint_resumes_on_one_rank(pipeline_run, data_dir, tmp_path):
     """PP=2 -> one process through a universal checkpoint: the tied embedding (`tied_modules.embed` on both stages)
     and the MTP modules map onto SequentialLM's names, and the resumed step 3 repeats the run's losses."""
@@ -199,6 +208,7 @@ def test_pipeline_mtp_checkpoint_resumes_on_one_rank(pipeline_run, data_dir, tmp
         assert resumed[0][key] == pytest.approx(records[2][key], rel=1e-5), key
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("name,ds_config,extra", [
     ("zero1", "ds_configs/zero1.json", []),
     ("ep2-zero1", "ds_configs/zero1.json", ["parallel.expert_parallel=2"]),
@@ -210,6 +220,7 @@ def test_mtp_training_equals_reference(name, ds_config, extra, reference, data_d
     assert f"moe/layer{4 + DEPTH - 1}/load_ratio" in records[-1]
 
 
+@pytest.mark.launch
 def test_export_loads_in_transformers_mtp_model(pipeline_run, data_dir, tmp_path):
     from transformers import AutoModelForCausalLM
     from transformers.modeling_layers import MtpModel
@@ -220,7 +231,7 @@ def test_export_loads_in_transformers_mtp_model(pipeline_run, data_dir, tmp_path
     out_dir, _ = pipeline_run
     tag = os.path.join(out_dir, "checkpoints", latest_tag(os.path.join(out_dir, "checkpoints")))
     hf_dir = tmp_path / "hf"
-    assert _cli(["export", "hf", tag, "--out", str(hf_dir), "--dtype", "fp32", "--work-dir", str(tmp_path)]) == 0
+    assert cli(["export", "hf", tag, "--out", str(hf_dir), "--dtype", "fp32", "--work-dir", str(tmp_path)]) == 0
     assert json.loads((hf_dir / "config.json").read_text())["num_nextn_predict_layers"] == DEPTH
     weight_map = json.loads((hf_dir / "model.safetensors.index.json").read_text())["weight_map"]
     n = 4

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.multihost
+
 REPO = Path(__file__).resolve().parents[1]
 TESTCLUSTER = REPO / "launch" / "testcluster.sh"
 BENCH = REPO / "deepseek_ds" / "launcher" / "allreduce_bench.py"

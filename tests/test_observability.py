@@ -26,7 +26,9 @@ from deepseek_ds.models.hf_io import to_hf_model
 from deepseek_ds.models.pipeline import build_model, prepare_config
 from deepseek_ds.models.presets import build_model_config
 from deepseek_ds.training.metrics import flops_per_token
-from launch_utils import deepspeed, read_metrics
+from helpers import deepspeed, read_metrics
+
+pytestmark = pytest.mark.launch
 
 STEPS, POISONED = 4, 3
 # 66 validation samples of 128 tokens exist: 5 x 16 asks for more, so the set is capped at 66, which

@@ -13,6 +13,8 @@ import torch
 from deepseek_ds.config import ConfigError, load_ds_config, resolve_ds_config, run_config_from_dict, validate
 from deepseek_ds.training import metrics, monitors, nan_policy
 
+pytestmark = pytest.mark.unit
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import yaml
 
-from launch_utils import ROOT, deepspeed, launch_env, read_metrics
+from helpers import ROOT, deepspeed, launch_env, read_metrics
 
 KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec"}
 
@@ -31,6 +31,7 @@ def demo_run(data_dir, tmp_path_factory):
     return out, proc
 
 
+@pytest.mark.launch
 def test_loss_falls_and_metrics_are_complete(demo_run):
     out, _ = demo_run
     records = read_metrics(out)
@@ -44,6 +45,7 @@ def test_loss_falls_and_metrics_are_complete(demo_run):
     assert last < first - 1.0, f"loss did not fall clearly: {first:.3f} -> {last:.3f}"
 
 
+@pytest.mark.launch
 def test_outputs_written(demo_run):
     out, proc = demo_run
     with open(os.path.join(out, "resolved_config.yaml")) as f:
@@ -59,12 +61,14 @@ def test_outputs_written(demo_run):
     assert "done:" in proc.stdout and "->" in proc.stdout
 
 
+@pytest.mark.launch
 def test_no_shared_memory_left_behind(demo_run):
     """DeepSpeed's CPU all-reduce buffers (~70 MB per rank in /dev/shm, i.e. RAM) are released at exit."""
     _, proc = demo_run
     assert not proc.leaked_shm
 
 
+@pytest.mark.launch
 def test_bad_config_fails_early_with_a_clear_message(tmp_path):
     proc = deepspeed(2, ["train.py", "--config", "recipes/tiny-v3.yaml", "--set", f"train.output_dir={tmp_path}",
                          "--set", "train.global_batch_size=10"], check=False, timeout=120)
@@ -74,6 +78,7 @@ def test_bad_config_fails_early_with_a_clear_message(tmp_path):
     assert not os.path.exists(os.path.join(tmp_path, "metrics.jsonl"))
 
 
+@pytest.mark.unit
 def test_cli_help_lists_subcommands():
     proc = subprocess.run([sys.executable, "-m", "deepseek_ds.cli", "--help"], capture_output=True, text=True,
                           cwd=ROOT, env=launch_env())
@@ -82,6 +87,7 @@ def test_cli_help_lists_subcommands():
         assert sub in proc.stdout
 
 
+@pytest.mark.unit
 def test_cli_validate_refuses_typo():
     proc = subprocess.run([sys.executable, "-m", "deepseek_ds.cli", "validate", "--config", "recipes/tiny-v3.yaml",
                            "--set", "train.global_batch_szie=32", "--num_gpus", "2"],
