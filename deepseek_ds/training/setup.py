@@ -66,7 +66,7 @@ def share_cpu_threads() -> int | None:
     """On CPU, give each local rank its share of the cores unless OMP_NUM_THREADS is set. With torch's default
     (every rank one thread per core) the ranks' spinning OpenMP threads starve each other: a 2-rank run on 2 cores
     ran many times slower. Returns the thread count it set, if any."""
-    from ..bench.report import usable_cpus
+    from ..utils.system import usable_cpus
 
     if "OMP_NUM_THREADS" in os.environ or get_accelerator().device_name() != "cpu":
         return None
@@ -142,7 +142,7 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
     dataset = PackedDataset(dataset_dir, cfg.data.seq_len)
 
     pp = cfg.parallel.pipeline_stages
-    dp = world // pp
+    dp = cfg.data_parallel_size(world)
     loss_fn = TokenWeightedLoss(mtp_depth(mcfg), cfg.train.mtp_loss_weight)
     torch.manual_seed(cfg.train.seed)
     if pp > 1:
@@ -173,7 +173,7 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
             engine.grid.get_data_parallel_group()
     else:
         dp_rank, dp_size, dp_group = rank, world, None
-    grad_accum = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp_size)
+    grad_accum = cfg.grad_accum_steps(dp_size)
     settings = resolve_settings(cfg.moe, mcfg)
     # fp16 scales the LM loss's gradients by its dynamic loss scale: the balance losses' gradients must follow.
     loss_scale = (lambda: float(engine.optimizer.loss_scale)) if engine.fp16_enabled() else None

@@ -1,0 +1,42 @@
+"""Numbers and tables for people: byte and count formatting, plain-text and markdown tables (through tabulate)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tabulate import tabulate
+
+
+def human_bytes(n: float | None) -> str:
+    """Binary units, two decimals: 1.50 GiB; "-" for an unknown value."""
+    if n is None:
+        return "-"
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def human_count(n: int) -> str:
+    """Decimal units for parameter and token counts: 1.23B, 4.56M, 7.89K."""
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
+
+
+def _align(headers: Sequence[str], align: Sequence[str] | None) -> tuple[str, ...]:
+    # The first column names the row (left), the others are numbers (right), unless said otherwise.
+    return tuple(align) if align else ("left",) + ("right",) * (len(headers) - 1)
+
+
+def text_table(rows: Sequence[Sequence[str]], headers: Sequence[str], align: Sequence[str] | None = None) -> str:
+    """Columns separated by two spaces under a dashed rule. Cells are printed as given (already formatted)."""
+    return tabulate(rows, headers=list(headers), tablefmt="simple", colalign=_align(headers, align),
+                    disable_numparse=True)
+
+
+def markdown_table(rows: Sequence[Sequence[str]], headers: Sequence[str], align: Sequence[str] | None = None) -> str:
+    """A GitHub markdown (pipe) table of already formatted cells."""
+    return tabulate(rows, headers=list(headers), tablefmt="pipe", colalign=_align(headers, align),
+                    disable_numparse=True)
