@@ -18,12 +18,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from deepseek_ds.utils.errors import UserError
+
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # With a CUDA accelerator DeepSpeed also exports the launcher's own NCCL* variables to every node.
 LAUNCHER_EXPORTED_PREFIXES = ("NCCL",)
 
 
-class EnvFileError(ValueError):
+class EnvFileError(UserError):
     """A .deepspeed_env line that would crash DeepSpeed's launcher or silently break the launch."""
 
 

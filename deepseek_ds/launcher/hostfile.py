@@ -18,13 +18,15 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from deepseek_ds.utils.errors import UserError
+
 _ENTRY = re.compile(r"^(?P<host>\S+)\s+slots=(?P<slots>\S*)(?P<rest>.*)$")
 # OpenMPI hostfiles may carry more key=value fields (max_slots=16); DeepSpeed ignores them, so do we.
 _EXTRA_FIELD = re.compile(r"^\S+=\S*$")
 _FILTER_SEPARATORS = "@:,"
 
 
-class HostfileError(ValueError):
+class HostfileError(UserError):
     """A hostfile or --include/--exclude filter that DeepSpeed would reject or misread."""
 
 
@@ -156,3 +158,8 @@ def _parse_filter(flag: str, spec: str, hostfile: Hostfile) -> dict[str, list[in
         # DeepSpeed merges repeated hosts: "a:0@a:1" is "a:0,1".
         requested[host] = sorted(set(requested.get(host, []) + slots))
     return requested
+
+
+def count_slots(path: str | Path, include: str = "", exclude: str = "") -> int:
+    """The ranks `deepspeed --hostfile PATH [--include/--exclude]` starts: the selected slots of every host."""
+    return sum(len(slots) for slots in select_slots(read_hostfile(path), include, exclude).values())

@@ -13,6 +13,8 @@ from typing import Any
 
 from transformers import DeepseekV2Config, DeepseekV3Config, LlamaConfig, PretrainedConfig
 
+from ..utils.errors import UserError
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -71,7 +73,7 @@ PRESETS: dict[str, Preset] = {
 SUPPORTED_MODEL_TYPES = {"deepseek_v3": DeepseekV3Config, "deepseek_v2": DeepseekV2Config, "llama": LlamaConfig}
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(UserError):
     pass
 
 
