@@ -3,11 +3,32 @@
 import glob
 import json
 import os
+import re
 
 import pytest
+import yaml
 
-from deepseek_ds.config import (ConfigError, apply_overrides, load_ds_config, load_run_config, resolve_ds_config,
-                                run_config_from_dict, validate)
+from deepseek_ds.config import (
+    PROJECT_ROOT,
+    RESOLVED_NAME,
+    CheckpointSection,
+    ConfigError,
+    DataSection,
+    ModelSection,
+    ParallelSection,
+    TrainSection,
+    apply_overrides,
+    load_and_validate,
+    load_ds_config,
+    load_run_config,
+    resolve_ds_config,
+    run_config_from_dict,
+    validate,
+    write_resolved,
+)
+from deepseek_ds.training.main import main as train_main
+
+pytestmark = pytest.mark.unit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DS = os.path.join(ROOT, "ds_configs")
@@ -152,3 +173,88 @@ def test_all_problems_reported_at_once():
     with pytest.raises(ConfigError) as e:
         validate(c, ds("zero3.json"), 2, cuda_available=False)
     assert "global_batch_size" in str(e.value) and "ZeRO stage 3" in str(e.value)
+
+
+def test_single_field_rules_refuse_when_the_section_is_built():
+    for build, message in [(lambda: TrainSection(steps=0), "train.steps must be >= 1"),
+                           (lambda: TrainSection(nan_policy="ignore"), "train.nan_policy = 'ignore'"),
+                           (lambda: ParallelSection(pipeline_stages=0), "parallel.pipeline_stages must be >= 1"),
+                           (lambda: DataSection(seq_len=1), "data.seq_len must be >= 2"),
+                           (lambda: DataSection(builtin="wiki"), "only built-in corpus is 'stdlib'"),
+                           (lambda: CheckpointSection(keep=0), "checkpoint.keep must be >= 1"),
+                           (lambda: ModelSection(preset=None), "set model.preset")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            build()
+    with pytest.raises(ConfigError, match=r"train.steps must be >= 1\ntrain.micro_batch_size must be >= 1"):
+        cfg(train={"steps": 0, "micro_batch_size": 0})  # a section reports all its problems at once
+
+
+def test_values_are_checked_against_the_field_types():
+    c = cfg(train={"lr": "3e-4", "min_lr": 0, "peak_tflops": None}, model={"overrides": {"n_group": 2}})
+    assert c.train.lr == pytest.approx(3e-4) and isinstance(c.train.min_lr, float) and c.train.peak_tflops is None
+    assert c.model.overrides == {"n_group": 2}
+    with pytest.raises(ConfigError, match=r"train.steps = True has the wrong type: expected int"):
+        cfg(train={"steps": True})
+    with pytest.raises(ConfigError, match=r"train.lr must not be null"):
+        cfg(train={"lr": None})
+    with pytest.raises(ConfigError, match=r"model.overrides = 3 has the wrong type: expected dict"):
+        cfg(model={"overrides": 3})
+
+
+def test_data_parallel_size_and_grad_accum_have_one_home():
+    c = cfg(parallel={"pipeline_stages": 2}, train={"micro_batch_size": 2, "global_batch_size": 16})
+    assert c.data_parallel_size(8) == 4 and c.grad_accum_steps(4) == 2
+    assert resolve_ds_config(ds("zero1_pp.json"), c, 8)["gradient_accumulation_steps"] == 2
+
+
+def test_malformed_yaml_is_one_line_naming_file_line_and_column(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  steps: 5\n  lr: [1e-3, 2e-3\nmodel:\n  preset: tiny-v3\n")
+    with pytest.raises(ConfigError) as e:
+        load_run_config(str(bad))
+    assert re.match(rf"{re.escape(str(bad))}:\d+:\d+: not valid YAML: ", str(e.value)), str(e.value)
+    assert "\n" not in str(e.value)
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match=r"list.yaml: a run YAML is a mapping"):
+        load_run_config(str(tmp_path / "list.yaml"))
+
+
+def test_nested_deepspeed_typo_is_refused_naming_the_key():
+    d = ds("zero3.json")
+    d["zero_optimization"]["stage3_prefetch_bucket_sise"] = 5e7
+    message = refused(cfg(), d, 2, r"'zero_optimization\.stage3_prefetch_bucket_sise': Extra inputs are not permitted")
+    assert "did you mean 'stage3_prefetch_bucket_size'" in message
+    assert len(message.splitlines()) == 2  # the header and one line for the one problem
+    d = ds("zero1.json")
+    d["zero_optimization"]["reduce_bucket_size"] = "big"
+    refused(cfg(), d, 2, r"'zero_optimization\.reduce_bucket_size'")
+
+
+def test_recipe_paths_do_not_depend_on_the_current_directory(tmp_path, monkeypatch):
+    """Relative inputs in a recipe inside the project resolve against the project root, in a recipe elsewhere
+    against the recipe's directory; command-line paths stay relative to the current directory."""
+    monkeypatch.chdir(tmp_path)
+    c, resolved = load_and_validate(os.path.join(ROOT, "recipes", "tiny-v3.yaml"), world_size=2, cuda_available=False)
+    assert c.deepspeed_config == os.path.join(PROJECT_ROOT, "ds_configs", "zero1.json") and resolved["train_batch_size"]
+    assert load_run_config(None).deepspeed_config == os.path.join(PROJECT_ROOT, "ds_configs", "zero1.json")
+
+    own = tmp_path / "elsewhere"
+    (own / "corpus").mkdir(parents=True)
+    (own / "mine.json").write_text(json.dumps(ds("zero1.json")))
+    (own / "run.yaml").write_text("deepspeed_config: mine.json\ndata:\n  path: corpus\ntrain:\n  output_dir: out\n")
+    c = load_run_config(str(own / "run.yaml"))
+    assert (c.deepspeed_config, c.data.path) == (str(own / "mine.json"), str(own / "corpus"))
+    assert c.train.output_dir == "out"  # outputs: relative to the current directory
+    assert load_run_config(str(own / "run.yaml"), ["data.path=here"]).data.path == "here"
+
+
+def test_resolved_config_is_written_only_for_an_accepted_run(tmp_path, monkeypatch):
+    c, d = load_and_validate("recipes/tiny-v3.yaml", sets=[f"train.output_dir={tmp_path}"], world_size=2)
+    doc = yaml.safe_load(open(write_resolved(c, d, 2)))
+    assert doc["run"]["train"]["output_dir"] == str(tmp_path) and doc["deepspeed"] == d and doc["world_size"] == 2
+    assert set(doc["versions"]) == {"python", "torch", "deepspeed", "transformers"}
+    (tmp_path / RESOLVED_NAME).write_text("the earlier run\n")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert train_main(["--config", "recipes/tiny-v3.yaml", "--set", f"train.output_dir={tmp_path}",
+                       "--set", "train.global_batch_size=10"]) == 2
+    assert (tmp_path / RESOLVED_NAME).read_text() == "the earlier run\n"

@@ -64,7 +64,7 @@ def mtp_loss_breakdown(run: Run) -> dict[str, float]:
     return record
 
 
-def train(run: Run) -> dict:
+def train(run: Run, on_accepted=None) -> dict:
     from ..data import GlobalBatchSampler, PackedDataset, micro_batches
 
     cfg, engine, log = run.cfg, run.engine, run.log
@@ -73,6 +73,8 @@ def train(run: Run) -> dict:
     ckpt_dir = cfg.checkpoint_dir
     stop = checkpoint.StopOnSignal(engine.device)  # SIGTERM/SIGINT: finish the step, save, exit cleanly
     state = checkpoint.resume(run) or {}
+    if on_accepted:  # the run, and its resume if any, passed every check: e.g. record resolved_config.yaml
+        on_accepted()
     if not state:
         start_lr_schedule(engine)
     start_step = int(state.get("step", 0))

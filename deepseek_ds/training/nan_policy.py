@@ -4,46 +4,20 @@ Both policies rest on DeepSpeed's own overflow handling: a non-finite loss gives
 the ZeRO optimizers (any stage) and the fp16 optimizer then discard the update (no optimizer or scheduler
 step, `engine.skipped_steps` + 1). So the weights after a skipped step are the weights before it: "skip"
 simply carries on, "stop" saves them and ends the run. Only ZeRO stage 0 in fp32 applies the update
-anyway; validate() refuses "skip" there, and at run time an applied non-finite update always stops the
-run, without saving, because its weights are no longer trustworthy.
+anyway (`skips_nonfinite_steps`, a property of the DeepSpeed JSON that validate() also uses); validate()
+refuses "skip" there, and at run time an applied non-finite update always stops the run, without saving,
+because its weights are no longer trustworthy.
 """
 
 from __future__ import annotations
 
-from ..config import precision, zero_stage
+from ..config import skips_nonfinite_steps
 
-POLICIES = ("skip", "stop")
+__all__ = ["NonFiniteLoss", "check", "skips_nonfinite_steps", "stop_message"]
 
 
 class NonFiniteLoss(RuntimeError):
     """The run ended on a non-finite loss (policy "stop", or an update DeepSpeed did not discard)."""
-
-
-def skips_nonfinite_steps(ds: dict) -> bool:
-    """Whether DeepSpeed discards an optimizer step with non-finite gradients under this DeepSpeed config."""
-    stage, prec = zero_stage(ds), precision(ds)
-    if prec == "fp16":
-        return True  # the loss scaler's overflow check, at every stage
-    if stage == 0:
-        return False  # the plain torch optimizer (fp32; bf16 with stage 0 is refused by validate)
-    if stage in (1, 2):
-        # ZeRO-1/2 see it through the gradient norm (not computed with compute_grad_norm=false), and in bf16
-        # only with bf16.check_grad_overflow (DeepSpeed's default: true).
-        if not ds.get("zero_optimization", {}).get("compute_grad_norm", True):
-            return False
-        return prec != "bf16" or ds.get("bf16", {}).get("check_grad_overflow", True)
-    return True  # ZeRO-3 always discards a step whose gradient norm is not finite
-
-
-def config_errors(nan_policy: str, ds: dict) -> list[str]:
-    if nan_policy not in POLICIES:
-        return [f"train.nan_policy = {nan_policy!r}: use 'skip' (drop the step and go on) or 'stop' "
-                "(save a checkpoint and end the run)"]
-    if nan_policy == "skip" and not skips_nonfinite_steps(ds):
-        return [f"train.nan_policy = 'skip' needs DeepSpeed to discard steps with non-finite gradients, which "
-                f"ZeRO stage {zero_stage(ds)} in {precision(ds)} does not do (the update would be applied); use "
-                "ZeRO >= 1 (e.g. ds_configs/zero1.json) or train.nan_policy: stop"]
-    return []
 
 
 def check(step: int, nan_policy: str, update_discarded: bool) -> bool:

@@ -1,0 +1,207 @@
+"""The run YAML's sections as dataclasses. Each field says what it means, and each section checks its own fields in
+`__post_init__` (a value that is wrong whatever else is configured); rules that need several sections, the
+DeepSpeed JSON or the world size are in validate.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..utils.errors import UserError
+
+NAN_POLICIES = ("skip", "stop")
+BUILTIN_CORPORA = ("stdlib",)
+
+
+class ConfigError(UserError):
+    """A configuration problem; the message names the field and the fix."""
+
+
+def _refuse(problems: list[str]) -> None:
+    """Raise one ConfigError listing every problem a section found (if any)."""
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+def _at_least(section: str, minimum: int, **values: int) -> list[str]:
+    return [f"{section}.{name} must be >= {minimum}" for name, value in values.items() if value < minimum]
+
+
+@dataclass
+class ModelSection:
+    preset: str | None = "tiny-v3"
+    """A built-in architecture (models/presets.py), used when `path` is null."""
+    path: str | None = None
+    """A local Hugging Face directory: its config.json and, if present, its safetensors weights."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """transformers config fields set over the preset's or the directory's, e.g. num_hidden_layers."""
+    attn_implementation: str = "sdpa"
+    """transformers' attention implementation."""
+    experts_implementation: str = "grouped_mm"
+    """transformers' routed-experts implementation: grouped_mm or eager."""
+    activation_checkpoint_interval: int = 0
+    """Recompute activations every N layers in the backward pass; 0: off."""
+    partition_method: str = "balanced"
+    """How layers are cut into pipeline stages (models/pipeline.py)."""
+
+    def __post_init__(self):
+        _refuse([] if self.preset is not None or self.path is not None else
+                ["set model.preset (e.g. tiny-v3) or model.path (a local HF directory)"])
+
+
+@dataclass
+class DataSection:
+    path: str | None = None
+    """A dataset made by `deepseek-ds data prepare`; null: the built-in corpus."""
+    builtin: str | None = "stdlib"
+    """The built-in corpus (the Python standard library's sources), built into `cache_dir` on first use."""
+    builtin_max_mb: float = 8.0
+    """How many MB of source text the built-in corpus reads."""
+    cache_dir: str = "data_cache"
+    """Where the built-in corpus is built (relative: to the current directory)."""
+    seq_len: int = 128
+    """Tokens per training sample."""
+
+    def __post_init__(self):
+        problems = _at_least("data", 2, seq_len=self.seq_len)
+        if self.path is None and self.builtin not in BUILTIN_CORPORA:
+            problems.append(f"data.builtin = {self.builtin!r}: the only built-in corpus is 'stdlib'; or set data.path")
+        _refuse(problems)
+
+
+@dataclass
+class TrainSection:
+    steps: int = 300
+    """Optimizer steps of the whole run (a resume continues up to it)."""
+    seed: int = 1234
+    """Seeds the weights, the data order and dropout."""
+    lr: float = 3e-3
+    """Peak learning rate, after the warm-up."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 20
+    """Linear warm-up steps; 0: none."""
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Global gradient-norm clipping."""
+    micro_batch_size: int = 8
+    """Samples per rank per forward/backward pass."""
+    global_batch_size: int = 16
+    """Samples per optimizer step: micro_batch_size x gradient accumulation x data-parallel size."""
+    shuffle: bool = True
+    output_dir: str = "runs/default"
+    """Metrics, logs, plots, resolved_config.yaml and (by default) checkpoints (relative: to the current directory)."""
+    dist_timeout_s: int = 1800
+    """Collectives waiting longer than this fail (a dead host ends the job)."""
+    nan_policy: str = "stop"
+    """A non-finite loss: "skip" the step, or "stop" (save, then end the run)."""
+    peak_tflops: float | None = None
+    """Per-device peak TFLOP/s for MFU; null: the known GPU's bf16 dense peak."""
+    mtp_loss_weight: float = 0.3
+    """lambda of DeepSeek-V3's multi-token-prediction loss (0.3, later 0.1, in its training); the depth is the model's
+    num_nextn_predict_layers (model.overrides), 0 in the tiny presets and 1 in deepseek-v3."""
+
+    def __post_init__(self):
+        problems = _at_least("train", 1, steps=self.steps, micro_batch_size=self.micro_batch_size,
+                             global_batch_size=self.global_batch_size)
+        if self.nan_policy not in NAN_POLICIES:
+            problems.append(f"train.nan_policy = {self.nan_policy!r}: use 'skip' (drop the step and go on) or 'stop' "
+                            "(save a checkpoint and end the run)")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            problems.append(f"train.peak_tflops = {self.peak_tflops}: must be > 0 (TFLOP/s of one device), or null")
+        if self.mtp_loss_weight < 0:
+            problems.append(f"train.mtp_loss_weight = {self.mtp_loss_weight} must be >= 0")
+        _refuse(problems)
+
+
+@dataclass
+class ParallelSection:
+    pipeline_stages: int = 1
+    """Pipeline-parallel stages (DeepSpeed's PipelineModule); 1: none."""
+    expert_parallel: int = 1
+    """Ranks the routed experts are sharded over (DeepSpeed AutoEP); must divide the data-parallel size."""
+    tensor_parallel: int = 1
+    """Not supported yet: 1."""
+
+    def __post_init__(self):
+        _refuse(_at_least("parallel", 1, pipeline_stages=self.pipeline_stages, expert_parallel=self.expert_parallel,
+                          tensor_parallel=self.tensor_parallel))
+
+
+@dataclass
+class CheckpointSection:
+    dir: str | None = None
+    """Where checkpoints go; null: <train.output_dir>/checkpoints."""
+    interval: int = 0
+    """Save every N steps; 0: only at the end."""
+    keep: int = 2
+    """Complete checkpoints kept; older ones are deleted."""
+
+    def __post_init__(self):
+        _refuse(_at_least("checkpoint", 1, keep=self.keep))
+
+
+@dataclass
+class EvalSection:
+    interval: int = 0
+    """Evaluate on the validation split every N steps; 0: never."""
+    batches: int = 4
+    """Global batches per evaluation."""
+
+    def __post_init__(self):
+        if self.interval < 0 or self.batches < 1:
+            _refuse([f"eval.interval ({self.interval}) must be >= 0 (0: no evaluation) and eval.batches "
+                     f"({self.batches}) >= 1"])
+
+
+@dataclass
+class MoESection:
+    """DeepSeekMoE load balancing (models/moe.py). null: the model family's published value (DeepSeek-V3: bias
+    update speed 0.001, sequence-wise loss 1e-4; DeepSeek-V2: expert-level loss 0.003, device-level loss 0.05,
+    communication loss 0.02; the last two only for models with more than one expert group)."""
+    bias_update_speed: float | None = None
+    """gamma of V3's auxiliary-loss-free balancing; 0: off."""
+    seq_aux_alpha: float | None = None
+    """Sequence-wise (V3) = expert-level (V2) balance loss factor; 0: off."""
+    device_aux_alpha: float | None = None
+    """V2 device-level balance loss over the model's n_group groups; 0: off."""
+    comm_aux_alpha: float | None = None
+    """V2 communication balance loss (tokens sent to each group); 0: off."""
+
+    def __post_init__(self):
+        _refuse([f"moe.{k} = {v} must be >= 0 (0 turns it off) or null (the model family's default)"
+                 for k, v in dataclasses.asdict(self).items() if v is not None and v < 0])
+
+
+@dataclass
+class RunConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    moe: MoESection = field(default_factory=MoESection)
+    deepspeed_config: str = "ds_configs/zero1.json"
+    """The DeepSpeed JSON when --deepspeed_config is not given (relative paths: see loading.py)."""
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or os.path.join(self.train.output_dir, "checkpoints")
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """Model replicas: world / (pipeline stages x tensor-parallel ranks), at least 1 (validate() refuses a
+        world size that these do not divide)."""
+        return max(world_size // (self.parallel.pipeline_stages * self.parallel.tensor_parallel), 1)
+
+    def grad_accum_steps(self, data_parallel: int) -> int:
+        """Micro-batches per rank and optimizer step, from global = micro x grad-accum x data-parallel (at least 1)."""
+        return max(self.train.global_batch_size // (self.train.micro_batch_size * data_parallel), 1)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,0 +1,181 @@
+"""validate(): every rule that needs more than one field's value (several sections, the DeepSpeed JSON, the model
+architecture, the world size), checked before any process starts. Single-field rules are in schema.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from ..models.layers import mtp_depth
+from ..models.moe import resolve_settings
+from ..models.pipeline import partition
+from ..models.presets import ModelConfigError, build_model_config, num_routed_experts
+from .deepspeed_json import (
+    deepspeed_refusals,
+    missing_monitor_packages,
+    precision,
+    resolve_ds_config,
+    skips_nonfinite_steps,
+    zero_stage,
+)
+from .schema import ConfigError, RunConfig
+
+
+def validate(cfg: RunConfig, ds: dict, world_size: int, cuda_available: bool | None = None) -> None:
+    """Every check that can be made before processes start. Raises ConfigError listing all problems; DeepSpeed's
+    own config model runs last, only when these rules pass (its complaints would otherwise restate theirs)."""
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    errors = (_layout_errors(cfg, world_size) + _deepspeed_errors(cfg, ds, cuda_available) + _model_errors(cfg, ds)
+              + _data_errors(cfg) + _nan_policy_errors(cfg, ds) + missing_monitor_packages(ds))
+    if not errors:
+        try:
+            errors = deepspeed_refusals(resolve_ds_config(ds, cfg, world_size))
+        except ConfigError as e:
+            errors = [str(e)]
+    if errors:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+
+
+def _layout_errors(cfg: RunConfig, world_size: int) -> list[str]:
+    """The world size against pipeline x tensor x data parallelism, and the batch arithmetic."""
+    p, t = cfg.parallel, cfg.train
+    errors = []
+    model_parallel = p.pipeline_stages * p.tensor_parallel
+    if world_size % model_parallel:
+        errors.append(f"world size {world_size} is not divisible by pipeline_stages({p.pipeline_stages}) x "
+                      f"tensor_parallel({p.tensor_parallel}) = {model_parallel}; change parallel.pipeline_stages "
+                      "or the number of ranks")
+    else:
+        dp = cfg.data_parallel_size(world_size)
+        per_step = t.micro_batch_size * dp
+        if t.global_batch_size % per_step:
+            errors.append(f"train.global_batch_size ({t.global_batch_size}) must equal micro_batch_size "
+                          f"({t.micro_batch_size}) x grad_accum x data_parallel ({dp} = world {world_size} / "
+                          f"(pp {p.pipeline_stages} x tp {p.tensor_parallel})); use a multiple of {per_step}, "
+                          f"e.g. {per_step * max(1, round(t.global_batch_size / per_step))}")
+        if p.expert_parallel > 1 and dp % p.expert_parallel:
+            errors.append(f"parallel.expert_parallel ({p.expert_parallel}) must divide the data-parallel size ({dp})")
+    if p.tensor_parallel != 1:
+        errors.append("parallel.tensor_parallel > 1 is not supported yet (DeepSeek-V3 itself trains without TP); "
+                      "set it to 1")
+    return errors
+
+
+def _deepspeed_errors(cfg: RunConfig, ds: dict, cuda_available: bool) -> list[str]:
+    """ZeRO stage and precision against pipelines and the hardware."""
+    stage, prec, stages = zero_stage(ds), precision(ds), cfg.parallel.pipeline_stages
+    errors = []
+    if stage not in (0, 1, 2, 3):
+        errors.append(f"deepspeed_config zero_optimization.stage = {stage}: must be 0, 1, 2 or 3")
+    if stages > 1 and stage >= 2:
+        errors.append(f"pipeline parallelism (parallel.pipeline_stages={stages}) cannot be combined "
+                      f"with ZeRO stage {stage} (DeepSpeed supports only ZeRO 0/1 with pipelines); use "
+                      "ds_configs/zero1_pp.json or set parallel.pipeline_stages=1")
+    if prec == "fp16" and not cuda_available:
+        errors.append("fp16 needs a CUDA GPU (DeepSpeed's CPU accelerator refuses it); on CPU use a bf16 config "
+                      "such as ds_configs/zero1_bf16.json or an fp32 one")
+    if prec == "bf16" and stage == 0:
+        errors.append("bf16 with ZeRO stage 0 goes through DeepSpeed's FP16_Optimizer and its losses drift from "
+                      "the ZeRO path; use ZeRO >= 1 for bf16 (e.g. ds_configs/zero1_bf16.json)")
+    if "loss_scale" in ds.get("bf16", {}):
+        errors.append("deepspeed_config bf16.loss_scale is not a DeepSpeed field (bf16 needs no loss scaling); "
+                      "remove it")
+    return errors
+
+
+def _model_errors(cfg: RunConfig, ds: dict) -> list[str]:
+    """The model (its path, or its preset with overrides) against the layout, the sequence length and the MoE and
+    MTP settings."""
+    p = cfg.parallel
+    if cfg.model.path and not os.path.isdir(cfg.model.path):
+        return [f"model.path {cfg.model.path!r} does not exist; point it at a local HF model directory"]
+    try:
+        mcfg = build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides)
+    except (ModelConfigError, TypeError, ValueError) as e:
+        return [str(e)]
+    errors = []
+    n_layers = mcfg.num_hidden_layers + 3  # + embedding, final norm, head
+    if p.pipeline_stages > n_layers:
+        errors.append(f"parallel.pipeline_stages ({p.pipeline_stages}) exceeds the number of pipeline layers "
+                      f"({n_layers}: {mcfg.num_hidden_layers} decoder layers + embedding, norm, head)")
+    experts = num_routed_experts(mcfg)
+    if p.expert_parallel > 1 and not experts:
+        errors.append(f"parallel.expert_parallel = {p.expert_parallel} but model {mcfg.model_type} is dense; "
+                      "set it to 1")
+    elif experts and experts % p.expert_parallel:
+        errors.append(f"routed experts ({experts}) are not divisible by parallel.expert_parallel "
+                      f"({p.expert_parallel}); choose a divisor of {experts}")
+    if cfg.data.seq_len > mcfg.max_position_embeddings:
+        errors.append(f"data.seq_len ({cfg.data.seq_len}) exceeds the model's max_position_embeddings "
+                      f"({mcfg.max_position_embeddings})")
+    return errors + _moe_errors(cfg, ds, mcfg) + _mtp_errors(cfg, mcfg)
+
+
+def _data_errors(cfg: RunConfig) -> list[str]:
+    if cfg.data.path and not os.path.isdir(cfg.data.path):
+        return [f"data.path {cfg.data.path!r} does not exist; prepare one with "
+                "`deepseek-ds data prepare --input ... --out DIR` or use data.builtin: stdlib"]
+    return []
+
+
+def _nan_policy_errors(cfg: RunConfig, ds: dict) -> list[str]:
+    if cfg.train.nan_policy == "skip" and not skips_nonfinite_steps(ds):
+        return [f"train.nan_policy = 'skip' needs DeepSpeed to discard steps with non-finite gradients, which "
+                f"ZeRO stage {zero_stage(ds)} in {precision(ds)} does not do (the update would be applied); use "
+                "ZeRO >= 1 (e.g. ds_configs/zero1.json) or train.nan_policy: stop"]
+    return []
+
+
+def _mtp_errors(cfg: RunConfig, mcfg) -> list[str]:
+    requested = int(getattr(mcfg, "num_nextn_predict_layers", 0) or 0)
+    depth = mtp_depth(mcfg)
+    if requested < 0:
+        return [f"num_nextn_predict_layers = {requested}: the MTP depth must be >= 0 (model.overrides)"]
+    if requested and not depth:
+        return [f"num_nextn_predict_layers = {requested} but multi-token prediction is DeepSeek-V3's (model_type "
+                f"deepseek_v3), not {mcfg.model_type}'s; remove it from model.overrides"]
+    if depth and cfg.train.mtp_loss_weight == 0:
+        return [f"train.mtp_loss_weight = 0 leaves the model's {depth} MTP module(s) untrained; give it a weight "
+                "(DeepSeek-V3 used 0.3, then 0.1) or set model.overrides.num_nextn_predict_layers: 0"]
+    return []
+
+
+def _moe_errors(cfg: RunConfig, ds: dict, mcfg) -> list[str]:
+    """Load-balancing settings that the model cannot use, and expert parallelism set in the wrong place."""
+    settings = resolve_settings(cfg.moe, mcfg)
+    if settings is None:
+        return [f"moe.{k} = {v} but model {mcfg.model_type} is dense (no routed experts); remove it"
+                for k, v in dataclasses.asdict(cfg.moe).items() if v]
+    errors = []
+    if settings.bias_update_speed > 0 and mcfg.model_type != "deepseek_v3":
+        errors.append(f"moe.bias_update_speed = {settings.bias_update_speed}: {mcfg.model_type} routers have no "
+                      "e_score_correction_bias (only DeepSeek-V3's do); set it to 0")
+    for key in ("device_aux_alpha", "comm_aux_alpha"):
+        if getattr(settings, key) > 0 and settings.device_groups == 1:
+            errors.append(f"moe.{key} = {getattr(settings, key)} needs device groups, but the model's n_group is 1 "
+                          "(one group: the loss is a constant); set it to 0 or model.overrides.n_group")
+    if "expert_parallel" in ds:
+        errors.append("deepspeed_config has an 'expert_parallel' section: set parallel.expert_parallel in the run "
+                      "YAML instead (deepseek-ds writes the AutoEP section for the model)")
+    if cfg.parallel.expert_parallel > 1 and cfg.parallel.pipeline_stages > 1:
+        errors += _stages_without_experts(cfg, mcfg)
+    return errors
+
+
+def _stages_without_experts(cfg: RunConfig, mcfg) -> list[str]:
+    """AutoEP refuses a pipeline stage that holds no MoE layer (it finds nothing to replace)."""
+    try:
+        parts = partition(mcfg, cfg.parallel.pipeline_stages, cfg.model.partition_method, cfg.data.seq_len)
+    except ValueError as e:
+        return [str(e)]
+    # Spec i (embedding at 0) is decoder layer i - 1; MoE from first_k_dense_replace on.
+    moe_specs = set(range(mcfg.first_k_dense_replace + 1, mcfg.num_hidden_layers + 1))
+    empty = [st for st in range(len(parts) - 1) if not moe_specs & set(range(parts[st], parts[st + 1]))]
+    if not empty:
+        return []
+    return [f"parallel.expert_parallel = {cfg.parallel.expert_parallel} needs an MoE layer on every pipeline stage, "
+            f"but stage(s) {empty} of partition {parts} hold none; change model.partition_method (e.g. "
+            "counts:a,b,...) or parallel.pipeline_stages"]
