@@ -23,7 +23,8 @@ setup(
         "ninja",
     ],
     extras_require={
-        "test": ["pytest>=7", "datasets>=2.18", "tensorboard", "wandb", "onnx", "onnxruntime", "onnxscript"],
+        "test": ["pytest>=7", "datasets>=2.18", "tensorboard", "wandb", "onnx", "onnxruntime", "onnxscript",
+                 "import-linter>=2.1", "ruff>=0.6"],
         "monitors": ["tensorboard", "wandb"],
         "export": ["onnx", "onnxruntime", "onnxscript"],
         "data": ["datasets>=2.18"],

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up, then run the whole test suite (extra arguments go to pytest, e.g. -k config).
+# Set up, then run the test suite; extra arguments go to pytest: `-m unit` (about a minute), `-m launch`,
+# `-m multihost` (markers in pyproject.toml), `-k config`, a file.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/setup.sh
-exec python -m pytest -q tests "$@"
+exec python -m pytest -q "$@"

@@ -1,0 +1,97 @@
+"""The package's shape: imports run one way through the layers of pyproject.toml's import-linter contract
+(utils -> launcher | models | data -> config -> checkpoint -> training -> inference | bench -> cli), with no cycle
+between the modules of any package, function-level imports included; every top-level package sits in a layer; no
+module is over 400 lines."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import grimp
+import pytest
+from importlinter.api import read_configuration
+
+from helpers import BIN, ROOT
+
+pytestmark = pytest.mark.unit
+
+PACKAGE = Path(ROOT) / "deepseek_ds"
+MAX_LINES = 400
+
+
+def _contracts() -> list[dict]:
+    return read_configuration(str(Path(ROOT) / "pyproject.toml"))["contracts_options"]
+
+
+def _chain(graph, importer: str, imported: str) -> str:
+    """importer -> ... -> imported, each step with the line that imports."""
+    chain = graph.find_shortest_chain(importer, imported, as_packages=True) or ()
+    steps = []
+    for a, b in zip(chain, chain[1:]):
+        details = graph.get_import_details(importer=a, imported=b)
+        where = f"{details[0]['line_number']}: {details[0]['line_contents']}" if details else "?"
+        steps.append(f"    {a} -> {b}   (line {where})")
+    return "\n".join(steps)
+
+
+def cycles(package: str = "deepseek_ds") -> list[str]:
+    """Each pair of sibling modules or packages that import each other (directly or not), both ways round."""
+    graph = grimp.build_graph(package, cache_dir=None)
+    found = []
+    for parent in sorted(m for m in graph.modules if graph.find_children(m)):
+        children = sorted(graph.find_children(parent))
+        for i, a in enumerate(children):
+            for b in children[i + 1:]:
+                if graph.chain_exists(a, b, as_packages=True) and graph.chain_exists(b, a, as_packages=True):
+                    found.append(f"{a} <-> {b}\n{_chain(graph, a, b)}\n{_chain(graph, b, a)}")
+    return found
+
+
+def test_imports_follow_the_layers_without_cycles():
+    """import-linter prints each broken layer rule with its import chains; for a cycle it names only the import to
+    drop, so both directions of every cycle are listed below it."""
+    proc = subprocess.run([os.path.join(BIN, "lint-imports"), "pyproject.toml", "--no-cache", "--no-logo"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        found = "\n".join(cycles())
+        pytest.fail(f"lint-imports exited {proc.returncode}:\n{proc.stdout}{proc.stderr}\n"
+                    f"{'cycles:' if found else ''}\n{found}", pytrace=False)
+
+
+def test_every_top_level_package_is_in_a_layer():
+    """A new top-level module or package must be given a place in the layers (or its imports go unchecked)."""
+    layered = set()
+    for contract in _contracts():
+        for layer in contract.get("layers", []):
+            layered |= {name.strip().strip("()").removeprefix("deepseek_ds.") for name in layer.split("|")}
+    present = {p.stem for p in PACKAGE.iterdir() if (p.suffix == ".py" and p.stem != "__init__")
+               or (p.is_dir() and (p / "__init__.py").exists())}
+    assert not present - layered, f"not in a layer of pyproject.toml's import-linter contract: {sorted(present - layered)}"
+
+
+def test_no_module_over_400_lines():
+    counts = {str(p.relative_to(ROOT)): sum(1 for _ in open(p, encoding="utf-8")) for p in PACKAGE.rglob("*.py")}
+    over = sorted((n, name) for name, n in counts.items() if n > MAX_LINES)
+    assert not over, f"modules over {MAX_LINES} lines: " + ", ".join(f"{name} ({n})" for n, name in reversed(over))
+
+
+def test_the_contract_catches_a_cycle_and_an_import_against_the_layers(tmp_path):
+    """The check can fail: in a toy package of two layers, `utils` importing `config` breaks both contracts."""
+    pkg = tmp_path / "toy"
+    for name in ("utils", "config"):
+        (pkg / name).mkdir(parents=True)
+        (pkg / name / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "config" / "a.py").write_text("from ..utils import b\n")
+    (pkg / "utils" / "b.py").write_text("def f():\n    from ..config import a  # a function-level import counts too\n")
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.importlinter]\nroot_packages = ["toy"]\n\n'
+        '[[tool.importlinter.contracts]]\nname = "layers"\ntype = "layers"\nlayers = ["toy.config", "toy.utils"]\n\n'
+        '[[tool.importlinter.contracts]]\nname = "acyclic"\ntype = "acyclic_siblings"\nancestors = ["toy"]\n')
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    proc = subprocess.run([os.path.join(BIN, "lint-imports"), "pyproject.toml", "--no-cache"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "2 broken" in proc.stdout and "toy.utils.b -> toy.config.a" in proc.stdout, proc.stdout
