@@ -106,12 +106,38 @@ def test_initial_weights_do_not_depend_on_layout():
             assert ka == kb and torch.equal(ta, tb)
 
 
-@pytest.mark.parametrize("name,published", [("deepseek-v3", 671e9), ("deepseek-v2", 236e9), ("deepseek-v2-lite", 15.7e9),
+@pytest.mark.parametrize("name,published", [("deepseek-v2", 236e9), ("deepseek-v2-lite", 15.7e9),
                                             ("deepseek-llm-7b", 6.9e9), ("deepseek-coder-6.7b", 6.7e9)])
 def test_real_shapes_on_meta_device_match_published_sizes(name, published):
     cfg = prepare_config(build_model_config(name))
     total = sum(c.params for c in layer_costs(cfg))
     assert abs(total - published) / published < 0.02, f"{name}: {total / 1e9:.2f}B vs published {published / 1e9}B"
+
+
+def test_deepseek_v3_main_model_and_mtp_module_match_published_counts():
+    """Published counts, each checked to 0.2%. DeepSeek-V3's tech report (arXiv:2412.19437) and README_WEIGHTS.md
+    (deepseek-ai/DeepSeek-V3 on Hugging Face, as first published): the main model (embedding, 61 layers, final
+    norm, head) has 671B parameters, 36.6B of them activated per token including the 0.9B head (the embedding is a
+    lookup, not counted as active). The same file gives the MTP module 11.5B parameters besides the embedding and
+    head it shares: that is its transformer layer (11.507B); its eh_proj and norms add 0.103B, checked exactly.
+    Not checked: the model card's 685B, which counts every tensor of the checkpoint (the MTP layer's own copies of
+    the embedding and head, the FP8 scales)."""
+    from deepseek_ds.models.layers import MTPLayerPipe
+
+    def near(got: float, published: float) -> bool:
+        return abs(got - published) / published < 0.002
+
+    main = layer_costs(prepare_config(build_model_config("deepseek-v3", overrides={"num_nextn_predict_layers": 0})))
+    total, active = sum(c.params for c in main), sum(c.active_params for c in main)
+    assert near(total, 671e9) and near(active, 36.6e9), f"main model {total / 1e9:.3f}B, active {active / 1e9:.3f}B"
+    cfg = prepare_config(build_model_config("deepseek-v3"))
+    with torch.device("meta"):
+        mtp = MTPLayerPipe(cfg, cfg.num_hidden_layers)
+    layer = sum(p.numel() for p in mtp.layer.parameters())  # its transformer layer: MLA attention + MoE
+    assert near(layer, 11.5e9), f"MTP transformer layer {layer / 1e9:.3f}B"
+    # Besides that layer, the module holds eh_proj (2h -> h) and three RMSNorms (enorm, hnorm, the head's norm).
+    h = cfg.hidden_size
+    assert sum(p.numel() for p in mtp.parameters()) - layer == 2 * h * h + 3 * h
 
 
 @pytest.mark.parametrize("method", ["balanced", "uniform", "parameters", "type:MoE", "counts:2,2,2,1", "0,2,4,6,7"])
