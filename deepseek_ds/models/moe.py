@@ -6,11 +6,12 @@
 - Sequence-wise balance loss (V3 eq. 17-20; the same per-sequence formula is V2's expert-level loss, eq. 12-14,
   on softmax scores), V2's device-level balance loss (eq. 15-17) and V2's communication balance loss (eq. 18-20).
 
-Everything is attached with forward hooks, so the model stays transformers' own: a hook on each router keeps its
-logits and top-k choice, a hook on the MoE block (which sees the (batch, seq, hidden) shape the router does not)
-counts the load, computes the balance loss and ties it to the block's output with `_AuxLossGrad`. That identity
-sends a fixed gradient into the loss in backward, wherever the block's output takes part in backward: the
-plain engine and every pipeline stage alike, with no change to the LM loss or to what travels between stages.
+Everything is attached with forward hooks, so the model stays transformers' own: a hook on each router counts the
+load (`ExpertLoad`, which the per-step metrics read too) and keeps its logits and top-k choice, a hook on the MoE
+block (which sees the (batch, seq, hidden) shape the router does not) computes the balance loss and ties it to the
+block's output with `_AuxLossGrad`. That identity sends a fixed gradient into the loss in backward, wherever the
+block's output takes part in backward: the plain engine and every pipeline stage alike, with no change to the LM
+loss or to what travels between stages.
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ class _AuxLossGrad(torch.autograd.Function):
 
 def _in_backward() -> bool:
     # Activation checkpointing re-runs forwards (and their hooks) inside backward: that is not new traffic.
+    # torch.utils.checkpoint itself tells the two apart this way.
     return torch._C._current_graph_task_id() != -1
 
 
@@ -161,10 +163,61 @@ def restore_fp32_biases(model: nn.Module, snapshot: dict[str, torch.Tensor]) -> 
             bias.data = snapshot[name].to(bias.device)
 
 
+class ExpertLoad:
+    """The one expert-load counter of a model: a forward hook on every router of `model` (this rank's layers)
+    adds the tokens each routed expert receives in a training forward to `total` (MoE block x expert, in
+    `moe_blocks` order). Evaluation forwards and activation checkpointing's recomputations do not count.
+    keep_routing: also keep each router's latest (logits, chosen experts) for `routing()` (the balance losses).
+    `total` only grows; each reader takes its own step's share through a `LoadReader`."""
+
+    def __init__(self, model: nn.Module, num_experts: int, device, keep_routing: bool = False):
+        self.num_experts = num_experts
+        self.keep_routing = keep_routing
+        self.blocks = moe_blocks(model)
+        # float64 counts tokens exactly up to 2**53 per expert: far beyond any training run.
+        self.total = torch.zeros(len(self.blocks), num_experts, dtype=torch.float64, device=device)
+        self._routed: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        for row, (_, router) in enumerate(self.blocks.values()):
+            router.register_forward_hook(partial(self._on_router, row))
+
+    def _on_router(self, row: int, router: nn.Module, args, output) -> None:
+        if not router.training:
+            return
+        if isinstance(router, HF_ROUTERS):
+            logits, indices = output[0], output[2]
+        else:  # AutoEP's router returns only the chosen scores: recompute the logits (one small matmul)
+            logits, indices = (router.gate(args[0]) if self.keep_routing else None), output[1]
+        if not _in_backward():
+            self.total[row] += torch.bincount(indices.reshape(-1), minlength=self.num_experts)
+        if self.keep_routing:
+            self._routed[row] = (logits, indices)
+
+    def routing(self, row: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Router logits and chosen experts of block `row`'s current forward (each forward's once)."""
+        return self._routed.pop(row)
+
+
+class LoadReader:
+    """One reader's view of an ExpertLoad: `take()` returns the tokens counted since this reader's previous
+    take(), so the bias update and the per-step metrics each see the whole step without resetting the other's."""
+
+    def __init__(self, load: ExpertLoad):
+        self.load = load
+        self._seen = load.total.clone()
+
+    def peek(self) -> torch.Tensor:
+        return self.load.total - self._seen
+
+    def take(self) -> torch.Tensor:
+        counts = self.peek()
+        self._seen.copy_(self.load.total)
+        return counts
+
+
 class LoadBalancer:
     """Hooks on every MoE block of `model` (this rank's layers). Per training forward it counts the tokens per
-    expert and adds the balance losses to backward; `after_step()` (a collective: every rank calls it once per
-    optimizer step) updates the router biases and returns the step's `aux_loss` for the metrics.
+    expert (its `load`) and adds the balance losses to backward; `after_step()` (a collective: every rank calls it
+    once per optimizer step) updates the router biases and returns the step's `aux_loss` for the metrics.
 
     aux_grad_scale: the gradient that one sequence's balance loss gets, so that the optimizer sees the mean over
     the global batch's sequences: dp_size / global_batch_size (DeepSpeed averages gradients over data-parallel
@@ -180,43 +233,33 @@ class LoadBalancer:
         self.loss_scale = loss_scale
         self.global_batch_size = global_batch_size
         self.dp_group = dp_group
-        self.blocks = moe_blocks(model)
+        self.load = ExpertLoad(model, settings.num_experts, device, keep_routing=settings.has_aux)
+        self._step_load = LoadReader(self.load)
+        self.blocks = self.load.blocks
         self.routers = [router for _, router in self.blocks.values()]
-        self.counts = torch.zeros(len(self.blocks), settings.num_experts, dtype=torch.float64, device=device)
         self.aux_sums = torch.zeros(len(AUX_TERMS), dtype=torch.float64, device=device)
-        self._routed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for row, (block, router) in enumerate(self.blocks.values()):
-            router.register_forward_hook(partial(self._on_router, row))
-            block.register_forward_hook(partial(self._on_block, row))
+        if settings.has_aux:
+            for row, (block, _) in enumerate(self.blocks.values()):
+                block.register_forward_hook(partial(self._on_block, row))
 
-    def _on_router(self, row: int, router: nn.Module, args, output) -> None:
-        if not router.training:
-            return
-        if isinstance(router, HF_ROUTERS):
-            logits, indices = output[0], output[2]
-        else:  # AutoEP's router returns only the chosen scores: recompute the logits (one small matmul)
-            logits, indices = (router.gate(args[0]) if self.s.has_aux else None), output[1]
-        self._routed[row] = (logits, indices)
+    @property
+    def counts(self) -> torch.Tensor:
+        """Tokens per expert (MoE block x expert) of the step so far."""
+        return self._step_load.peek()
 
     def _on_block(self, row: int, block: nn.Module, args, output):
         if not block.training:
             return None
-        logits, indices = self._routed.pop(row)
-        counting = not _in_backward()
-        if counting:
-            self.counts[row] += torch.bincount(indices.reshape(-1), minlength=self.s.num_experts)
-        if not self.s.has_aux:
-            return None
+        logits, indices = self.load.routing(row)
         b, t = args[0].shape[:2]
         terms = balance_losses(logits.view(b, t, -1), indices.view(b, t, -1), self.s).sum(0)
-        aux = terms.sum()
-        if counting:
+        if not _in_backward():
             self.aux_sums += terms.detach().double()
         scale = self.aux_grad_scale * (self.loss_scale() if self.loss_scale else 1.0)
-        return _AuxLossGrad.apply(output, aux, scale)
+        return _AuxLossGrad.apply(output, terms.sum(), scale)
 
     def after_step(self, skipped: bool) -> dict[str, float]:
-        """Bias update from this step's load (none when DeepSpeed skipped the step), then reset the counts."""
+        """Bias update from this step's load (none when DeepSpeed skipped the step), then start the next step."""
         metrics = {}
         if self.s.has_aux:
             total = self.aux_sums.clone()
@@ -226,8 +269,8 @@ class LoadBalancer:
             metrics["aux_loss"] = sum(means)
             alphas = (self.s.seq_aux_alpha, self.s.device_aux_alpha, self.s.comm_aux_alpha)
             metrics.update({f"aux_loss_{name}": v for name, v, a in zip(AUX_TERMS, means, alphas) if a > 0})
+        load = self._step_load.take()  # also when skipped: its tokens must not count in the next step
         if self.s.bias_update_speed > 0 and not skipped and self.routers:
-            load = self.counts.clone()
             if dist.is_initialized():
                 dist.all_reduce(load, group=self.dp_group)
             with torch.no_grad():
@@ -235,7 +278,6 @@ class LoadBalancer:
                     step = torch.sign(load[row].mean() - load[row]) * self.s.bias_update_speed
                     bias = router_bias(router)
                     bias.add_(step.to(bias.dtype))
-        self.counts.zero_()
         self.aux_sums.zero_()
         return metrics
 

@@ -93,7 +93,8 @@ def train(run: Run, on_accepted=None) -> dict:
                       peak_tflops(engine.device, cfg.train.peak_tflops))
     if is_rank0 and engine.device.type == "cuda" and meter.peak is None:
         log.warning("no peak TFLOP/s known for %s: set train.peak_tflops to get MFU", torch.cuda.get_device_name())
-    routers = (RouterStats(engine.module, run.model_config, engine.device, reports_bias=run.dp_rank == 0)
+    routers = (RouterStats(engine.module, run.model_config, engine.device, reports_bias=run.dp_rank == 0,
+                           load=run.balancer.load if run.balancer else None)
                if moe_layer_indices(run.model_config) else None)
     valid = PackedDataset(run.dataset_dir, cfg.data.seq_len, split="valid") if cfg.eval.interval else None
     bar = tqdm(total=cfg.train.steps, initial=start_step, disable=not is_rank0, desc="train", unit="step",
