@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _register_optional(sub) -> None:
     """Sub-commands that live with their own modules (each module's register() adds its parsers)."""
-    from . import checkpoint_cli, evaluation, export_cli, generate
+    from .checkpoint import cli as checkpoint_cli
+    from .inference import cli as inference_cli
     from .bench import checkpoint_bench, data_bench, pipeline_bench, zero_bench
     from .data import cli as data_cli
     from .launcher import cli as launcher_cli
@@ -117,7 +118,7 @@ def _register_optional(sub) -> None:
     data = sub.add_parser("data", help="prepare and inspect tokenized datasets").add_subparsers(
         dest="data_command", metavar="SUBCOMMAND", required=True)
     data_cli.register(data)
-    for module in (launcher_cli, checkpoint_cli, export_cli, evaluation, generate):
+    for module in (launcher_cli, checkpoint_cli, inference_cli):
         module.register(sub)
     bench = sub.add_parser("bench", help="benchmarks that print tables and write reports").add_subparsers(
         dest="bench_command", metavar="SUBCOMMAND", required=True)

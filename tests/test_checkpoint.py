@@ -21,7 +21,11 @@ import pytest
 import torch
 
 from deepseek_ds import checkpoint
-from deepseek_ds.checkpoint_universal import is_converted, universal_dir
+from deepseek_ds.checkpoint import is_converted, universal_dir
+from deepseek_ds.checkpoint.resuming import resume
+from deepseek_ds.checkpoint.safe_load import trusted_types_only
+from deepseek_ds.checkpoint.state import read_buffers
+from deepseek_ds.training.signals import StopOnSignal
 from helpers import (BIN, ROOT, checkpoint_sets, cli, fresh_ckpt_dir, free_port, launch_env, losses, read_metrics,
                      router_biases, snapshot, train)
 
@@ -61,7 +65,7 @@ def test_resume_after_the_kill_is_bitwise_exact_zero1(zero1, tmp_path, data_dir)
     states = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=True)
     biases = [k for k in states["module"] if k.endswith("e_score_correction_bias")]
     assert len(biases) == 3  # tiny-v3: decoder layers 1-3 are MoE
-    assert set(checkpoint.read_buffers(str(tag))) == {f"model.layers.{i}.mlp.gate.e_score_correction_bias"
+    assert set(read_buffers(str(tag))) == {f"model.layers.{i}.mlp.gate.e_score_correction_bias"
                                                       for i in (1, 2, 3)}
 
 
@@ -188,7 +192,7 @@ def test_foreign_checkpoint_is_refused(zero1, tmp_path, data_dir):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
     try:
         with pytest.raises(checkpoint.CheckpointError) as err:
-            checkpoint.resume(run)
+            resume(run)
     finally:
         dist.destroy_process_group()
     text = str(err.value)
@@ -234,14 +238,14 @@ class _Payload:
 def test_tampered_checkpoint_is_never_unpickled(zero1, tmp_path):
     """A model-states file replaced by a pickle carrying code: DeepSpeed would torch.load it with
     weights_only=False; under trusted_types_only the code does not run."""
-    from deepseek_ds.export import export_hf
+    from deepseek_ds.inference.export import export_hf
 
     ckpt = fresh_ckpt_dir(zero1["step2"], tmp_path / "ckpt")
     marker = tmp_path / "code-ran"
     torch.save({"module": _Payload(str(marker))}, ckpt / "step00000002" / "mp_rank_00_model_states.pt")
     with pytest.raises(pickle.UnpicklingError):
         export_hf(str(ckpt), str(tmp_path / "hf"), work_dir=str(tmp_path))
-    with pytest.raises(pickle.UnpicklingError), checkpoint.trusted_types_only():
+    with pytest.raises(pickle.UnpicklingError), trusted_types_only():
         torch.load(ckpt / "step00000002" / "mp_rank_00_model_states.pt", weights_only=False)
     assert not marker.exists()
     assert "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ  # restored on the way out
@@ -251,7 +255,7 @@ def test_tampered_checkpoint_is_never_unpickled(zero1, tmp_path):
 def test_signal_only_sets_a_flag():
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        stop = checkpoint.StopOnSignal(torch.device("cpu"))
+        stop = StopOnSignal(torch.device("cpu"))
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGTERM)  # a second signal does not escalate: the process is still here
         assert stop.received == "SIGTERM"

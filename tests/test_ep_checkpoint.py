@@ -18,7 +18,10 @@ import torch
 from safetensors.torch import load_file
 
 from deepseek_ds import checkpoint
-from deepseek_ds.checkpoint_universal import is_converted, universal_dir
+from deepseek_ds.checkpoint import is_converted, universal_dir
+from deepseek_ds.checkpoint.resuming import _check_reshardable, _loads_natively
+from deepseek_ds.checkpoint.state import read_buffers
+from deepseek_ds.models.names import hf_layer_prefix
 from helpers import cli, fresh_ckpt_dir, losses, router_biases, train, training_loss
 
 pytestmark = pytest.mark.launch
@@ -69,7 +72,7 @@ def _deepspeed_expert_tensors(tag) -> dict[str, torch.Tensor]:
     for info in states["ds_autoep_layers"]:
         path = info["module_path"]  # layers.<spec index>.layer.mlp
         with torch.device("meta"):
-            hf = specs[int(path.split(".")[1])].build().hf_prefix + "mlp."
+            hf = hf_layer_prefix(specs[int(path.split(".")[1])].build()) + "mlp."
         out[hf + "gate.weight"] = states["module"][f"{path}.router.gate.weight"]
         out[hf + "gate.e_score_correction_bias"] = states["module"][f"{path}.router.e_score_correction_bias"]
         for e in range(info["num_experts"]):
@@ -127,7 +130,7 @@ def test_eval_model_of_an_expert_parallel_checkpoint_is_the_export(ep_run, expor
     """`deepseek-ds eval` rebuilds the model without AutoEP: its logits are the HF export's."""
     from transformers import AutoModelForCausalLM
 
-    from deepseek_ds.evaluation import model_from_checkpoint, run_config_for
+    from deepseek_ds.inference.eval import model_from_checkpoint, run_config_for
 
     tag = str(ep_run["step2"])
     ours, mcfg = model_from_checkpoint(tag, run_config_for(tag, None, []))
@@ -151,7 +154,7 @@ def test_resume_reshards_through_universal_and_exports(ranks, ds_config, layout,
     assert is_converted(universal_dir(str(ckpt / "step00000002"), "sequential"))
     tag = ckpt / "step00000003"
     assert checkpoint.saved_layout(checkpoint.read_meta(str(tag))).describe() == layout
-    assert set(checkpoint.read_buffers(str(tag))) == {f"model.layers.{i}.mlp.gate.e_score_correction_bias"
+    assert set(read_buffers(str(tag))) == {f"model.layers.{i}.mlp.gate.e_score_correction_bias"
                                                       for i in (1, 2, 3, 4)}
     _assert_equal_deepspeed_files(_export(tag, tmp_path / "hf"), tag)
 
@@ -166,7 +169,7 @@ def test_resume_without_expert_parallelism_is_refused(ep_run):
     del meta["layout"]["expert_parallel"]
     assert checkpoint.saved_layout(meta) == saved
     now = dataclasses.replace(saved, expert_parallel=1)
-    assert not checkpoint._loads_natively(saved, now)
+    assert not _loads_natively(saved, now)
     with pytest.raises(checkpoint.CheckpointError, match=r"parallel.expert_parallel = 1 but the checkpoint was "
                                                          r"trained with 2.*set parallel.expert_parallel = 2"):
-        checkpoint._check_reshardable(tag, saved, now)
+        _check_reshardable(tag, saved, now)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from deepseek_ds.data import PackedDataset
-from deepseek_ds.evaluation import TokenSums, eval_sample_count, rank_batches
+from deepseek_ds.training.evaluation import TokenSums, eval_sample_count, rank_batches
 from deepseek_ds.models.loss import IGNORE_INDEX
 
 pytestmark = pytest.mark.unit

@@ -83,7 +83,7 @@ def test_mtp_modules_share_the_embedding_and_head_gradients(data_dir):
 def test_hf_directory_without_mtp_tensors_loads_the_rest(data_dir, tmp_path):
     """Adding MTP to a model trained without it: the main layers load from the directory, the MTP modules keep their
     seeded initialisation (and a directory that has them loads them)."""
-    from deepseek_ds.export import add_to_hf_dir
+    from deepseek_ds.inference.export import add_to_hf_dir
     from deepseek_ds.models.hf_io import load_hf_weights, mtp_hf_state_dict, mtp_layers_absent
     from deepseek_ds.models.pipeline import local_layers
 
@@ -226,7 +226,7 @@ def test_export_loads_in_transformers_mtp_model(pipeline_run, data_dir, tmp_path
     from transformers.modeling_layers import MtpModel
 
     from deepseek_ds.checkpoint import latest_tag
-    from deepseek_ds.evaluation import model_from_checkpoint, run_config_for
+    from deepseek_ds.inference.eval import model_from_checkpoint, run_config_for
 
     out_dir, _ = pipeline_run
     tag = os.path.join(out_dir, "checkpoints", latest_tag(os.path.join(out_dir, "checkpoints")))

@@ -239,11 +239,11 @@ def test_monitors_receive_the_metrics(moe_run):
 
 # ----------------------------------------------------------------------------------------------- eval / generate
 def test_standalone_eval_on_two_ranks_and_one_process_matches(moe_run, data_dir, tmp_path):
-    from deepseek_ds import evaluation
+    from deepseek_ds.inference import cli as evaluation
 
     ckpt = os.path.join(moe_run["out"], "checkpoints")
     last = moe_run["records"][-1]
-    deepspeed(2, ["--module", "deepseek_ds.evaluation", "--checkpoint", ckpt, "--data", data_dir,
+    deepspeed(2, ["--module", "deepseek_ds.inference.cli", "eval", "--checkpoint", ckpt, "--data", data_dir,
                   "--out", str(tmp_path / "two.json")])
     two = json.loads((tmp_path / "two.json").read_text())
     assert two["ranks"] == 2 and two["samples"] == EVAL_SAMPLES
@@ -263,7 +263,7 @@ def test_standalone_eval_on_two_ranks_and_one_process_matches(moe_run, data_dir,
 
 
 def test_generate_from_the_checkpoint(moe_run, tmp_path, capsys):
-    from deepseek_ds import generate
+    from deepseek_ds.inference import cli, generate
 
     ckpt = os.path.join(moe_run["out"], "checkpoints")
     model, tok = generate.load_model(ckpt)
@@ -282,7 +282,7 @@ def test_generate_from_the_checkpoint(moe_run, tmp_path, capsys):
     # The same model as an HF directory gives the same text through the command line.
     model.save_pretrained(tmp_path / "hf")
     tok.save_pretrained(tmp_path / "hf")
-    assert generate.main(["--model", str(tmp_path / "hf"), "--prompt", "import os\n", "--max-new-tokens", "8"]) == 0
+    assert cli.main(["generate", "--model", str(tmp_path / "hf"), "--prompt", "import os\n", "--max-new-tokens", "8"]) == 0
     assert capsys.readouterr().out == "import os\n" + tok.decode(greedy, skip_special_tokens=True) + "\n"
 
 

@@ -79,7 +79,8 @@ def run_checkpoint_bench(config: str, sets: list[str], deepspeed_config: str | N
     """Rows of (operation, GB, seconds (median of `repeats`), GB/s)."""
     import torch.distributed as dist
 
-    from .. import checkpoint
+    from ..checkpoint.resuming import resume
+    from ..checkpoint.saving import save
     from ..training.main import load_and_validate
     from ..training.setup import build_run
 
@@ -93,12 +94,12 @@ def run_checkpoint_bench(config: str, sets: list[str], deepspeed_config: str | N
         saves, loads, raw_writes, raw_reads = [], [], [], []
         for i in range(1, repeats + 1):
             start = time.perf_counter()
-            tag_dir = checkpoint.save(run, i, 0)
+            tag_dir = save(run, i, 0)
             saves.append(time.perf_counter() - start)
             paths = _files(tag_dir)
             _evict(paths)
             start = time.perf_counter()
-            checkpoint.resume(run)
+            resume(run)
             loads.append(time.perf_counter() - start)
             blobs = [Path(p).read_bytes() for p in paths]
             raw_dir = os.path.join(work_dir, f"raw{i}")

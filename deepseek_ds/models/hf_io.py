@@ -1,6 +1,6 @@
 """Between our pipeline layers and Hugging Face models / directories.
 
-In memory our tensors carry transformers' own (fused-expert) layout, so the mapping is only a renaming;
+In memory our tensors carry transformers' own (fused-expert) layout, so the mapping is only a renaming (names.py);
 transformers' save_pretrained / from_pretrained convert between that layout and the per-expert tensors of
 the published checkpoints.
 """
@@ -14,19 +14,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from .layers import DecoderLayerPipe, EmbeddingPipe, LMHeadPipe, MTPLayerPipe, family_of, hf_key
-
-
-def hf_state_dict(layers) -> dict[str, torch.Tensor]:
-    """HF (in-memory) names -> tensors for an iterable of pipeline layers; buffers such as the router's
-    e_score_correction_bias included, non-persistent ones (rotary inv_freq) not."""
-    out = {}
-    for layer in layers:
-        for key, tensor in layer.state_dict().items():
-            if isinstance(layer, DecoderLayerPipe) and key.startswith("rotary."):
-                continue
-            out[hf_key(layer, key)] = tensor
-    return out
+from .layers import EmbeddingPipe, LMHeadPipe, MTPLayerPipe, family_of
+from .names import MTP_EMBED, MTP_HEAD, fuse_experts, hf_layer_prefix, hf_state_dict, per_expert_names, split_experts
 
 
 def to_hf_model(layers, config) -> nn.Module:
@@ -65,20 +54,10 @@ def mtp_hf_state_dict(layers, config) -> dict[str, torch.Tensor]:
     head = next((l.lm_head.weight for l in layers if isinstance(l, LMHeadPipe)), embed)
     out = {}
     for name, tensor in hf_state_dict(mtp).items():
-        prefix, leaf = name.rsplit(".", 1)
-        if prefix.endswith("mlp.experts") and leaf == "gate_up_proj":
-            half = tensor.shape[1] // 2  # per expert [gate; up], as load_hf_weights fuses them
-            for e in range(tensor.shape[0]):
-                out[f"{prefix}.{e}.gate_proj.weight"] = tensor[e, :half]
-                out[f"{prefix}.{e}.up_proj.weight"] = tensor[e, half:]
-        elif prefix.endswith("mlp.experts") and leaf == "down_proj":
-            for e in range(tensor.shape[0]):
-                out[f"{prefix}.{e}.down_proj.weight"] = tensor[e]
-        else:
-            out[name] = tensor
+        out.update(split_experts(name, tensor))
     for layer in mtp:
-        out[layer.hf_prefix + "embed_tokens.weight"] = embed
-        out[layer.hf_prefix + "shared_head.head.weight"] = head
+        out[hf_layer_prefix(layer) + MTP_EMBED] = embed
+        out[hf_layer_prefix(layer) + MTP_HEAD] = head
     # Copies: safetensors refuses tensors that share memory (expert slices, the embedding used by every depth).
     return {k: v.detach().clone() for k, v in out.items()}
 
@@ -98,28 +77,21 @@ def _weight_map(hf_dir: str) -> dict[str, str]:
 
 
 def _disk_names(wanted: str, weight_map: dict[str, str], num_experts: int) -> list[str]:
-    """On-disk tensors that make up one in-memory tensor. The published checkpoints store each expert
-    separately while transformers fuses them into 3-D tensors; transformers converts only whole models on
-    load, so this per-tensor mapping (for stage-local loading) is written here."""
+    """On-disk tensors that make up one in-memory tensor: itself, or the published checkpoints' per-expert tensors
+    of a fused one (transformers converts only whole models on load; this is per tensor, for stage-local loading)."""
     if wanted in weight_map:
         return [wanted]
-    prefix, leaf = wanted.rsplit(".", 1)
-    if prefix.endswith("mlp.experts") and leaf in ("gate_up_proj", "down_proj"):
-        projs = ["gate_proj", "up_proj"] if leaf == "gate_up_proj" else ["down_proj"]
-        return [f"{prefix}.{e}.{p}.weight" for e in range(num_experts) for p in projs]
-    raise KeyError(f"tensor {wanted!r} is not in the checkpoint")
+    names = per_expert_names(wanted, num_experts)
+    if names is None:
+        raise KeyError(f"tensor {wanted!r} is not in the checkpoint")
+    return names
 
 
 def load_hf_weights(layers, hf_dir: str, num_experts: int = 0) -> int:
     """Fill the given (local) pipeline layers from an HF safetensors directory, reading only their own
     tensors. Returns the number of bytes read, so callers and tests can see a stage reads only its share."""
     weight_map = _weight_map(hf_dir)
-    wanted = {}  # hf name -> destination tensor
-    for layer in layers:
-        for key, tensor in layer.state_dict(keep_vars=True).items():
-            if isinstance(layer, DecoderLayerPipe) and key.startswith("rotary."):
-                continue
-            wanted[hf_key(layer, key)] = tensor
+    wanted = hf_state_dict(layers, keep_vars=True)  # hf name -> destination tensor
     plan = {name: _disk_names(name, weight_map, num_experts) for name in wanted}
     by_file: dict[str, set[str]] = {}
     for names in plan.values():
@@ -135,12 +107,7 @@ def load_hf_weights(layers, hf_dir: str, num_experts: int = 0) -> int:
     with torch.no_grad():
         for name, dest in wanted.items():
             parts = [loaded[n] for n in plan[name]]
-            if len(parts) == 1:
-                src = parts[0]
-            elif name.endswith("gate_up_proj"):  # [gate_e; up_e] per expert, stacked over experts
-                src = torch.stack([torch.cat(parts[2 * e:2 * e + 2], dim=0) for e in range(num_experts)])
-            else:
-                src = torch.stack(parts)
+            src = parts[0] if plan[name] == [name] else fuse_experts(name, parts, num_experts)
             if src.shape != dest.shape:
                 raise ValueError(f"{hf_dir}: tensor {name} has shape {tuple(src.shape)}, the model expects "
                                  f"{tuple(dest.shape)}; is config.json the one these weights were saved with?")
@@ -151,7 +118,8 @@ def load_hf_weights(layers, hf_dir: str, num_experts: int = 0) -> int:
 def mtp_layers_absent(layers, hf_dir: str) -> tuple[list, list]:
     """(the layers to load, the MTP modules the directory has no tensors for)."""
     names = _weight_map(hf_dir)
-    absent = [l for l in layers if isinstance(l, MTPLayerPipe) and not any(n.startswith(l.hf_prefix) for n in names)]
+    absent = [l for l in layers
+              if isinstance(l, MTPLayerPipe) and not any(n.startswith(hf_layer_prefix(l)) for n in names)]
     return [l for l in layers if l not in absent], absent
 
 

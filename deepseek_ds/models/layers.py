@@ -2,8 +2,8 @@
 
 Only `(hidden_states, position_ids)` travels between stages (plus `input_ids` when the model has multi-token
 prediction modules, which embed future tokens on the last stage); every decoder layer rebuilds its rotary
-embedding locally (it has no parameters). Each layer knows the HF name prefix of its weights, which is
-what lets a stage read and write exactly its own tensors of an HF directory.
+embedding locally (it has no parameters). The HF names of each layer's tensors are in names.py, which is what lets
+a stage read and write exactly its own tensors of an HF directory.
 """
 
 from __future__ import annotations
@@ -63,8 +63,6 @@ def init_weights_(module: nn.Module, std: float, seed: int) -> None:
 
 
 class EmbeddingPipe(nn.Module):
-    hf_prefix = "model."
-
     def __init__(self, config, seed: int | None = None):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, getattr(config, "pad_token_id", None))
@@ -88,15 +86,11 @@ class DecoderLayerPipe(nn.Module):
     def __init__(self, config, layer_idx: int, seed: int | None = None):
         super().__init__()
         fam = family_of(config)
-        self.hf_prefix = f"model.layers.{layer_idx}."
         self.layer_idx = layer_idx
         self.layer = fam.decoder_layer(config, layer_idx)
         self.rotary = fam.rotary(config)
         if seed is not None:
             init_weights_(self, config.initializer_range, seed)
-
-    def hf_key(self, local_key: str) -> str:
-        return self.hf_prefix + local_key.removeprefix("layer.")
 
     def run_layer(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         position_embeddings = self.rotary(hidden, position_ids)
@@ -109,8 +103,6 @@ class DecoderLayerPipe(nn.Module):
 
 
 class FinalNormPipe(nn.Module):
-    hf_prefix = "model."
-
     def __init__(self, config, seed: int | None = None):
         super().__init__()
         self.norm = family_of(config).norm(config.hidden_size, eps=config.rms_norm_eps)
@@ -124,8 +116,6 @@ class FinalNormPipe(nn.Module):
 
 
 class LMHeadPipe(nn.Module):
-    hf_prefix = ""
-
     def __init__(self, config, seed: int | None = None):
         super().__init__()
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -190,13 +180,6 @@ def _logits(project, hidden):
     if isinstance(hidden, tuple):
         return tuple(project(h) for h in hidden)
     return project(hidden)
-
-
-def hf_key(layer: nn.Module, local_key: str) -> str:
-    """The HF checkpoint name of a parameter/buffer of one pipeline layer."""
-    if isinstance(layer, DecoderLayerPipe):
-        return layer.hf_key(local_key)
-    return layer.hf_prefix + local_key
 
 
 def tied_head_forward(embedding: EmbeddingPipe, hidden):

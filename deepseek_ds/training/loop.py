@@ -9,13 +9,16 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from .. import checkpoint
-from ..evaluation import evaluate_run
+from ..checkpoint.format import latest_tag, tag_for
+from ..checkpoint.resuming import resume
+from ..checkpoint.saving import save
 from ..models.loss import count_valid_tokens
 from . import monitors, nan_policy
+from .evaluation import evaluate_run
 from .metrics import MetricsWriter, StepMeter, console_line, flops_per_token, peak_tflops, plot_loss
 from .router_stats import RouterStats, moe_layer_indices
 from .setup import Run
+from .signals import StopOnSignal
 
 
 def _all_reduce(value: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -71,8 +74,8 @@ def train(run: Run, on_accepted=None) -> dict:
     is_rank0 = run.rank == 0
     out = cfg.train.output_dir
     ckpt_dir = cfg.checkpoint_dir
-    stop = checkpoint.StopOnSignal(engine.device)  # SIGTERM/SIGINT: finish the step, save, exit cleanly
-    state = checkpoint.resume(run) or {}
+    stop = StopOnSignal(engine.device)  # SIGTERM/SIGINT: finish the step, save, exit cleanly
+    state = resume(run) or {}
     if on_accepted:  # the run, and its resume if any, passed every check: e.g. record resolved_config.yaml
         on_accepted()
     if not state:
@@ -80,7 +83,7 @@ def train(run: Run, on_accepted=None) -> dict:
     start_step = int(state.get("step", 0))
     consumed = int(state.get("consumed_samples", 0))
     if start_step and is_rank0:
-        log.info("resumed from %s at step %d (%d samples consumed)", checkpoint.latest_tag(ckpt_dir), start_step, consumed)
+        log.info("resumed from %s at step %d (%d samples consumed)", latest_tag(ckpt_dir), start_step, consumed)
 
     sampler = GlobalBatchSampler(len(run.dataset), cfg.train.global_batch_size, cfg.train.micro_batch_size,
                                  run.dp_rank, run.dp_size, cfg.train.seed, shuffle=cfg.train.shuffle,
@@ -132,7 +135,7 @@ def train(run: Run, on_accepted=None) -> dict:
         bar.update(1)
         if not math.isfinite(loss):
             if nan_policy.check(step, cfg.train.nan_policy, record["skipped"]):
-                saved = checkpoint.save(run, step, sampler.consumed_samples)
+                saved = save(run, step, sampler.consumed_samples)
                 bar.close()
                 if metrics:
                     metrics.close()
@@ -140,13 +143,13 @@ def train(run: Run, on_accepted=None) -> dict:
                 raise nan_policy.NonFiniteLoss(nan_policy.stop_message(step, saved))
             log.warning("step %d: the loss is not finite; DeepSpeed discarded the update (train.nan_policy: skip)", step)
         if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
-            last_saved = checkpoint.save(run, step, sampler.consumed_samples)
+            last_saved = save(run, step, sampler.consumed_samples)
         if stop.requested():
             log.info("stop requested (%s): saving step %d and exiting", stop.received or "signal on another rank", step)
             break
     bar.close()
-    if step > start_step and (last_saved is None or not last_saved.endswith(checkpoint.tag_for(step))):
-        last_saved = checkpoint.save(run, step, sampler.consumed_samples)
+    if step > start_step and (last_saved is None or not last_saved.endswith(tag_for(step))):
+        last_saved = save(run, step, sampler.consumed_samples)
     summary = {}
     if is_rank0:
         metrics.close()

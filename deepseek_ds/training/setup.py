@@ -12,31 +12,37 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+from torch.distributed import ProcessGroup
+from transformers import PretrainedConfig
 
 from ..config import RunConfig
+from ..data import PackedDataset
 from ..models.loss import TokenWeightedLoss
 from ..models.moe import LoadBalancer, autoep_section, resolve_settings, restore_fp32_biases, snapshot_biases
 from ..models.hf_io import has_weights, load_hf_weights, mtp_layers_absent
 from ..models.layers import mtp_depth
+from ..models.names import hf_layer_prefix
 from ..models.pipeline import build_model, local_layers, partition, partition_table, prepare_config
 from ..models.presets import build_model_config, num_routed_experts
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
+    """Everything one rank's training needs, built once by build_run."""
     cfg: RunConfig
-    ds: dict
-    engine: object
-    model_config: object
+    ds: dict                         # the resolved DeepSpeed config
+    engine: DeepSpeedEngine          # a PipelineEngine when `pipeline`
+    model_config: PretrainedConfig
     loss_fn: TokenWeightedLoss
-    dataset: object
+    dataset: PackedDataset           # the training split
     dataset_dir: str
     rank: int
     world: int
     dp_rank: int
     dp_size: int
-    dp_group: object
+    dp_group: ProcessGroup | None    # None: the whole world (no pipeline)
     pipeline: bool
     grad_accum: int
     log: logging.Logger
@@ -158,7 +164,7 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
         layers, absent = mtp_layers_absent(local_layers(model), cfg.model.path)
         for layer in absent:  # adding MTP to a model trained without it (transformers' V3 config defaults to depth 1)
             log.info("%s has no MTP module %d (%s*): it starts from its seeded initialisation", cfg.model.path,
-                     layer.depth, layer.hf_prefix)
+                     layer.depth, hf_layer_prefix(layer))
         read = load_hf_weights(layers, cfg.model.path, num_routed_experts(mcfg))
         log.info("loaded %.1f MB of weights for this rank's layers from %s", read / 2**20, cfg.model.path)
     if cfg.parallel.expert_parallel > 1:
@@ -179,5 +185,6 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
     loss_scale = (lambda: float(engine.optimizer.loss_scale)) if engine.fp16_enabled() else None
     balancer = (LoadBalancer(engine.module, settings, dp_size / cfg.train.global_batch_size, cfg.train.global_batch_size,
                              engine.device, dp_group, loss_scale) if settings and settings.active else None)
-    return Run(cfg, ds, engine, mcfg, loss_fn, dataset, dataset_dir, rank, world, dp_rank, dp_size, dp_group,
-               pp > 1, grad_accum, log, balancer)
+    return Run(cfg=cfg, ds=ds, engine=engine, model_config=mcfg, loss_fn=loss_fn, dataset=dataset,
+               dataset_dir=dataset_dir, rank=rank, world=world, dp_rank=dp_rank, dp_size=dp_size, dp_group=dp_group,
+               pipeline=pp > 1, grad_accum=grad_accum, log=log, balancer=balancer)

@@ -1,20 +1,23 @@
 """`deepseek-ds checkpoint list|reshard`: inspect a run's checkpoints; convert one ahead of a resume on another
 layout (training converts on its own when it finds the layout changed; doing it here keeps that work off the
-job's clock). The work is in checkpoint.py / checkpoint_universal.py, imported only when a command runs."""
+job's clock)."""
 
 from __future__ import annotations
 
+import argparse
 import os
+
+from .format import (PIPELINE, SCHEMES, SEQUENTIAL, CheckpointError, complete_tags, is_converted, read_meta,
+                     saved_layout, tag_dir_of, universal_dir)
 
 
 def _size_gb(path: str) -> float:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs) / 1e9
 
 
-def cmd_list(args) -> int:
-    from .checkpoint import PIPELINE, SEQUENTIAL, complete_tags, read_meta, saved_layout
-    from .checkpoint_universal import is_converted, universal_dir
-
+def cmd_list(args: argparse.Namespace) -> int:
+    if not os.path.isdir(args.checkpoint_dir):
+        raise CheckpointError(f"{args.checkpoint_dir} is not a directory; pass the checkpoint.dir of a training run")
     tags = complete_tags(args.checkpoint_dir)
     if not tags:
         print(f"{args.checkpoint_dir}: no complete checkpoints")
@@ -22,17 +25,18 @@ def cmd_list(args) -> int:
     for tag in tags:
         tag_dir = os.path.join(args.checkpoint_dir, tag)
         meta = read_meta(tag_dir)
-        converted = [s for s in (SEQUENTIAL, PIPELINE) if is_converted(universal_dir(tag_dir, s))]
+        converted = [s for s in SCHEMES if is_converted(universal_dir(tag_dir, s))]
         print(f"{tag}  step {meta['step']:>8}  samples {meta['consumed_samples']:>10}  "
               f"{saved_layout(meta).describe():<28} {_size_gb(tag_dir):8.3f} GB  {meta['saved_at']}"
               + (f"  universal: {', '.join(converted)}" if converted else ""))
     return 0
 
 
-def cmd_reshard(args) -> int:
-    from .checkpoint import PIPELINE, SEQUENTIAL, tag_dir_of
-    from .checkpoint_universal import to_universal
-    from .models.presets import build_model_config
+def cmd_reshard(args: argparse.Namespace) -> int:
+    # Imported here: deepspeed and transformers take seconds to import, which every other `deepseek-ds` command
+    # (and `--help`) would pay at start-up.
+    from ..models.presets import build_model_config
+    from .universal import to_universal
 
     tag_dir = tag_dir_of(args.checkpoint)
     scheme = PIPELINE if args.pipeline_stages > 1 else SEQUENTIAL

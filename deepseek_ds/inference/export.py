@@ -1,6 +1,6 @@
 """Export a training checkpoint (any ZeRO stage, any pipeline layout) as a Hugging Face directory, a TorchScript
 module or an ONNX graph. TorchScript and ONNX exports are run on inputs of other shapes than the traced one and
-compared with PyTorch before they are reported as done. The command line is in export_cli.py.
+compared with PyTorch before they are reported as done.
 """
 
 from __future__ import annotations
@@ -13,14 +13,20 @@ import tempfile
 import numpy as np
 import torch
 from deepspeed.pipe import TiedLayerSpec
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
+from torch.export import Dim
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from .checkpoint import META, read_meta, tag_dir_of
-from .checkpoint_universal import hf_state_dict_from_checkpoint
-from .models.hf_io import mtp_hf_state_dict, to_hf_model
-from .models.layers import DecoderLayerPipe, hf_key
-from .models.pipeline import layer_specs, prepare_config
-from .models.presets import build_model_config, is_moe
+from ..checkpoint.format import META, read_meta, tag_dir_of
+from ..checkpoint.weights import read_weights
+from ..data import dataset_info, load_tokenizer
+from ..models.hf_io import mtp_hf_state_dict, to_hf_model
+from ..models.names import hf_names
+from ..models.pipeline import layer_specs, prepare_config
+from ..models.presets import build_model_config, is_moe
+from ..utils.errors import UserError
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Trace-safe expert kernel: `eager` loops over the experts that received tokens and `grouped_mm` sizes its groups
@@ -30,23 +36,23 @@ TRACE_EXPERTS = "batched_mm"
 CHECK_SHAPES = ((1, 7), (3, 29))  # differ from the traced example in both dynamic axes
 
 
-class ExportError(ValueError):
+class ExportError(UserError):
     """An export that failed or does not reproduce PyTorch's outputs."""
 
 
 # ----------------------------------------------------------------------------------------------- HF model
-def _checkpoint_layers(checkpoint: str, work_dir: str, experts_implementation: str):
-    """(every pipeline layer of the checkpoint's model with its fp32 weights, the model config, the metadata)."""
+def _checkpoint_layers(checkpoint: str, work_dir: str, experts_implementation: str
+                       ) -> tuple[list[nn.Module], PretrainedConfig, dict]:
+    """(every pipeline layer of the checkpoint's model holding its fp32 weights, the model config, the metadata)."""
     tag_dir = tag_dir_of(checkpoint)
     meta = read_meta(tag_dir)
     config = prepare_config(build_model_config(path=tag_dir), "sdpa", experts_implementation)
-    weights = hf_state_dict_from_checkpoint(tag_dir, config, work_dir)
+    weights = read_weights(tag_dir, config, work_dir)
     with torch.device("meta"):
         layers = [spec.build() for spec in layer_specs(config, seed=None)
                   if not (isinstance(spec, TiedLayerSpec) and spec.forward_fn is not None)]
     for layer in layers:
-        keys = [k for k in layer.state_dict() if not (isinstance(layer, DecoderLayerPipe) and k.startswith("rotary."))]
-        layer.load_state_dict({k: weights[hf_key(layer, k)].float() for k in keys}, strict=False, assign=True)
+        layer.load_state_dict({k: weights[hf].float() for k, hf in hf_names(layer).items()}, strict=False, assign=True)
     return layers, config, meta
 
 
@@ -84,8 +90,6 @@ def export_hf(checkpoint: str, out: str, dtype: str = "bf16", data_dir: str | No
     per-expert layout by save_pretrained), the MTP modules in the published layout (model-mtp.safetensors, which
     transformers' MtpModel.from_pretrained reads: it finds them by V3's `model.layers.61.*`, other shapes need that
     pattern set on the main model), and the tokenizer of the data the checkpoint was trained on."""
-    from .data import dataset_info, load_tokenizer
-
     with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
         layers, config, meta = _checkpoint_layers(checkpoint, tmp, "grouped_mm")
     model = to_hf_model(layers, config)
@@ -112,9 +116,6 @@ def add_to_hf_dir(hf_dir: str, tensors: dict[str, torch.Tensor], filename: str) 
     """Add a safetensors file to a save_pretrained directory and list its tensors in the sharded index. A lone
     model.safetensors becomes a one-shard index first: transformers reads that file, when present, instead of the
     index."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     index_path = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.isfile(index_path):
         with open(index_path) as f:
@@ -154,8 +155,6 @@ def model_for_tracing(source: str, work_dir: str) -> nn.Module:
     """fp32 LogitsOnly model from a training checkpoint or an HF directory (e.g. one `export hf` wrote)."""
     is_hf_dir = os.path.isfile(os.path.join(source, "config.json")) and not os.path.isfile(os.path.join(source, META))
     if is_hf_dir:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
         kwargs = {"experts_implementation": TRACE_EXPERTS} if is_moe(AutoConfig.from_pretrained(source)) else {}
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, attn_implementation="sdpa", **kwargs)
     else:
@@ -190,8 +189,7 @@ def export_torchscript(model: LogitsOnly, out: str, atol: float = 1e-4) -> float
 
 
 def export_onnx(model: LogitsOnly, out: str, atol: float = 1e-4) -> float:
-    import onnxruntime
-    from torch.export import Dim
+    import onnxruntime  # optional (the `export` extra), and only this format needs it
 
     example = _inputs(model, [(2, 16)])[0]
     size = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -1,0 +1,107 @@
+"""Resuming: every rank loads the newest complete checkpoint of checkpoint.dir, natively when the layout is the
+saved one, else resharded through a universal checkpoint, and refuses checkpoints of another model or tokenizer
+or a layout change DeepSpeed cannot make."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import torch.distributed as dist
+
+from ..data import dataset_info
+from .format import (PARTIAL, CheckpointError, Layout, check_compatible, current_layout, latest_tag, read_meta,
+                     saved_layout, universal_dir)
+from .run import TrainingRun
+from .safe_load import trusted_types_only
+from .state import restore_buffers, restore_rng
+from .universal import to_universal
+
+
+def resume(run: TrainingRun) -> dict | None:
+    """Every rank calls this before training. Loads the newest complete checkpoint of checkpoint.dir (resharding
+    it when the layout changed) and returns {"step", "consumed_samples"}; None for a fresh run."""
+    ckpt_dir = run.cfg.checkpoint_dir
+    choice = [latest_tag(ckpt_dir) if run.rank == 0 else None]
+    dist.broadcast_object_list(choice, src=0)  # one decision, whatever each rank's view of a network filesystem
+    if run.rank == 0:
+        _remove_partials(ckpt_dir, run.log)
+    tag = choice[0]
+    if tag is None:
+        return None
+    tag_dir = os.path.join(ckpt_dir, tag)
+    meta = read_meta(tag_dir)
+    check_compatible(tag_dir, meta, run.model_config, dataset_info(run.dataset_dir)["tokenizer_hash"])
+    saved, now = saved_layout(meta), current_layout(run)
+    with trusted_types_only():
+        if _loads_natively(saved, now):
+            path, _ = run.engine.load_checkpoint(ckpt_dir, tag=tag)
+            if path is None:
+                raise CheckpointError(f"DeepSpeed found no model states in {tag_dir}; resume from another step")
+        else:
+            _check_reshardable(tag_dir, saved, now)
+            if run.rank == 0:
+                run.log.info("layout changed (%s -> %s): resuming %s through a universal checkpoint",
+                             saved.describe(), now.describe(), tag)
+            _load_universal(run, tag_dir)
+    if not restore_rng(tag_dir, run.rank):  # a rank the saving layout did not have
+        run.log.info("rank %d: no RNG state in %s; keeping this run's seeded state", run.rank, tag_dir)
+    return {"step": int(meta["step"]), "consumed_samples": int(meta["consumed_samples"])}
+
+
+def _loads_natively(saved: Layout, now: Layout) -> bool:
+    """DeepSpeed's own files fit: the same layout, or ZeRO-0 on another data-parallel size (without ZeRO every
+    rank holds the whole optimizer state of its pipeline stage)."""
+    same_pipeline = (saved.pipeline_stages, saved.pipeline_parts) == (now.pipeline_stages, now.pipeline_parts)
+    return saved == now or (saved.zero_stage == now.zero_stage == 0 and saved.precision == now.precision
+                            and same_pipeline and saved.expert_parallel == now.expert_parallel)
+
+
+def _check_reshardable(tag_dir: str, saved: Layout, now: Layout) -> None:
+    fix = ("resume with the saved layout, or `deepseek-ds export hf` it and start a new run from the export "
+           "with model.path")
+    if saved.expert_parallel != now.expert_parallel:
+        # Refused, not resharded: with EP 1 and > 1 the MoE blocks are different modules (transformers' gate and fused
+        # experts; AutoEP's router and grouped w1/w2/w3), which DeepSpeed's universal loader does not map onto each
+        # other; between two AutoEP sizes it would restore the experts' optimizer group under the saved group name
+        # (ep_size_<saved size>).
+        raise CheckpointError(f"checkpoint {tag_dir} ({saved.describe()}) cannot be resumed as {now.describe()}: "
+                              f"parallel.expert_parallel = {now.expert_parallel} but the checkpoint was trained with "
+                              f"{saved.expert_parallel}, and DeepSpeed moves a checkpoint only between runs of the same "
+                              f"expert-parallel size; set parallel.expert_parallel = {saved.expert_parallel} (the "
+                              "data-parallel size and ZeRO stage may change), or `deepseek-ds export hf` it and start "
+                              "a new run from the export with model.path")
+    if 0 in (saved.zero_stage, now.zero_stage):
+        raise CheckpointError(f"checkpoint {tag_dir} ({saved.describe()}) cannot be resumed as {now.describe()}: "
+                              f"resharding goes through DeepSpeed universal checkpoints, which need ZeRO >= 1 on "
+                              f"both sides; {fix}")
+    if (saved.zero_stage == 3) != (now.zero_stage == 3):
+        raise CheckpointError(f"checkpoint {tag_dir} ({saved.describe()}) cannot be resumed as {now.describe()}: "
+                              f"DeepSpeed cannot move optimizer state between ZeRO-3 and ZeRO-1/2; {fix}")
+
+
+def _remove_partials(ckpt_dir: str, log: logging.Logger) -> None:
+    for name in os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []:
+        if PARTIAL.match(name):
+            log.info("removing %s: a save or conversion that did not finish", os.path.join(ckpt_dir, name))
+            shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
+
+
+def _load_universal(run: TrainingRun, tag_dir: str) -> None:
+    scheme = current_layout(run).scheme
+    if run.rank == 0:
+        to_universal(tag_dir, scheme, run.model_config)
+    dist.barrier()
+    universal = universal_dir(tag_dir, scheme)
+    engine = run.engine
+    # DeepSpeed reads its `load_universal` config flag only while loading; setting it here (rather than in the
+    # DeepSpeed JSON) lets a run decide after start-up, from the checkpoint found, which loader to use.
+    engine._config.load_universal_checkpoint = True
+    try:
+        path, _ = engine.load_checkpoint(os.path.dirname(universal), tag=os.path.basename(universal))
+    finally:
+        engine._config.load_universal_checkpoint = False
+    if path is None:
+        raise CheckpointError(f"DeepSpeed found no model states in {universal}; delete it to convert again")
+    restore_buffers(run, tag_dir)

@@ -1,0 +1,27 @@
+"""What checkpointing reads of a training run. training.setup.Run has these attributes; checkpoint sits below
+training, so it names them here instead of importing it."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:  # for annotations only: importing deepspeed and transformers costs seconds
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from transformers import PretrainedConfig
+
+    from ..config import RunConfig
+
+
+class TrainingRun(Protocol):
+    cfg: RunConfig
+    ds: dict                         # the resolved DeepSpeed config
+    engine: DeepSpeedEngine          # a PipelineEngine when `pipeline`
+    model_config: PretrainedConfig
+    dataset_dir: str
+    rank: int
+    world: int
+    dp_rank: int
+    dp_size: int
+    pipeline: bool
+    log: logging.Logger

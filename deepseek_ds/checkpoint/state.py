@@ -1,0 +1,92 @@
+"""What DeepSpeed's checkpoint files do not hold: every rank's RNG states, and the persistent buffers (the MoE
+routers' e_score_correction_bias) by HF name, which a universal checkpoint (parameters only) lacks."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import torch
+from deepspeed.accelerator import get_accelerator
+from safetensors.torch import load_file, save_file
+
+from .format import CheckpointError, current_layout
+from .run import TrainingRun
+from .tensor_names import layout_names
+
+
+# ----------------------------------------------------------------------------------------------- RNG
+def save_rng(tag_dir: str, rank: int) -> None:
+    name, keys, pos, gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             # as tensors and numbers: the weights-only unpickler that reads it back rejects numpy arrays
+             "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(gauss), float(cached))}
+    acc = get_accelerator()
+    if acc.device_name() != "cpu":
+        state["accelerator"] = acc.get_rng_state()
+    os.makedirs(os.path.join(tag_dir, "rng"), exist_ok=True)
+    torch.save(state, os.path.join(tag_dir, "rng", f"rank_{rank:05d}.pt"))
+
+
+def restore_rng(tag_dir: str, rank: int) -> bool:
+    """Restore this rank's RNG states; False when the checkpoint has none for it (its layout had fewer ranks)."""
+    path = os.path.join(tag_dir, "rng", f"rank_{rank:05d}.pt")
+    if not os.path.isfile(path):
+        return False
+    state = torch.load(path, weights_only=True)
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    name, keys, pos, gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, gauss, cached))
+    if "accelerator" in state and get_accelerator().device_name() != "cpu":
+        get_accelerator().set_rng_state(state["accelerator"])
+    return True
+
+
+# ----------------------------------------------------------------------------------------------- buffers
+def _local_buffers(run: TrainingRun) -> dict[str, torch.Tensor]:
+    """This rank's persistent buffers by DeepSpeed module name (walked directly: state_dict() would also touch
+    ZeRO-3's partitioned parameters)."""
+    out = {}
+    for prefix, mod in run.engine.module.named_modules():
+        for name, buf in mod.named_buffers(recurse=False):
+            if buf is not None and name not in mod._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = buf
+    return out
+
+
+def _hf_names(run: TrainingRun) -> dict[str, str]:
+    layout = current_layout(run)
+    return layout_names(run.model_config, layout.scheme, layout.autoep)
+
+
+def save_buffers(tag_dir: str, run: TrainingRun) -> None:
+    names = _hf_names(run)
+    tensors = {names[k]: v.detach().cpu().contiguous() for k, v in _local_buffers(run).items() if k in names}
+    stage = run.engine.stage_id if run.pipeline else 0
+    os.makedirs(os.path.join(tag_dir, "buffers"), exist_ok=True)
+    save_file(tensors, os.path.join(tag_dir, "buffers", f"stage_{stage:02d}.safetensors"))
+
+
+def read_buffers(tag_dir: str) -> dict[str, torch.Tensor]:
+    """All persistent buffers of a checkpoint by HF name (safetensors: no pickle involved)."""
+    out = {}
+    folder = os.path.join(tag_dir, "buffers")
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        out.update(load_file(os.path.join(folder, name)))
+    return out
+
+
+def restore_buffers(run: TrainingRun, tag_dir: str) -> None:
+    names = _hf_names(run)
+    saved = read_buffers(tag_dir)
+    with torch.no_grad():
+        for key, buf in _local_buffers(run).items():
+            hf = names.get(key)
+            if hf is None:
+                continue
+            if hf not in saved:
+                raise CheckpointError(f"{tag_dir}/buffers has no {hf}: the checkpoint is incomplete; resume from "
+                                      "an earlier step directory")
+            buf.copy_(saved[hf])

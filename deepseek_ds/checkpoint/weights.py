@@ -1,0 +1,100 @@
+"""THE reader of a checkpoint's weights: the fp32 weights (the optimizer's master copies for ZeRO >= 1) and
+persistent buffers of a checkpoint, whatever ZeRO stage, pipeline or expert-parallel layout wrote it, by HF name
+(what export writes) or by a container's names (what eval loads into SequentialLM)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+import torch
+from deepspeed.checkpoint.autoep_universal import resolve_expert_ckpt_path
+from deepspeed.pipe import TiedLayerSpec
+from transformers import PretrainedConfig
+
+from ..models.pipeline import layer_specs
+from .format import SCHEMES, CheckpointError, Layout, is_converted, read_meta, saved_layout, universal_dir
+from .safe_load import trusted_types_only
+from .state import read_buffers
+from .tensor_names import container_entries, hf_tensors, layout_names
+from .universal import to_universal
+
+_LAYER_FILE = re.compile(r"^layer_(\d+)-model_states\.pt$")  # DeepSpeed's per-layer files of a pipeline
+
+
+def read_weights(tag_dir: str, config: PretrainedConfig, work_dir: str, scheme: str | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint's model by HF name, or with `scheme` (SEQUENTIAL, PIPELINE) by the names of
+    that container without AutoEP (SEQUENTIAL: SequentialLM's state dict). ZeRO >= 1 is read through a universal
+    conversion: one already beside the checkpoint is reused, otherwise one is made in `work_dir`."""
+    saved = saved_layout(read_meta(tag_dir))
+    with trusted_types_only():
+        if saved.zero_stage == 0:
+            source, weights = saved.scheme, _zero0_weights(tag_dir, saved, config)
+        else:
+            source, weights = _universal_weights(tag_dir, saved, config, work_dir)
+    entries = container_entries(config, source, saved.autoep)
+    out = hf_tensors(weights, entries)
+    out.update(read_buffers(tag_dir))
+    missing = sorted({entry.hf for entry in entries.values()} - set(out))
+    if missing:
+        raise CheckpointError(f"{tag_dir} lacks {len(missing)} tensors of its model, e.g. {missing[:3]}; the "
+                              "checkpoint is incomplete or from another model config")
+    if scheme is None:
+        return out
+    return {name: out[hf] for name, hf in layout_names(config, scheme).items()}
+
+
+def _universal_weights(tag_dir: str, saved: Layout, config: PretrainedConfig, work_dir: str
+                       ) -> tuple[str, dict[str, torch.Tensor]]:
+    """(the scheme its names follow, the fp32 tensors of a universal conversion by DeepSpeed name)."""
+    scheme = next((s for s in SCHEMES if is_converted(universal_dir(tag_dir, s))), saved.scheme)
+    uni = universal_dir(tag_dir, scheme)
+    if not is_converted(uni):
+        uni = to_universal(tag_dir, scheme, config, out=os.path.join(work_dir, "universal"))
+    weights = {}
+    zero = os.path.join(uni, "zero")
+    for name in os.listdir(zero):
+        path = os.path.join(zero, name, "fp32.pt")
+        if os.path.isfile(path):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            # ZeRO-1/2 conversions store {"param": tensor, ...}, ZeRO-3's the bare, flat tensor.
+            weights[name] = state["param"] if isinstance(state, dict) else state
+    return scheme, weights
+
+
+def _zero0_weights(tag_dir: str, saved: Layout, config: PretrainedConfig) -> dict[str, torch.Tensor]:
+    """ZeRO-0 keeps the model's own (full) weights in its model-states files: per layer for a pipeline, where a
+    tied layer's file (named after its first use) holds what the module calls `tied_modules.<key>`; AutoEP's experts
+    are in files of their own."""
+    out = _autoep_expert_files(tag_dir) if saved.autoep else {}
+    if saved.pipeline_stages == 1:
+        states = torch.load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), map_location="cpu", weights_only=True)
+        out.update(states["module"])
+        return out
+    specs = layer_specs(config, seed=None)
+    for name in os.listdir(tag_dir):
+        m = _LAYER_FILE.match(name)
+        if m:
+            i = int(m.group(1))
+            prefix = f"tied_modules.{specs[i].key}." if isinstance(specs[i], TiedLayerSpec) else f"{i}."
+            layer = torch.load(os.path.join(tag_dir, name), map_location="cpu", weights_only=True)
+            out.update({prefix + k: v for k, v in layer.items()})
+    return out
+
+
+def _autoep_expert_files(tag_dir: str) -> dict[str, torch.Tensor]:
+    """AutoEP's grouped expert tensors (w1, w2, w3 of all experts, in expert order) from its per-expert files, whose
+    layers are listed in the model-states files. DeepSpeed's own reader of them (consolidate_autoep_expert_files)
+    writes a universal checkpoint; this one returns the tensors."""
+    out = {}
+    for states_file in sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt"))):
+        states = torch.load(states_file, map_location="cpu", weights_only=True)
+        for info in states.get("ds_autoep_layers") or []:
+            prefix, experts = info["expert_key_prefix"], range(info["num_experts"])
+            files = [torch.load(resolve_expert_ckpt_path(tag_dir, info["moe_layer_id"], e), map_location="cpu",
+                                weights_only=True) for e in experts]
+            for w in ("w1", "w2", "w3"):
+                out[f"{prefix}.{w}"] = torch.stack([f[f"{prefix}.{w}.{e}"] for e, f in zip(experts, files)])
+    return out

@@ -1,0 +1,74 @@
+"""`deepseek-ds eval`: validation loss, perplexity and next-token accuracy of a saved checkpoint, without an
+optimizer or DeepSpeed engine. Every rank holds the whole model in fp32 and the data-parallel ranks split the
+evaluation set as training's periodic evaluation does (training/evaluation.py), so one process and any number
+of ranks (`deepspeed --module deepseek_ds.inference.cli eval ...`) give the same token-weighted numbers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+from transformers import PretrainedConfig
+
+from ..checkpoint.format import SEQUENTIAL, read_meta, tag_dir_of
+from ..checkpoint.weights import read_weights
+from ..config import RunConfig, apply_overrides, load_run_config, run_config_from_dict
+from ..data import DataError, PackedDataset, dataset_info
+from ..models.pipeline import SequentialLM, build_model, prepare_config
+from ..models.presets import build_model_config
+from ..training.evaluation import EvalResult, eval_sample_count, evaluate, rank_batches
+from ..training.setup import init_distributed
+
+
+def run_config_for(tag_dir: str, config: str | None, sets: list[str]) -> RunConfig:
+    """The run config of a checkpoint: --config if given, else the one saved in its checkpoint.json."""
+    if config:
+        return load_run_config(config, sets)
+    return run_config_from_dict(apply_overrides(read_meta(tag_dir)["run_config"], sets))
+
+
+def model_from_checkpoint(tag_dir: str, cfg: RunConfig) -> tuple[SequentialLM, PretrainedConfig]:
+    """(SequentialLM with the checkpoint's fp32 weights, its transformers config), whatever layout wrote it."""
+    mcfg = prepare_config(build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides),
+                          cfg.model.attn_implementation, cfg.model.experts_implementation)
+    model = build_model(mcfg, 1, cfg.train.seed)
+    with tempfile.TemporaryDirectory() as work_dir:  # a universal conversion, when the checkpoint needs one
+        model.load_state_dict(read_weights(tag_dir, mcfg, work_dir, scheme=SEQUENTIAL))
+    return model, mcfg
+
+
+def run_eval(args: argparse.Namespace) -> EvalResult:
+    """Evaluate args.checkpoint on args.data (default: the dataset it trained on); rank 0 prints the result as JSON
+    (and writes it to args.out)."""
+    tag_dir = tag_dir_of(args.checkpoint)
+    cfg = run_config_for(tag_dir, args.config, args.set)
+    data = args.data or read_meta(tag_dir)["dataset_dir"]
+    distributed = int(os.environ.get("WORLD_SIZE", 1)) > 1
+    if distributed:
+        init_distributed()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
+    try:
+        model, mcfg = model_from_checkpoint(tag_dir, cfg)
+        if dataset_info(data)["vocab_size"] > mcfg.vocab_size:
+            raise DataError(f"{data} was tokenized with a larger vocabulary than the model's {mcfg.vocab_size}")
+        dataset = PackedDataset(data, cfg.data.seq_len, split=args.split)
+        n = eval_sample_count(len(dataset), cfg.eval.batches, cfg.train.global_batch_size)
+        batches = rank_batches(dataset, n, cfg.train.micro_batch_size, rank, world)
+        result = evaluate(model.to(device), batches, device)
+        if rank == 0:
+            text = json.dumps({"checkpoint": tag_dir, "data": data, "split": args.split, "samples": n, "ranks": world,
+                               **result.as_record()})
+            print(text)
+            if args.out:
+                with open(args.out, "w") as f:
+                    f.write(text + "\n")
+        return result
+    finally:
+        if distributed:
+            dist.barrier()
+            dist.destroy_process_group()
