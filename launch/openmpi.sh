@@ -3,7 +3,7 @@
 # Needs OpenMPI (ompi_info) on the launching machine and mpi4py on every host: DeepSpeed finds
 # rank, world size and master address through MPI. DeepSpeed's OpenMPI runner does not support
 # --include/--exclude: write a hostfile with only the hosts you want.
-#   launch/openmpi.sh --hostfile hostfiles/4node --config recipes/v2-lite.yaml [--deepspeed_config J]
+#   launch/openmpi.sh --hostfile hostfiles/4node --config recipes/deepseek-v2-lite.yaml [--deepspeed_config J]
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 parse_args "$@"

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Multi-node launch over pdsh + ssh (DeepSpeed's default): run on one machine that can ssh to every
 # host without a password, from a directory that exists at the same path on every host.
-#   launch/pdsh.sh --hostfile hostfiles/4node --config recipes/v2-lite.yaml \
-#                  --deepspeed_config ds_configs/zero1_pp4.json [-- --set train.steps=1000]
+#   launch/pdsh.sh --hostfile hostfiles/4node --config recipes/deepseek-v2-lite.yaml [-- --set train.steps=1000]
+# (the recipe names its DeepSpeed JSON, ds_configs/zero1_pp_bf16.json, and its 4 pipeline stages; --deepspeed_config
+# J overrides the JSON)
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 parse_args "$@"

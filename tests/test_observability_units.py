@@ -1,4 +1,4 @@
-"""Issue 8 without launches: config refusals (NaN policy, monitors, MFU peak), the peak table, monitor events,
+"""Observability without launches: config refusals (NaN policy, monitors, MFU peak), the peak table, monitor events,
 and the router hooks' counting under activation checkpointing."""
 
 from __future__ import annotations
