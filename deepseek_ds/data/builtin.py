@@ -1,6 +1,8 @@
 """The built-in corpus: this machine's Python standard library sources, a real code corpus that needs
 no download, turned into a dataset once per cache directory."""
 
+from __future__ import annotations
+
 import os
 import sysconfig
 from pathlib import Path

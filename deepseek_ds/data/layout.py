@@ -9,6 +9,8 @@
   {split}-NNNNN.json   the shard's record (counts, checksums), written after its .bin and .idx
 """
 
+from __future__ import annotations
+
 import hashlib
 import json
 from pathlib import Path

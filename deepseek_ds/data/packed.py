@@ -5,6 +5,8 @@ samples cross document boundaries (EOS separates documents) and consecutive samp
 so every token is a training label exactly once.
 """
 
+from __future__ import annotations
+
 from pathlib import Path
 
 import numpy as np

@@ -4,6 +4,8 @@ Every file is published atomically and meta.json comes last, so a killed or raci
 dataset that looks complete; a re-run rebuilds only missing or damaged shards.
 """
 
+from __future__ import annotations
+
 import hashlib
 import json
 import multiprocessing

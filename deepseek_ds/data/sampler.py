@@ -8,6 +8,8 @@ decides who computes which sample, never which samples form a global batch, so a
 another data-parallel size and continue the same global sequence.
 """
 
+from __future__ import annotations
+
 from collections.abc import Iterator
 
 import numpy as np
@@ -40,7 +42,8 @@ class GlobalBatchSampler:
             raise ValueError(f"dp_rank({dp_rank}) must be in [0, dp_size({dp_size}))")
         if consumed_samples < 0:
             raise ValueError(f"consumed_samples must be >= 0, got {consumed_samples}")
-        self.num_samples, self.global_batch_size, self.micro_batch_size = num_samples, global_batch_size, micro_batch_size
+        self.num_samples, self.global_batch_size = num_samples, global_batch_size
+        self.micro_batch_size = micro_batch_size
         self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
         self.consumed_samples = consumed_samples
         self._orders: dict[int, np.ndarray] = {}  # at most the two epochs a batch can straddle
@@ -79,6 +82,8 @@ class GlobalBatchSampler:
 def micro_batches(dataset, sampler: GlobalBatchSampler) -> Iterator[list[tuple]]:
     """Per global batch, this rank's micro-batches as (input_ids, labels) LongTensor pairs of shape
     [micro_batch_size, seq_len]: labels are the inputs shifted by one token."""
+    # torch here, not at the top: every `data prepare` worker imports this package and never needs it (~8x the
+    # package's import time).
     import torch
 
     for micro in sampler:

@@ -4,6 +4,8 @@ A shard's bytes depend only on its documents and the tokenizer, never on the wor
 scheduling, which is what makes the output byte-identical for any number of workers.
 """
 
+from __future__ import annotations
+
 import hashlib
 import json
 import os
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from ..utils.fs import write_bytes_atomic, write_json_atomic
 from .layout import check_shard, read_json, shard_files
@@ -64,8 +67,6 @@ def is_done(task: ShardTask) -> bool:
 
 
 def _tokenize(task: ShardTask, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    from tokenizers import Tokenizer
-
     tok = Tokenizer.from_str(task.tokenizer_json)
     pieces, bounds = [], [0]
     eos = np.array([task.eos_id], task.dtype)
@@ -88,7 +89,8 @@ def write_shard(task: ShardTask) -> dict:
     write_bytes_atomic(bin_path, token_bytes)
     write_bytes_atomic(idx_path, bound_bytes)
     record = {"name": task.name, "key": task.key, "num_docs": len(bounds) - 1, "num_tokens": len(tokens),
-              "bin_sha256": hashlib.sha256(token_bytes).hexdigest(), "idx_sha256": hashlib.sha256(bound_bytes).hexdigest()}
+              "bin_sha256": hashlib.sha256(token_bytes).hexdigest(),
+              "idx_sha256": hashlib.sha256(bound_bytes).hexdigest()}
     write_json_atomic(record_path, record)
     return record
 

@@ -5,6 +5,8 @@ document in a fixed, sorted order, so that every process derives the same docume
 Reading turns a subset of rows back into strings inside the tokenizer workers.
 """
 
+from __future__ import annotations
+
 import json
 import os
 from dataclasses import dataclass
@@ -87,7 +89,7 @@ def _jsonl_lines(path: str) -> tuple[list[int], list[int]]:
 
 
 def _hf_split(path: str):
-    from datasets import Dataset, load_from_disk
+    from datasets import Dataset, load_from_disk  # optional (the `data` extra) and slow to import: only for HF inputs
 
     loaded = load_from_disk(path)
     if isinstance(loaded, Dataset):

@@ -4,10 +4,15 @@ Either way the dataset keeps its own copy at <dataset>/tokenizer (an AutoTokeniz
 metadata records a hash of what decides token ids, so a swapped tokenizer is caught before training.
 """
 
+from __future__ import annotations
+
 import hashlib
 import json
 from collections.abc import Iterable
 from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
+from tokenizers.models import BPE
 
 from .errors import DataError
 from .layout import META, TOKENIZER_DIR, read_meta
@@ -22,12 +27,12 @@ MIN_BPE_VOCAB = 257
 
 def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: Path, progress: bool) -> None:
     """Train a byte-level BPE with EOS and save it as an HF tokenizer directory at `out_dir`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    # transformers here, not at the top: every `data prepare` worker imports this package (~10x its import time).
     from transformers import PreTrainedTokenizerFast
 
     if vocab_size < MIN_BPE_VOCAB:
         raise DataError(f"vocab_size {vocab_size} is too small for a byte-level BPE: use at least {MIN_BPE_VOCAB}")
-    tok = Tokenizer(models.BPE())
+    tok = Tokenizer(BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN], show_progress=progress,
@@ -39,7 +44,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: Path, progress: bo
 def import_tokenizer(src_dir: str):
     """Load a local HF tokenizer directory for use by a dataset (its copy is saved with save_pretrained,
     which writes only tokenizer files, never model weights)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # not at the top: see train_bpe
 
     try:
         tok = AutoTokenizer.from_pretrained(src_dir)
@@ -60,7 +65,7 @@ def _require_eos(tok, where):
 
 
 def load_hf_tokenizer(tok_dir: Path):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # not at the top: see train_bpe
 
     return _require_eos(AutoTokenizer.from_pretrained(str(tok_dir)), tok_dir)
 

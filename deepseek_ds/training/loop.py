@@ -12,6 +12,7 @@ from tqdm import tqdm
 from ..checkpoint.format import latest_tag, tag_for
 from ..checkpoint.resuming import resume
 from ..checkpoint.saving import save
+from ..data import GlobalBatchSampler, PackedDataset, micro_batches
 from ..models.loss import count_valid_tokens
 from . import monitors, nan_policy
 from .evaluation import evaluate_run
@@ -68,8 +69,6 @@ def mtp_loss_breakdown(run: Run) -> dict[str, float]:
 
 
 def train(run: Run, on_accepted=None) -> dict:
-    from ..data import GlobalBatchSampler, PackedDataset, micro_batches
-
     cfg, engine, log = run.cfg, run.engine, run.log
     is_rank0 = run.rank == 0
     out = cfg.train.output_dir

@@ -116,6 +116,7 @@ class MetricsWriter:
 
 
 def plot_loss(records: list[dict], path: str, title: str) -> None:
+    # Imported here: ~1 s that only the final plot needs, and the backend must be chosen before pyplot is imported.
     import matplotlib
 
     matplotlib.use("Agg")
