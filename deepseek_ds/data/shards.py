@@ -16,8 +16,8 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from ..utils.fs import write_bytes_atomic, write_json_atomic
-from .layout import check_shard, read_json, shard_files
 from .errors import DataError
+from .layout import check_shard, read_json, shard_files
 from .sources import DocTable, read_docs
 
 # Documents per encode_batch call: bounds worker memory on shards of many small documents.

@@ -39,7 +39,7 @@ class DocTable:
     def __len__(self) -> int:
         return len(self.source)
 
-    def subset(self, rows: np.ndarray) -> "DocTable":
+    def subset(self, rows: np.ndarray) -> DocTable:
         return DocTable(self.sources, self.source[rows], self.offset[rows], self.size[rows])
 
     def refs(self) -> list[list]:
