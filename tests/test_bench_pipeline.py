@@ -1,22 +1,22 @@
 """`deepseek-ds bench pipeline`: the bubble formula, the per-rank idle measure, and a real sweep of 1 and 2
 stages x 1 and 2 micro-batches (two launches) that writes every report file."""
 
-import argparse
 import csv
 
 import pytest
 
-from deepseek_ds.bench import pipeline_bench
 from deepseek_ds.bench.pipeline_bench import bubble_theory, replica_bubble
-from launch_utils import ROOT, launch_env
+from helpers import ROOT, cli, launch_env
 
 
+@pytest.mark.unit
 def test_bubble_formula():
     assert bubble_theory(1, 8) == 0
     assert bubble_theory(4, 1) == pytest.approx(3 / 4)
     assert bubble_theory(2, 16) == pytest.approx(1 / 17)
 
 
+@pytest.mark.unit
 def test_measured_bubble_is_the_idle_share_of_the_window():
     def steps(*timed):  # (compute, span) per timed step, after one untimed warm-up step
         return {"steps": [{"compute": 0.0, "span": 9.0, "timed": False}]
@@ -28,19 +28,16 @@ def test_measured_bubble_is_the_idle_share_of_the_window():
     assert idle == pytest.approx([(1 / 3 + 0) / 2, (2 / 3 + 0) / 2])
 
 
+@pytest.mark.launch
 def test_bench_pipeline_sweeps_and_writes_the_report(tmp_path, data_dir, monkeypatch):
     for key, value in launch_env().items():
         monkeypatch.setenv(key, value)
     monkeypatch.chdir(ROOT)
-    parser = argparse.ArgumentParser()
-    pipeline_bench.register(parser.add_subparsers())
     out = tmp_path / "pipeline"
     sets = [f"data.path={data_dir}", "data.seq_len=32", "train.micro_batch_size=2",
             "model.overrides.num_hidden_layers=2"]
-    args = parser.parse_args(["pipeline", "--config", "recipes/tiny-v3.yaml", "--stages", "1,2",
-                              "--micro-batches", "1,2", "--steps", "1", "--warmup", "1", "--out", str(out)]
-                             + [a for s in sets for a in ("--set", s)])
-    assert args.func(args) == 0
+    assert cli(["bench", "pipeline", "--config", "recipes/tiny-v3.yaml", "--stages", "1,2", "--micro-batches", "1,2",
+                "--steps", "1", "--warmup", "1", "--out", str(out)] + [a for s in sets for a in ("--set", s)]) == 0
 
     for name in ("pipeline.md", "pipeline.csv", "pipeline_stages.csv", "pipeline_throughput.png",
                  "pipeline_bubble.png"):

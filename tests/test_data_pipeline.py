@@ -15,7 +15,6 @@ from deepseek_ds.data import (BlendedDataset, DataError, PackedDataset, dataset_
 from deepseek_ds.data import shards as shards_module
 from deepseek_ds.data.builtin import stdlib_files
 from deepseek_ds.data.tokenizer import token_dtype
-
 from helpers import cli
 
 pytestmark = pytest.mark.unit

@@ -11,12 +11,22 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch.distributed as dist
+
+from ..checkpoint.resuming import resume
+from ..checkpoint.saving import save
+from ..config import load_and_validate
+from ..training.setup import build_run
+from ..utils.cli_args import add_run_args, spellings
+from ..utils.errors import run_command
+from ..utils.fmt import text_table
+from ..utils.net import free_port
 
 _CHUNK = 16 * 2**20
 
@@ -67,28 +77,17 @@ def _single_process_env() -> None:
     """torch.distributed's env:// rendezvous for a world of one, unless a launcher already set it."""
     if "RANK" in os.environ:
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port)})
+                       "MASTER_PORT": str(free_port())})
 
 
 def run_checkpoint_bench(config: str, sets: list[str], deepspeed_config: str | None, repeats: int,
                          work_dir: str) -> list[dict]:
     """Rows of (operation, GB, seconds (median of `repeats`), GB/s)."""
-    import torch.distributed as dist
-
-    from ..checkpoint.resuming import resume
-    from ..checkpoint.saving import save
-    from ..training.main import load_and_validate
-    from ..training.setup import build_run
-
     _single_process_env()
     sets = list(sets) + [f"train.output_dir={work_dir}/run", f"checkpoint.dir={work_dir}/ckpt",
                          f"checkpoint.keep={repeats + 1}"]
-    args = argparse.Namespace(config=config, deepspeed_config=deepspeed_config, set=sets)
-    cfg, ds = load_and_validate(args, 1)
+    cfg, ds = load_and_validate(config, deepspeed_config, sets, world_size=1)
     run = build_run(cfg, ds)
     try:
         saves, loads, raw_writes, raw_reads = [], [], [], []
@@ -117,18 +116,12 @@ def run_checkpoint_bench(config: str, sets: list[str], deepspeed_config: str | N
 
 
 def format_table(rows: list[dict]) -> str:
-    header = ["operation", "GB", "seconds", "GB/s", "vs raw"]
     cells = []
     for i, r in enumerate(rows):
         raw = rows[i + 1] if i % 2 == 0 else r  # each checkpoint row is followed by its raw counterpart
         cells.append([r["operation"], f"{r['GB']:.3f}", f"{r['seconds']:.3f}", f"{r['GB/s']:.2f}",
                       f"{r['GB/s'] / raw['GB/s']:.0%}"])
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
-
-    def line(vals):
-        return "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(vals, widths)))
-
-    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, cells)])
+    return text_table(cells, ["operation", "GB", "seconds", "GB/s", "vs raw"])
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -139,12 +132,13 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default="recipes/tiny-v3.yaml", help="run YAML whose model is checkpointed")
-    p.add_argument("--deepspeed_config", default=None, help="DeepSpeed JSON (default: the run YAML's)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="run YAML override, e.g. model.overrides.hidden_size=1024 for a bigger checkpoint")
-    p.add_argument("--repeats", type=int, default=3, help="timed rounds; the median is reported")
-    p.add_argument("--work-dir", default=None, help="directory on the disk to measure (default: the temp dir)")
+    add_run_args(p, config_required=False,
+                 config_help="run YAML whose model is checkpointed (default: recipes/tiny-v3.yaml)",
+                 set_help="run YAML override, e.g. --set model.overrides.hidden_size=1024 for a bigger checkpoint")
+    p.set_defaults(config="recipes/tiny-v3.yaml")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds; the median is reported (default 3)")
+    p.add_argument(*spellings("--work-dir"), default=None,
+                   help="directory on the disk to measure (default: the temp dir)")
     p.set_defaults(func=_bench)
 
 
@@ -156,7 +150,8 @@ def register(subparsers) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deepseek_ds.bench.checkpoint_bench", description=__doc__)
     _add_arguments(parser)
-    return _bench(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    return run_command(lambda: _bench(args))
 
 
 if __name__ == "__main__":

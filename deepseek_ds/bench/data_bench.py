@@ -1,23 +1,27 @@
 """`deepseek-ds bench data`: end-to-end prepare throughput with N workers next to raw `tokenizers`
 batch encoding of the same text, as a printed table."""
 
+from __future__ import annotations
+
 import argparse
 import tempfile
 import time
 from pathlib import Path
 
-from deepseek_ds.data import dataset_info, ensure_builtin_dataset, prepare_dataset
-from deepseek_ds.data.builtin import stdlib_files
-from deepseek_ds.data.layout import TOKENIZER_DIR
-from deepseek_ds.data.tokenizer import backend_json, load_hf_tokenizer
+from tokenizers import Tokenizer
+
+from ..data import dataset_info, ensure_builtin_dataset, prepare_dataset
+from ..data.builtin import stdlib_files
+from ..data.layout import TOKENIZER_DIR
+from ..data.tokenizer import backend_json, load_hf_tokenizer
+from ..utils.cli_args import spellings
+from ..utils.fmt import text_table
 
 # Several shards per worker so extra workers have something to do.
 _SHARD_MB = 0.5
 
 
 def _raw_encode(texts: list[str], backend: str) -> tuple[float, int]:
-    from tokenizers import Tokenizer
-
     tok = Tokenizer.from_str(backend)
     start = time.perf_counter()
     tokens = sum(len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False))
@@ -45,12 +49,9 @@ def run_data_bench(workers: list[int], mb: float, vocab_size: int, work_dir: str
 
 
 def format_table(rows: list[dict]) -> str:
-    header = ["method", "seconds", "tokens", "tokens/s", "MB/s"]
     cells = [[r["method"], f"{r['seconds']:.2f}", f"{r['tokens']:,}", f"{r['tokens/s']:,.0f}", f"{r['MB/s']:.2f}"]
              for r in rows]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
-    line = lambda vals: "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(vals, widths)))
-    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, cells)])
+    return text_table(cells, ["method", "seconds", "tokens", "tokens/s", "MB/s"])
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -62,8 +63,8 @@ def _bench(args: argparse.Namespace) -> int:
 def register(subparsers) -> None:
     """Add `data` to the `deepseek-ds bench` sub-command group."""
     p = subparsers.add_parser("data", help="data preparation throughput vs raw tokenizers")
-    p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to compare")
-    p.add_argument("--mb", type=float, default=8.0, help="MB of built-in corpus text")
-    p.add_argument("--vocab-size", type=int, default=2048)
-    p.add_argument("--work-dir", help="keep outputs here (default: a temporary directory)")
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to compare (default 1 2)")
+    p.add_argument("--mb", type=float, default=8.0, help="MB of built-in corpus text (default 8)")
+    p.add_argument(*spellings("--vocab-size"), type=int, default=2048, help="BPE vocabulary size (default 2048)")
+    p.add_argument(*spellings("--work-dir"), help="keep outputs here (default: a temporary directory)")
     p.set_defaults(func=_bench)

@@ -18,12 +18,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 
-from ..config import ConfigError, load_run_config
+from ..config import ConfigError, load_and_validate, load_run_config
+from ..launcher.hostfile import count_slots
+from ..utils.cli_args import spellings
+from ..utils.fmt import human_bytes
+from ..utils.system import usable_cpus
 from . import report
+from .launch import add_launch_args, launch, step_metrics
 from .report import Column
-from .worker import LaunchError, add_launch_args, hostfile_slots, launch, step_metrics
 
 
 def bubble_theory(p: int, m: int) -> float:
@@ -69,8 +72,8 @@ def combination_rows(p: int, m: int, reports: list[dict]) -> tuple[dict, list[di
            "bubble_measured": statistics.mean(bubble for bubble, _ in measured),
            "bubble_theory": bubble_theory(p, m),
            "stage_params": " / ".join(f"{s['params'] / 1e6:.2f}M" for s in per_stage),
-           "stage_memory": " / ".join(report.human_bytes(s["peak_memory_bytes"]) for s in per_stage),
-           "stage_model_states": " / ".join(report.human_bytes(s["model_states_bytes"]) for s in per_stage)}
+           "stage_memory": " / ".join(human_bytes(s["peak_memory_bytes"]) for s in per_stage),
+           "stage_model_states": " / ".join(human_bytes(s["model_states_bytes"]) for s in per_stage)}
     row.update(step_metrics(reports))
     return row, per_stage
 
@@ -118,7 +121,7 @@ def _plot(rows: list[dict], path: str, key: str, ylabel: str, title: str, theory
 
 
 def _notes(rows: list[dict], ranks: list[dict]) -> str:
-    cores = report.usable_cpus()
+    cores = usable_cpus()
     crowded = sorted({r["ranks"] for r in rows if r["ranks"] > cores})
     oversubscribed = ""
     if crowded and report.on_cpu(ranks):
@@ -176,14 +179,12 @@ def write_report(rows: list[dict], stage_rows: list[dict], launches: list[list[d
 def run_pipeline_bench(args: argparse.Namespace) -> tuple[list[dict], list[dict], list[list[dict]]]:
     """Validate every (p, m), then launch one stage count after the other; returns the rows, the per-stage rows
     and, per stage count, its ranks' reports."""
-    from ..training.main import load_and_validate
-
     raw = os.path.join(args.out, "raw")
     os.makedirs(raw, exist_ok=True)
     cfg = load_run_config(args.config, args.set)
     plans = []
     for p in args.stages:
-        world = hostfile_slots(args.hostfile) if args.hostfile else p * args.dp
+        world = count_slots(args.hostfile) if args.hostfile else p * args.dp
         dp = world // p
         batches = [m * cfg.train.micro_batch_size * dp for m in args.micro_batches]
         sets = args.set + [f"parallel.pipeline_stages={p}", f"train.output_dir={os.path.join(raw, f'pp{p}')}",
@@ -192,8 +193,7 @@ def run_pipeline_bench(args: argparse.Namespace) -> tuple[list[dict], list[dict]
             sets.append(f"train.peak_tflops={args.peak_tflops}")
         for m, gbs in zip(args.micro_batches, batches):  # every combination is checked before the first launch
             try:
-                load_and_validate(argparse.Namespace(config=args.config, deepspeed_config=args.deepspeed_config,
-                                                     set=sets + [f"train.global_batch_size={gbs}"]), world)
+                load_and_validate(args.config, args.deepspeed_config, sets + [f"train.global_batch_size={gbs}"], world)
             except ConfigError as e:
                 raise ConfigError(f"{p} stages x {m} micro-batches on {world} ranks: {e}") from e
         plans.append((p, world, batches, sets))
@@ -220,11 +220,7 @@ def _ints(text: str) -> list[int]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    try:
-        rows, stage_rows, launches = run_pipeline_bench(args)
-    except LaunchError as e:
-        print(f"deepseek-ds bench pipeline: {e}", file=sys.stderr)
-        return 1
+    rows, stage_rows, launches = run_pipeline_bench(args)
     paths = write_report(rows, stage_rows, launches, args.out)
     print(report.markdown_table(rows, COLUMNS))
     print("wrote " + ", ".join(paths))
@@ -237,7 +233,7 @@ def register(subparsers) -> None:
                                                "vs (p-1)/(m+p-1)")
     add_launch_args(p)
     p.add_argument("--stages", type=_ints, default=[1, 2, 4], help="pipeline stage counts (default 1,2,4)")
-    p.add_argument("--micro-batches", type=_ints, default=[1, 2, 4, 8, 16],
+    p.add_argument(*spellings("--micro-batches"), type=_ints, default=[1, 2, 4, 8, 16],
                    help="micro-batches per optimizer step (default 1,2,4,8,16)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size per stage count (ranks = p x dp); "
                                                      "with --hostfile the hostfile's slots decide")

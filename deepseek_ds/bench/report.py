@@ -12,21 +12,21 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+import deepspeed
+import psutil
+import torch
+import transformers
+
+from ..utils.fmt import human_bytes
+from ..utils.fmt import markdown_table as _markdown_table
+from ..utils.system import cpu_model, usable_cpus
+
 
 @dataclass(frozen=True)
 class Column:
     key: str          # the row's field; also the CSV header
     header: str       # the markdown header
     fmt: str = "{}"   # str.format pattern for the markdown cell ("-" where the value is None)
-
-
-def human_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 def cell(value: Any, fmt: str) -> str:
@@ -40,10 +40,7 @@ def cell(value: Any, fmt: str) -> str:
 
 
 def markdown_table(rows: list[dict], columns: list[Column]) -> str:
-    lines = ["| " + " | ".join(c.header for c in columns) + " |",
-             "|" + "|".join("---:" if i else ":---" for i in range(len(columns))) + "|"]
-    lines += ["| " + " | ".join(cell(r.get(c.key), c.fmt) for c in columns) + " |" for r in rows]
-    return "\n".join(lines)
+    return _markdown_table([[cell(r.get(c.key), c.fmt) for c in columns] for r in rows], [c.header for c in columns])
 
 
 def write_csv(path: str, rows: list[dict], columns: list[Column]) -> None:
@@ -56,7 +53,8 @@ def write_csv(path: str, rows: list[dict], columns: list[Column]) -> None:
 
 
 def pyplot():
-    """matplotlib's pyplot on the file-only Agg backend (no display on cluster nodes)."""
+    """matplotlib's pyplot on the file-only Agg backend (no display on cluster nodes). Imported here: the backend
+    must be chosen before pyplot is first imported, and only the report writers need it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -77,29 +75,9 @@ def _git_commit() -> str:
     return head.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else "")
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass  # not Linux: fall back to what the platform module knows
-    return platform.processor() or platform.machine()
-
-
-def usable_cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def environment(ranks: list[dict]) -> dict[str, str]:
     """Where the numbers come from. `ranks` are the worker's per-rank reports: their devices (the GPUs may be
     on other hosts than the one writing the report) and torch threads."""
-    import deepspeed
-    import psutil
-    import torch
-    import transformers
-
     devices: dict[str, int] = {}
     for r in ranks:
         devices[r["device"]] = devices.get(r["device"], 0) + 1

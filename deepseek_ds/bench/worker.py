@@ -1,4 +1,4 @@
-"""The per-rank benchmark script, and launch(), which starts it under the `deepspeed` launcher.
+"""The per-rank benchmark worker, started by bench/launch.py under the `deepspeed` launcher.
 
 `deepspeed --module deepseek_ds.bench.worker --config RECIPE --global-batch-sizes 16,32 ...` builds the run
 once per global batch size with the training code (build_run), runs warm-up and timed optimizer steps with
@@ -10,23 +10,28 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import os
 import resource
-import shlex
-import shutil
-import signal
-import socket
-import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
+import deepspeed
 import torch
+import torch.distributed as dist
+from deepspeed.runtime.pipe import schedule
+from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from .report import cpu_model, usable_cpus
+from ..config import load_and_validate, precision, zero_stage
+from ..data import GlobalBatchSampler, micro_batches
+from ..training.loop import start_lr_schedule, train_step
+from ..training.metrics import flops_per_token, peak_tflops
+from ..training.setup import build_run
+from ..utils.cli_args import add_local_rank, add_run_args
+from ..utils.fs import write_json_atomic
+from ..utils.system import cpu_model
 
 PHASES = ("compute", "optimizer")
 CATEGORIES = ("params", "grads", "optimizer", "buffers")
@@ -173,9 +178,6 @@ def instrument(engine, clock: PhaseClock, probe: StateProbe) -> None:
     """Time this engine's phases without changing what it computes. The pipeline engine dispatches every
     schedule instruction through `self._INSTRUCTION_MAP`, so an instance copy with timed entries shadows the
     class's; the plain engine is driven through forward/backward/step, wrapped on the instance."""
-    from deepspeed.runtime.pipe import schedule
-    from deepspeed.runtime.pipe.engine import PipelineEngine
-
     if isinstance(engine, PipelineEngine):
         table = dict(PipelineEngine._INSTRUCTION_MAP)
         for instr in (schedule.ForwardPass, schedule.BackwardPass):
@@ -204,8 +206,6 @@ def device_name(device: torch.device) -> str:
 # ------------------------------------------------------------------------------------------ one variant
 def _close_logs(run) -> None:
     """setup_logging adds a file handler to DeepSpeed's logger per build; the next variant adds its own."""
-    import deepspeed
-
     for handler in list(run.log.handlers):
         if isinstance(handler, logging.FileHandler):
             deepspeed.utils.logger.removeHandler(handler)
@@ -221,16 +221,8 @@ def _free_memory() -> None:
 
 
 def measure(args: argparse.Namespace, world: int, global_batch_size: int) -> dict:
-    from ..config import precision, zero_stage
-    from ..data import GlobalBatchSampler, micro_batches
-    from ..training.loop import start_lr_schedule, train_step
-    from ..training.main import load_and_validate
-    from ..training.metrics import flops_per_token, peak_tflops
-    from ..training.setup import build_run
-
-    ns = argparse.Namespace(config=args.config, deepspeed_config=args.deepspeed_config,
-                            set=args.set + [f"train.global_batch_size={global_batch_size}"])
-    cfg, ds = load_and_validate(ns, world)
+    sets = args.set + [f"train.global_batch_size={global_batch_size}"]
+    cfg, ds = load_and_validate(args.config, args.deepspeed_config, sets, world)
     run = build_run(cfg, ds)
     engine = run.engine
     start_lr_schedule(engine)
@@ -271,20 +263,17 @@ def measure(args: argparse.Namespace, world: int, global_batch_size: int) -> dic
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="One benchmark rank (started by `deepspeed --module`).")
-    p.add_argument("--config", required=True)
-    p.add_argument("--deepspeed_config", default=None)
-    p.add_argument("--set", action="append", default=[])
-    p.add_argument("--global-batch-sizes", required=True, type=lambda s: [int(x) for x in s.split(",")])
-    p.add_argument("--warmup", type=int, required=True)
-    p.add_argument("--steps", type=int, required=True)
+    add_run_args(p)
+    p.add_argument("--global-batch-sizes", required=True, type=lambda s: [int(x) for x in s.split(",")],
+                   help="comma-separated; the run is built and measured once per size")
+    p.add_argument("--warmup", type=int, required=True, help="untimed optimizer steps first")
+    p.add_argument("--steps", type=int, required=True, help="timed optimizer steps")
     p.add_argument("--result", required=True, help="JSON file rank 0 writes")
-    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the launcher
+    add_local_rank(p)
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
-    import torch.distributed as dist
-
     args = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", 1))
     reports = []
@@ -295,123 +284,10 @@ def main(argv=None) -> int:
     dist.all_gather_object(gathered, reports)
     if dist.get_rank() == 0:
         by_variant = [[gathered[r][v] for r in range(world)] for v in range(len(reports))]
-        tmp = args.result + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"variants": by_variant}, f)
-        os.replace(tmp, args.result)
+        write_json_atomic(Path(args.result), {"variants": by_variant})
     dist.barrier()
     dist.destroy_process_group()
     return 0
-
-
-# ------------------------------------------------------------------------------------------ driver side
-def step_metrics(reports: list[dict]) -> dict:
-    """Speed of one configuration from its ranks' reports: the median over timed steps of the slowest rank's
-    step time (every rank waits for it), tokens/s over all ranks, TFLOP/s per device and MFU."""
-    r0 = reports[0]
-    per_step = zip(*[[s["seconds"] for s in r["steps"] if s["timed"]] for r in reports])
-    step_time = statistics.median(max(times) for times in per_step)
-    tokens = r0["global_batch_size"] * r0["seq_len"]
-    tflops = r0["flops_per_token"] * tokens / step_time / r0["world"] / 1e12
-    return {"step_time_s": step_time, "tokens_per_s": tokens / step_time, "tflops_per_device": tflops,
-            "mfu": tflops / r0["peak_tflops"] if r0["peak_tflops"] else None,
-            "timed_steps": sum(s["timed"] for s in r0["steps"]), "micro_batch_size": r0["micro_batch_size"],
-            "grad_accum": r0["grad_accum"], "seq_len": r0["seq_len"]}
-
-
-
-class LaunchError(RuntimeError):
-    """A benchmark launch failed; the message ends with the tail of its log."""
-
-
-def add_launch_args(p: argparse.ArgumentParser) -> None:
-    """Options every benchmark shares: the run, how to launch it, how long to measure, where to write."""
-    p.add_argument("--config", required=True, help="run YAML, e.g. recipes/tiny-v3.yaml")
-    p.add_argument("--deepspeed_config", default=None, help="base DeepSpeed JSON (default: the run YAML's)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override the run YAML")
-    p.add_argument("--hostfile", default=None, help="DeepSpeed hostfile: launch on its hosts and slots")
-    p.add_argument("--master-port", type=int, default=None, help="default: a free local port")
-    p.add_argument("--launcher-args", default="", metavar="ARGS",
-                   help='more `deepspeed` launcher options, given with "=": --launcher-args="--master_addr node-0"')
-    p.add_argument("--steps", type=int, default=5, help="timed optimizer steps per configuration")
-    p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps before them")
-    p.add_argument("--peak-tflops", type=float, default=None,
-                   help="per-device peak for MFU (default: the known GPU's bf16 dense peak; none on CPU)")
-    p.add_argument("--timeout", type=float, default=3600, help="seconds one launch may take")
-
-
-def hostfile_slots(hostfile: str) -> int:
-    from deepspeed.launcher.runner import fetch_hostfile
-
-    from ..config import ConfigError
-
-    hosts = fetch_hostfile(hostfile)
-    if not hosts:
-        raise ConfigError(f"--hostfile {hostfile!r} names no hosts (format: 'node-0 slots=8' per line)")
-    return sum(hosts.values())
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tail(path: str, lines: int = 40) -> str:
-    with open(path, errors="replace") as f:
-        return "".join(f.readlines()[-lines:])
-
-
-def launch(args: argparse.Namespace, *, world: int, global_batch_sizes: list[int], sets: list[str],
-           deepspeed_config: str | None, result: str, log: str) -> list[list[dict]]:
-    """One `deepspeed` launch of the worker (on `world` local ranks, or on the hostfile's slots); returns, per
-    global batch size, every rank's report. The launcher's output goes to `log`."""
-    bin_dir = os.path.dirname(sys.executable)
-    launcher = shutil.which("deepspeed", path=bin_dir) or shutil.which("deepspeed")
-    if launcher is None:
-        raise LaunchError("the `deepspeed` launcher is not on PATH; install deepspeed in this environment")
-    cmd = [launcher, "--master_port", str(args.master_port or _free_port())]
-    cmd += ["--hostfile", args.hostfile] if args.hostfile else ["--num_gpus", str(world)]
-    cmd += shlex.split(args.launcher_args)
-    cmd += ["--module", "deepseek_ds.bench.worker", "--config", args.config, "--result", os.path.abspath(result),
-            "--global-batch-sizes", ",".join(map(str, global_batch_sizes)),
-            "--warmup", str(args.warmup), "--steps", str(args.steps)]
-    if deepspeed_config:
-        cmd += ["--deepspeed_config", deepspeed_config]
-    for s in sets:
-        cmd += ["--set", s]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    # The ranks must find this environment's ninja (one ninja per extension cache, or every op rebuilds).
-    env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
-    if not args.hostfile and "OMP_NUM_THREADS" not in env:
-        # Share the cores among the local ranks. With the default (every rank one thread per
-        # core) OpenMP's spin-waiting threads of co-located ranks starve each other: ZeRO-0 ran ~30x slower
-        # on a 2-core host. On other hosts of a hostfile, set it in .deepspeed_env.
-        env["OMP_NUM_THREADS"] = str(max(1, usable_cpus() // world))
-    if os.path.exists(result):
-        os.remove(result)
-    with open(log, "w") as out:
-        out.write(" ".join(cmd) + "\n")
-        out.flush()
-        # Own session, so that the launcher and its ranks can be stopped together, and nothing else.
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
-            if proc.poll() is None:  # timed out, or we were interrupted (Ctrl-C): the ranks stop with us
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=60)
-    if rc is None:
-        raise LaunchError(f"launch timed out after {args.timeout:.0f} s (--timeout); log: {log}\n{_tail(log)}")
-    if rc != 0:
-        raise LaunchError(f"launch exited with {rc}; last lines of {log}:\n{_tail(log)}")
-    if not os.path.exists(result):
-        raise LaunchError(f"rank 0 wrote no {result}: with --hostfile run the bench on the first host, or on a "
-                          f"filesystem every host shares; log: {log}")
-    with open(result) as f:
-        return json.load(f)["variants"]
 
 
 if __name__ == "__main__":

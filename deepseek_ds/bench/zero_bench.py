@@ -15,10 +15,13 @@ import json
 import os
 import sys
 
-from ..config import ConfigError, load_ds_config, load_run_config
+from ..config import ConfigError, load_and_validate, load_ds_config, load_run_config
+from ..launcher.world import world_size
+from ..utils.cli_args import add_num_gpus, spellings
 from . import report
+from .launch import add_launch_args, launch, step_metrics
 from .report import Column
-from .worker import HELD, MODEL_STATES, LaunchError, add_launch_args, hostfile_slots, launch, step_metrics
+from .worker import HELD, MODEL_STATES
 
 # ---------------------------------------------------------------------------------------------- the formula
 MASTER_AND_ADAM_BYTES = 12  # the paper's K: fp32 master weights + Adam's exp_avg and exp_avg_sq, 4 bytes each
@@ -255,22 +258,10 @@ def write_report(rows: list[dict], ranks: list[dict], out: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- driver
-def _world(args: argparse.Namespace) -> int:
-    if args.nproc:
-        return args.nproc
-    if args.hostfile:
-        return hostfile_slots(args.hostfile)
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 2
-
-
 def run_zero_bench(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     """Validate every stage, then launch them one after the other; returns the rows and the last launch's
     per-rank reports (for the environment)."""
-    from ..training.main import load_and_validate
-
-    world = _world(args)
+    world = world_size(args.num_gpus, args.hostfile)
     raw = os.path.join(args.out, "raw")
     os.makedirs(raw, exist_ok=True)
     cfg = load_run_config(args.config, args.set)
@@ -289,7 +280,7 @@ def run_zero_bench(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
             sets.append(f"train.peak_tflops={args.peak_tflops}")
         # Every stage is checked before the first launch: a bad combination fails in seconds, not minutes.
         try:
-            load_and_validate(argparse.Namespace(config=args.config, deepspeed_config=ds_path, set=sets), world)
+            load_and_validate(args.config, ds_path, sets, world)
         except ConfigError as e:
             raise ConfigError(f"ZeRO-{stage} ({ds_path}): {e}") from e
         plans.append((stage, ds_path, sets, offload_label(ds)))
@@ -312,11 +303,7 @@ def _stages(text: str) -> list[int]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    try:
-        rows, ranks = run_zero_bench(args)
-    except LaunchError as e:
-        print(f"deepseek-ds bench zero: {e}", file=sys.stderr)
-        return 1
+    rows, ranks = run_zero_bench(args)
     paths = write_report(rows, ranks, args.out)
     print(report.markdown_table(rows, COLUMNS))
     print("wrote " + ", ".join(paths))
@@ -336,12 +323,11 @@ def register(subparsers) -> None:
     p.add_argument("--stages", type=_stages, default=[0, 1, 2, 3], help="ZeRO stages to compare (default 0,1,2,3)")
     p.add_argument("--offload", action="store_true",
                    help="offload the optimizer (stage >= 1) and the parameters (stage 3) to CPU")
-    p.add_argument("--nproc", type=int, default=None,
-                   help="ranks (default: the local GPUs, or 2 on CPU; with --hostfile its slots: set --nproc when "
-                        "--launcher-args selects fewer)")
-    p.add_argument("--grad-accum", type=int, default=2,
+    add_num_gpus(p, "--nproc", help="ranks (default: the local GPUs, or 2 without CUDA; with --hostfile its slots: "
+                                    "set --num_gpus when --launcher-args selects fewer)")
+    p.add_argument(*spellings("--grad-accum"), type=int, default=2,
                    help="gradient accumulation steps (>= 2 shows stage 1's full gradients between micro-batches)")
-    p.add_argument("--loss-rtol", type=float, default=None,
+    p.add_argument(*spellings("--loss-rtol"), type=float, default=None,
                    help="relative loss difference still counted as agreement (default 1e-5 in fp32, 1e-3 in bf16/fp16)")
     p.add_argument("--out", default="runs/bench/zero", help="report directory (raw launches under OUT/raw)")
     p.set_defaults(func=_bench)

@@ -1,11 +1,13 @@
-"""`deepseek-ds data prepare | dump`: thin argument parsing around the data package."""
+"""`deepseek-ds data prepare | dump`: thin argument parsing around the data package. A DataError reaches the user
+through the entry point's one error report (`deepseek-ds: error: ...`, exit 2)."""
+
+from __future__ import annotations
 
 import argparse
 import json
-import sys
 
+from ..utils.cli_args import spellings
 from .builtin import stdlib_files
-from .errors import DataError
 from .packed import PackedDataset
 from .prepare import prepare_dataset
 from .sampler import GlobalBatchSampler
@@ -29,16 +31,6 @@ def _dump(args: argparse.Namespace) -> int:
     return 0
 
 
-def _reporting_errors(func):
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return func(args)
-        except DataError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    return run
-
-
 def register(subparsers) -> None:
     """Add `prepare` and `dump` to the `deepseek-ds data` sub-command group."""
     p = subparsers.add_parser("prepare", help="tokenize inputs into memory-mapped shards")
@@ -47,22 +39,27 @@ def register(subparsers) -> None:
                         "corpus of Python standard-library sources)")
     p.add_argument("--out", required=True, help="dataset directory to create (or finish)")
     p.add_argument("--tokenizer", help="local HF tokenizer directory (default: train a byte-level BPE)")
-    p.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary size when training one")
-    p.add_argument("--workers", type=int, default=1, help="tokenizer processes; the output does not depend on it")
-    p.add_argument("--jsonl-field", default="text", help="field holding the text in .jsonl / HF datasets")
-    p.add_argument("--valid-fraction", type=float, default=0.01, help="fraction of documents held out")
-    p.add_argument("--seed", type=int, default=0, help="seed of the validation split")
-    p.add_argument("--shard-mb", type=float, default=16.0, help="text per shard (MB)")
-    p.add_argument("--builtin-mb", type=float, default=8.0, help="size of the built-in corpus (MB)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=_reporting_errors(_prepare))
+    p.add_argument(*spellings("--vocab-size"), type=int, default=2048, help="BPE vocabulary size when training one "
+                   "(default 2048)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="tokenizer processes; the output does not depend on it (default 1)")
+    p.add_argument(*spellings("--jsonl-field"), default="text",
+                   help="field holding the text in .jsonl / HF datasets (default: text)")
+    p.add_argument(*spellings("--valid-fraction"), type=float, default=0.01,
+                   help="fraction of documents held out (default 0.01)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the validation split (default 0)")
+    p.add_argument(*spellings("--shard-mb"), type=float, default=16.0, help="text per shard in MB (default 16)")
+    p.add_argument(*spellings("--builtin-mb"), type=float, default=8.0,
+                   help="size of the built-in corpus in MB (default 8)")
+    p.add_argument(*spellings("--no-progress"), action="store_true", help="no progress bar")
+    p.set_defaults(func=_prepare)
 
     d = subparsers.add_parser("dump", help="print samples as JSON lists of token ids, in training order")
     d.add_argument("--data", required=True, help="prepared dataset directory")
-    d.add_argument("--seq-len", type=int, required=True)
-    d.add_argument("--start", type=int, default=0, help="first global sample position")
-    d.add_argument("--count", type=int, default=1)
-    d.add_argument("--split", default="train", choices=["train", "valid"])
+    d.add_argument(*spellings("--seq-len"), type=int, required=True, help="tokens per sample")
+    d.add_argument("--start", type=int, default=0, help="first global sample position (default 0)")
+    d.add_argument("--count", type=int, default=1, help="samples to print (default 1)")
+    d.add_argument("--split", default="train", choices=["train", "valid"], help="which split (default: train)")
     d.add_argument("--shuffle", action="store_true", help="the shuffled order of --seed (epoch 0 onwards)")
-    d.add_argument("--seed", type=int, default=0)
-    d.set_defaults(func=_reporting_errors(_dump))
+    d.add_argument("--seed", type=int, default=0, help="seed of the shuffled order (default 0)")
+    d.set_defaults(func=_dump)

@@ -1,17 +1,25 @@
-"""`deepseek-ds preflight`: the command-line face of preflight.py and bandwidth.py."""
+"""`deepseek-ds preflight`: the command-line face of preflight.py and bandwidth.py. Exit status 0 when every check
+passes, 1 on a failed check, 2 on a bad hostfile or filter (a HostfileError, reported by the entry point)."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from deepseek_ds.launcher import bandwidth
-from deepseek_ds.launcher.hostfile import HostfileError
-from deepseek_ds.launcher.preflight import (DEFAULT_MASTER_PORT, JOB, Check, PreflightOptions, Status, failed,
-                                            format_report, run_preflight)
+from deepseek_ds.launcher.preflight import (
+    DEFAULT_MASTER_PORT,
+    JOB,
+    Check,
+    PreflightOptions,
+    Status,
+    failed,
+    format_report,
+    run_preflight,
+)
+from deepseek_ds.utils.cli_args import add_hostfile, add_master_port, add_slot_filters, port, spellings
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_OK, EXIT_FAILED = 0, 1
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -20,30 +28,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Check ssh, versions, GPUs vs slots, InfiniBand, network interfaces, the master port and "
                     "the checkpoint directory on every host of a DeepSpeed hostfile, in parallel. Prints a "
                     "PASS/FAIL table with a fix for each failure; exits 1 on any failure, 2 on a bad hostfile.")
-    parser.add_argument("--hostfile", "-H", type=Path, required=True, help="DeepSpeed hostfile ('HOST slots=N' lines)")
-    filters = parser.add_mutually_exclusive_group()
-    filters.add_argument("--include", "-i", default="", help="as deepspeed --include, e.g. 'node-0@node-1:0,2'")
-    filters.add_argument("--exclude", "-e", default="", help="as deepspeed --exclude, e.g. 'node-1:0'")
-    parser.add_argument("--master-port", type=_port, default=DEFAULT_MASTER_PORT,
-                        help="port the first host must have free (deepspeed --master_port)")
-    parser.add_argument("--master-addr", default="",
+    add_hostfile(parser, type=Path, required=True, help="DeepSpeed hostfile ('HOST slots=N' lines)")
+    add_slot_filters(parser)
+    add_master_port(parser, default=DEFAULT_MASTER_PORT,
+                    help=f"port the first host must have free (deepspeed --master_port; default {DEFAULT_MASTER_PORT})")
+    parser.add_argument(*spellings("--master_addr"), default="",
                         help="address of the first host for the bandwidth launch (deepspeed --master_addr); "
                              "default: what DeepSpeed infers, the first of 'hostname -I' there")
-    parser.add_argument("--checkpoint-dir", help="directory every host must be able to write (checkpoint.dir)")
-    parser.add_argument("--timeout", type=float, default=10.0, help="seconds per host before it counts as failed")
-    parser.add_argument("--ssh-port", type=_port, help="sshd port on the hosts (deepspeed --ssh_port)")
-    parser.add_argument("--allow-cpu", action="store_true",
+    parser.add_argument(*spellings("--checkpoint-dir"),
+                        help="directory every host must be able to write (checkpoint.dir; default: not checked)")
+    parser.add_argument("--timeout", type=float, default=10.0,
+                        help="seconds per host before it counts as failed (default 10)")
+    parser.add_argument(*spellings("--ssh_port"), type=port,
+                        help="sshd port on the hosts (deepspeed --ssh_port; default: ssh's own)")
+    parser.add_argument(*spellings("--allow-cpu"), action="store_true",
                         help="CPU-only hosts (test clusters): report missing GPUs/InfiniBand as WARN/SKIP, not FAIL")
     parser.add_argument("--bandwidth", action="store_true",
                         help="also launch an all-reduce across the hosts with deepspeed and print the bus GB/s")
     parser.set_defaults(func=run)
-
-
-def _port(text: str) -> int:
-    port = int(text)
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"port {port} is outside 1-65535")
-    return port
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,11 +53,7 @@ def run(args: argparse.Namespace) -> int:
                                master_port=args.master_port, master_addr=args.master_addr,
                                checkpoint_dir=args.checkpoint_dir,
                                timeout=args.timeout, allow_cpu=args.allow_cpu, ssh_port=args.ssh_port)
-    try:
-        job, checks = run_preflight(options)
-    except HostfileError as err:
-        print(f"preflight: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    job, checks = run_preflight(options)
     if args.bandwidth:
         checks.append(_bandwidth_check(options, list(job.slots), checks))
     print(format_report(checks), flush=True)

@@ -76,3 +76,8 @@ def add_master_port(p: argparse.ArgumentParser, default: int | None = None,
                     help: str = "rendezvous port on the first host (default: DeepSpeed's, 29500)") -> None:
     p.add_argument(*spellings("--master_port"), dest="master_port", type=port, default=default, metavar="PORT",
                    help=help)
+
+
+def add_local_rank(p: argparse.ArgumentParser) -> None:
+    """--local_rank, which the `deepspeed` launcher passes to every rank (the rank reads LOCAL_RANK instead)."""
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
