@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from ..data import DataError, dataset_info
 from ..models.layers import mtp_depth
 from ..models.moe import resolve_settings
 from ..models.pipeline import partition
@@ -115,10 +116,28 @@ def _model_errors(cfg: RunConfig, ds: dict) -> list[str]:
 
 
 def _data_errors(cfg: RunConfig) -> list[str]:
-    if cfg.data.path and not os.path.isdir(cfg.data.path):
+    if not cfg.data.path:
+        return []
+    if not os.path.isdir(cfg.data.path):
         return [f"data.path {cfg.data.path!r} does not exist; prepare one with "
                 "`deepseek-ds data prepare --input ... --out DIR` or use data.builtin: stdlib"]
-    return []
+    try:
+        splits = dataset_info(cfg.data.path)["splits"]
+    except DataError as e:
+        return [str(e)]
+    # A split of n tokens holds (n - 1) // seq_len samples (each needs seq_len + 1 tokens for its labels).
+    need = cfg.data.seq_len + 1
+    errors = []
+    if splits["train"]["num_tokens"] < need:
+        errors.append(f"data.path {cfg.data.path!r}: the train split has {splits['train']['num_tokens']} tokens, "
+                      f"fewer than one sample of data.seq_len {cfg.data.seq_len} + 1; prepare more text or lower "
+                      "data.seq_len")
+    if cfg.eval.interval and splits["valid"]["num_tokens"] < need:
+        errors.append(f"eval.interval is {cfg.eval.interval} but the validation split of {cfg.data.path!r} has "
+                      f"{splits['valid']['num_docs']} documents / {splits['valid']['num_tokens']} tokens, fewer "
+                      f"than one sample of data.seq_len {cfg.data.seq_len} + 1; prepare it with a larger "
+                      "--valid-fraction (or more documents), or set eval.interval: 0")
+    return errors
 
 
 def _nan_policy_errors(cfg: RunConfig, ds: dict) -> list[str]:

@@ -22,7 +22,7 @@ from ..utils.fs import publish_dir, temp_dir_for, write_json_atomic
 from .errors import DataError
 from .layout import FORMAT_VERSION, META, PLAN, SPLITS, TOKENIZER_DIR, read_json, shard_files
 from .shards import ShardTask, group_by_size, init_worker, is_done, shard_key, write_shard
-from .sources import DocTable, read_docs, scan_inputs
+from .sources import DEFAULT_EXTENSIONS, DocTable, read_docs, scan_inputs, split_text_tail
 from .tokenizer import (backend_json, import_tokenizer, load_hf_tokenizer, token_dtype, tokenizer_hash,
                         train_bpe, vocab_size_of)
 
@@ -38,6 +38,17 @@ def split_rows(num_docs: int, valid_fraction: float, seed: int) -> dict[str, np.
     valid = np.sort(np.random.default_rng(seed).choice(num_docs, n_valid, replace=False))
     train = np.setdiff1d(np.arange(num_docs), valid)
     return {"train": train, "valid": valid}
+
+
+def _split(table: DocTable, valid_fraction: float, seed: int) -> tuple[DocTable, dict[str, np.ndarray]]:
+    """Whole documents held out; a single text document is held out by its tail instead (split_text_tail). One
+    document that cannot be cut leaves the validation split empty: the summary says so and validate() refuses
+    evaluation on it before launch."""
+    rows = split_rows(len(table), valid_fraction, seed)
+    cut = split_text_tail(table, valid_fraction) if valid_fraction > 0 and len(table) == 1 else None
+    if cut is not None:
+        return cut, {"train": np.array([0]), "valid": np.array([1])}
+    return table, rows
 
 
 def _check_plan(out: Path, plan: dict) -> None:
@@ -132,18 +143,19 @@ def _meta(out: Path, tasks: list[ShardTask], plan_hash: str, tok) -> dict:
 
 def prepare_dataset(inputs: list[str], out_dir: str, tokenizer_dir: str | None = None, vocab_size: int = 2048,
                     workers: int = 1, jsonl_field: str = "text", valid_fraction: float = 0.01, seed: int = 0,
-                    *, shard_mb: float = 16.0, progress: bool = True) -> str:
+                    *, shard_mb: float = 16.0, progress: bool = True,
+                    extensions: tuple[str, ...] | None = DEFAULT_EXTENSIONS) -> str:
     """Tokenize `inputs` into a packed, checksummed dataset at `out_dir` and return `out_dir`.
 
     With `tokenizer_dir` the dataset uses that HF tokenizer; otherwise a byte-level BPE of `vocab_size`
     is trained on the training documents. Shards hold about `shard_mb` of text each; the output does not
-    depend on `workers`. Re-running continues an interrupted run and verifies a finished one.
+    depend on `workers`. Re-running continues an interrupted run and verifies a finished one. Directory inputs
+    contribute files with one of `extensions` (None: all); meta.json lists the files skipped.
     """
     if workers < 1:
         raise DataError(f"workers must be >= 1, got {workers}")
     out = Path(out_dir)
-    table = scan_inputs(inputs, jsonl_field)
-    rows = split_rows(len(table), valid_fraction, seed)
+    table, rows = _split(scan_inputs(inputs, jsonl_field, extensions), valid_fraction, seed)
     src_tok = None if tokenizer_dir is None else import_tokenizer(tokenizer_dir)
     plan = {"format_version": FORMAT_VERSION, "inputs": [str(Path(p).resolve()) for p in inputs],
             "docs_sha256": hashlib.sha256(json.dumps(table.refs()).encode()).hexdigest(), "num_docs": len(table),
@@ -157,6 +169,9 @@ def prepare_dataset(inputs: list[str], out_dir: str, tokenizer_dir: str | None =
     tasks = _plan_tasks(out, table, rows, jsonl_field, int(shard_mb * 2**20), tok)
     _run([t for t in tasks if not is_done(t)], workers, progress)
     meta = _meta(out, tasks, plan_hash, tok)
+    meta["skipped_inputs"] = list(table.skipped)
+    if src_tok is None:
+        meta["requested_vocab_size"] = vocab_size
     if meta["splits"]["train"]["num_tokens"] == 0:
         raise DataError(f"inputs {inputs} produced no training tokens (only empty or whitespace documents): "
                         f"pass inputs with text")

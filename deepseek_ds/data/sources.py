@@ -18,6 +18,10 @@ from .errors import DataError
 
 TEXT, JSONL, HF = "text", "jsonl", "hf"
 _HF_MARKERS = ("dataset_dict.json", "state.json")
+# What a directory input contributes: prose and source code. Anything else (a stray .csv, a binary, a log) is
+# skipped and listed, so a corpus is what the user meant; files named explicitly are always read.
+DEFAULT_EXTENSIONS = (".txt", ".text", ".md", ".markdown", ".rst", ".tex", ".jsonl", ".py", ".pyi", ".c", ".h",
+                      ".cc", ".cpp", ".hpp", ".cu", ".java", ".js", ".ts", ".go", ".rs", ".rb", ".sh", ".sql")
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ class DocTable:
     source: np.ndarray  # int64 index into `sources`
     offset: np.ndarray  # int64
     size: np.ndarray  # int64
+    skipped: tuple[str, ...] = ()  # files under directory inputs without a corpus extension
 
     def __len__(self) -> int:
         return len(self.source)
@@ -52,29 +57,36 @@ def _is_hf_dataset(path: Path) -> bool:
     return any((path / m).is_file() for m in _HF_MARKERS)
 
 
-def _files_under(root: Path) -> list[Path]:
+def _files_under(root: Path, extensions: tuple[str, ...] | None) -> tuple[list[Path], list[Path]]:
+    """(files to read, files skipped for their extension); `extensions` None takes every file."""
     # Hidden entries (.git, .DS_Store, editor swap files) are never corpus text.
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         found += [Path(dirpath) / f for f in filenames if not f.startswith(".")]
-    return sorted(found)
+    found.sort()
+    if extensions is None:
+        return found, []
+    wanted = {e.lower() for e in extensions}
+    return [f for f in found if f.suffix.lower() in wanted], [f for f in found if f.suffix.lower() not in wanted]
 
 
-def _expand(inputs: list[str]) -> list[Source]:
-    sources = []
+def _expand(inputs: list[str], extensions: tuple[str, ...] | None) -> tuple[list[Source], list[str]]:
+    sources, skipped = [], []
     for raw in inputs:
         path = Path(raw)
         if path.is_dir() and _is_hf_dataset(path):
             sources.append(Source(str(path.resolve()), HF))
         elif path.is_dir():
-            sources += [Source(str(f.resolve()), JSONL if f.suffix == ".jsonl" else TEXT) for f in _files_under(path)]
+            files, left = _files_under(path, extensions)
+            sources += [Source(str(f.resolve()), JSONL if f.suffix == ".jsonl" else TEXT) for f in files]
+            skipped += [str(f) for f in left]
         elif path.is_file():
             sources.append(Source(str(path.resolve()), JSONL if path.suffix == ".jsonl" else TEXT))
         else:
             raise DataError(f"input {raw!r} does not exist: pass existing text files, directories, "
                             f".jsonl files or a directory saved with datasets' save_to_disk")
-    return sources
+    return sources, skipped
 
 
 def _jsonl_lines(path: str) -> tuple[list[int], list[int]]:
@@ -109,9 +121,10 @@ def _hf_rows(path: str, field: str) -> tuple[list[int], list[int]]:
     return list(range(len(ds))), [row_bytes] * len(ds)
 
 
-def scan_inputs(inputs: list[str], field: str) -> DocTable:
-    """Every document of `inputs` in deterministic order; DataError when there is nothing to read."""
-    sources = _expand(inputs)
+def scan_inputs(inputs: list[str], field: str, extensions: tuple[str, ...] | None = DEFAULT_EXTENSIONS) -> DocTable:
+    """Every document of `inputs` in deterministic order; DataError when there is nothing to read. Directories
+    contribute their files with one of `extensions` (None: every file); the others are listed in `skipped`."""
+    sources, skipped = _expand(inputs, extensions)
     source, offset, size = [], [], []
     for i, src in enumerate(sources):
         if src.kind == TEXT:
@@ -123,11 +136,28 @@ def scan_inputs(inputs: list[str], field: str) -> DocTable:
         source += [i] * len(offs)
         offset += offs
         size += sizes
-    table = DocTable(tuple(sources), np.array(source, np.int64), np.array(offset, np.int64), np.array(size, np.int64))
+    table = DocTable(tuple(sources), np.array(source, np.int64), np.array(offset, np.int64), np.array(size, np.int64),
+                     tuple(skipped))
     if len(table) == 0 or int(table.size.sum()) == 0:
-        raise DataError(f"no text found in inputs {inputs}: pass non-empty UTF-8 text files, directories of "
+        also = f" ({len(skipped)} files skipped for their extension, e.g. {skipped[0]})" if skipped else ""
+        raise DataError(f"no text found in inputs {inputs}{also}: pass non-empty UTF-8 text files, directories of "
                         f"them, .jsonl files or saved HF datasets")
     return table
+
+
+def split_text_tail(table: DocTable, fraction: float) -> DocTable | None:
+    """A corpus of one text document, cut in two at a line boundary: the last `fraction` of its bytes (at least one
+    line) becomes a second document, so a single file still gets a validation split. None when it cannot be cut
+    (a JSON record, or a single line)."""
+    src = table.sources[int(table.source[0])]
+    if src.kind != TEXT or len(table) != 1:
+        return None
+    data = Path(src.path).read_bytes()
+    cut = data.rfind(b"\n", 0, max(1, round(len(data) * (1 - fraction)))) + 1
+    if cut <= 0 or not data[:cut].strip() or not data[cut:].strip():
+        return None
+    return DocTable(table.sources, np.array([table.source[0]] * 2, np.int64), np.array([0, cut], np.int64),
+                    np.array([cut, len(data) - cut], np.int64), table.skipped)
 
 
 def _decode(data: bytes, where: str) -> str:
@@ -175,7 +205,9 @@ def read_docs(table: DocTable, field: str) -> list[str]:
             j += 1
         src = table.sources[s]
         if src.kind == TEXT:
-            texts += [_decode(Path(src.path).read_bytes(), src.path) for _ in range(i, j)]
+            # A row is a byte range: the whole file, or one side of split_text_tail's cut at a newline.
+            data = Path(src.path).read_bytes()
+            texts += [_decode(data[o:o + n], src.path) for o, n in zip(table.offset[i:j], table.size[i:j])]
         elif src.kind == JSONL:
             with open(src.path, "rb") as f:
                 texts += [_jsonl_doc(f, src.path, int(o), int(n), field)
