@@ -1,4 +1,5 @@
-"""`deepseek-ds train`: the `deepspeed` command it hands over to, and a real launch from outside the project."""
+"""`deepseek-ds train` and `validate`: the `deepspeed` command train hands over to, a real launch from outside the
+project, and how the entry point reports errors (a user error: one line and exit 2; a bug: its traceback)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import sys
 
 import pytest
 
+from deepseek_ds import cli as cli_module
 from deepseek_ds.cli import TRAINING_MODULE, build_parser, train_command
-from helpers import ROOT, launch_env, read_metrics
+from deepseek_ds.utils import system
+from helpers import ROOT, cli, launch_env, read_metrics
 
 RECIPE = os.path.join(ROOT, "recipes", "tiny-v3.yaml")
 
@@ -29,6 +32,32 @@ def test_train_runs_the_training_module_with_the_launcher_options():
     assert cmd[module + 1:] == [TRAINING_MODULE, "--config", RECIPE, "--deepspeed_config", "ds_configs/zero2.json",
                                 "--set", "train.steps=3"]
     assert _command("--num_gpus", "3")[1:3] == ["--num_gpus", "3"]
+
+
+@pytest.mark.unit
+def test_a_user_error_is_one_line_and_exit_2(capsys):
+    assert cli(["validate", "--config", RECIPE, "--include", "node-0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["deepseek-ds: error: --include/--exclude select hosts and slots of a hostfile; give --hostfile too"]
+    assert cli(["validate", "--config", RECIPE, "--hostfile", os.path.join(ROOT, "nope")]) == 2
+    assert "hostfile" in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_a_launch_that_cannot_start_exits_1(monkeypatch, capsys):
+    monkeypatch.setattr(system.shutil, "which", lambda *a, **k: None)
+    assert cli(["train", "--config", RECIPE, "--num_gpus", "2"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("deepseek-ds: error: the `deepspeed` launcher")
+
+
+@pytest.mark.unit
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    def bug(*args, **kwargs):
+        raise KeyError("not a user error")
+
+    monkeypatch.setattr(cli_module, "load_and_validate", bug)
+    with pytest.raises(KeyError):
+        cli(["validate", "--config", RECIPE])
 
 
 @pytest.mark.launch
