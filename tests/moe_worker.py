@@ -1,6 +1,7 @@
 """One rank of a short MoE training run under the `deepspeed` launcher: the real engine set-up (build_run) and
 train_step, the balancer's after_step once per step, then DeepSpeed's own save_checkpoint. Rank 0 writes the
-per-step records; every rank writes its own router biases (a checkpoint holds only data-parallel rank 0's)."""
+per-step records; every rank writes its own router biases (a checkpoint holds only data-parallel rank 0's).
+With --mask-labels, each sample's labels lose a prompt-like prefix (helpers.mask_prompt)."""
 
 import json
 import os
@@ -14,10 +15,12 @@ from deepseek_ds.models.moe import moe_blocks, router_bias
 from deepseek_ds.training.loop import start_lr_schedule, train_step
 from deepseek_ds.training.main import load_and_validate, parse_args
 from deepseek_ds.training.setup import build_run
+from helpers import mask_prompt
 
 
 def main(argv: list[str]) -> int:
-    args = parse_args(argv)
+    mask = "--mask-labels" in argv
+    args = parse_args([a for a in argv if a != "--mask-labels"])
     cfg, ds = load_and_validate(args, int(os.environ["WORLD_SIZE"]))
     run = build_run(cfg, ds)
     engine, out = run.engine, cfg.train.output_dir
@@ -28,7 +31,10 @@ def main(argv: list[str]) -> int:
     records = []
     for step in range(1, cfg.train.steps + 1):
         skipped_before = engine.skipped_steps
-        loss = train_step(run, next(batches))
+        batch = next(batches)
+        if mask:
+            batch = [(x, mask_prompt(x, y)) for x, y in batch]
+        loss = train_step(run, batch)
         records.append({"step": step, "loss": loss, **run.balancer.after_step(engine.skipped_steps > skipped_before)})
     biases = {name: router_bias(router).detach().cpu().clone() for name, (_, router) in moe_blocks(engine.module).items()}
     torch.save(biases, os.path.join(out, f"biases_rank{run.rank}.pt"))

@@ -3,19 +3,24 @@
 It starts from the same initial weights (our per-layer seeded init, copied into the transformers model),
 reads the same global batches (the sampler with a data-parallel size of 1), and computes the loss with
 transformers' own causal-LM loss function. Multi-token prediction runs on transformers' own MtpModel (the
-DeepSeek-V3 MTP layers its assisted generation uses), sharing the main model's embedding and head.
+DeepSeek-V3 MTP layers its assisted generation uses), sharing the main model's embedding and head. MoE load
+balancing (router bias update, balance losses) is written here from the papers, apart from deepseek_ds.models.moe.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from deepspeed.runtime.lr_schedules import WarmupCosineLR
+from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 from deepseek_ds.config import RunConfig
 from deepseek_ds.data import GlobalBatchSampler, PackedDataset, micro_batches
 from deepseek_ds.models.hf_io import hf_state_dict, to_hf_model
 from deepseek_ds.models.layers import MTPLayerPipe
-from deepseek_ds.models.moe import LoadBalancer, resolve_settings, router_bias
 from deepseek_ds.models.pipeline import build_model, local_layers, prepare_config
 from deepseek_ds.models.presets import build_model_config
 
@@ -82,19 +87,104 @@ def mtp_reference_loss(main, mtp, input_ids, labels, weight: float) -> tuple[tor
     return total, [p.item() for p in parts]
 
 
-def reference_losses(cfg: RunConfig, data_dir: str, moe_log: list | None = None,
-                     mtp_log: list | None = None) -> list[float]:
-    """moe_log: if given, gets each step's aux_loss and router biases (by block name); mtp_log: each step's
-    [L_main, L_1, ..., L_D] (MTP models)."""
+# ----------------------------------------------------------------------------------------------- MoE load balancing
+# DeepSeek-V3 (arXiv:2412.19437): sec. 2.1.2 (auxiliary-loss-free balancing: after each step, b_i += gamma where
+# expert i was under-loaded, -= gamma where over-loaded), eq. 17-20 (sequence-wise balance loss); sec. 4.2 gives
+# gamma = 0.001, alpha = 0.0001. DeepSeek-V2 (arXiv:2405.04434): eq. 12-14 (expert-level), 15-17 (device-level) and
+# 18-20 (communication) balance losses, alpha1 = 0.003, alpha2 = 0.05, alpha3 = 0.02 (sec. 3.1.2); V2 has no bias.
+PUBLISHED = {"deepseek_v3": (1e-3, 1e-4, 0.0, 0.0), "deepseek_v2": (0.0, 3e-3, 0.05, 0.02)}
+ROUTERS = (DeepseekV3TopkRouter, DeepseekV2TopkRouter)
+
+
+def balance_terms(logits: torch.Tensor, experts: torch.Tensor, alphas: list[float], top_k: int, groups: int,
+                  limit: int, sigmoid: bool) -> torch.Tensor:
+    """(B, 3) from router logits (B, T, N) and chosen experts (B, T, K): per sequence alpha * sum_i f_i P_i (V3
+    sequence-wise = V2 expert-level), alpha2 * sum_d f'_d P'_d (device) and alpha3 * sum_d f''_d P''_d
+    (communication), with f_i = N / (K T) * count_t(i chosen), P_i = mean_t s'_{i,t}, s' the affinities
+    (sigmoid or softmax) normalised over the experts, and for the D device groups f'_d = mean of their f_i,
+    P'_d = P''_d = sum of their P_i, f''_d = D / (M T) * count_t(token t sent to group d), M = limit."""
+    b, t, n = logits.shape
+    s = logits.float().sigmoid() if sigmoid else logits.float().softmax(-1)
+    p = (s / s.sum(-1, keepdim=True)).mean(1)
+    chosen = F.one_hot(experts, n).sum(2).float()  # (B, T, N): 1 where token t chose expert i
+    f = chosen.sum(1) * (n / (top_k * t))  # in eq. 18's order: MTP runs' Adam steps amplify even a last-bit change
+    f_group, p_group = f.view(b, groups, -1).mean(-1), p.view(b, groups, -1).sum(-1)
+    sent = chosen.view(b, t, groups, -1).amax(-1).sum(1) * (groups / (limit * t))
+    return torch.stack([(f * p).sum(-1), (f_group * p_group).sum(-1), (sent * p_group).sum(-1)], 1) * \
+        torch.tensor(alphas)
+
+
+class Balancing:
+    """The run's `moe` section on transformers' own MoE blocks in one process. A hook on each router keeps the
+    step's affinities and chosen experts; `loss()` is the balance loss to add to the step's LM loss (the mean over
+    the global batch's sequences); `after_step()` moves the router biases by the step's expert loads."""
+
+    def __init__(self, model: torch.nn.Module, section, config, global_batch_size: int):
+        gamma, *alphas = PUBLISHED[config.model_type]
+        groups = int(getattr(config, "n_group", 1) or 1)
+        names = ("bias_update_speed", "seq_aux_alpha", "device_aux_alpha", "comm_aux_alpha")
+        given = [getattr(section, n) for n in names]
+        # Unset device and communication losses are off with one device group (they are constants then).
+        defaults = [gamma, alphas[0]] + [a if groups > 1 else 0.0 for a in alphas[1:]]
+        self.gamma, *self.alphas = [float(d if g is None else g) for g, d in zip(given, defaults)]
+        self.groups, self.limit = groups, int(getattr(config, "topk_group", 1) or groups)
+        self.sigmoid = config.model_type == "deepseek_v3"
+        self.experts, self.top_k = config.n_routed_experts, config.num_experts_per_tok
+        self.global_batch_size = global_batch_size
+        self.routers = {name: m.gate for name, m in model.named_modules()
+                        if isinstance(getattr(m, "gate", None), ROUTERS)}
+        self.seen: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (block, logits (B, T, E), experts (B, T, K))
+        self.terms = torch.zeros(3)
+
+    @property
+    def active(self) -> bool:
+        return self.gamma > 0 or any(a > 0 for a in self.alphas)
+
+    def attach(self) -> Balancing:
+        for name, router in self.routers.items():
+            router.register_forward_hook(lambda m, args, out, name=name: self.seen.append(
+                (name, out[0].view(*args[0].shape[:2], -1), out[2].view(*args[0].shape[:2], -1))))
+        return self
+
+    def loss(self) -> torch.Tensor:
+        args = (self.alphas, self.top_k, self.groups, self.limit, self.sigmoid)
+        total = sum(balance_terms(logits, experts, *args).sum(0) for _, logits, experts in self.seen)
+        self.terms += total.detach()
+        return total.sum() / self.global_batch_size
+
+    def after_step(self) -> dict:
+        """The step's logged balance losses and, with gamma > 0, b_i += gamma * sign(mean load - load_i)."""
+        log = {}
+        if any(a > 0 for a in self.alphas):
+            means = (self.terms / self.global_batch_size).tolist()
+            log["aux_loss"] = sum(means)
+            log.update({f"aux_loss_{k}": v for k, v, a in zip(("seq", "device", "comm"), means, self.alphas) if a > 0})
+        with torch.no_grad():
+            for name, router in self.routers.items():
+                bias = getattr(router, "e_score_correction_bias", None)
+                if self.gamma > 0 and bias is not None:
+                    load = sum(torch.bincount(e.reshape(-1), minlength=self.experts).double()
+                               for block, _, e in self.seen if block == name)
+                    bias.add_((self.gamma * torch.sign(load.mean() - load)).float())
+        log["biases"] = {name: r.e_score_correction_bias.clone() for name, r in self.routers.items()
+                         if getattr(r, "e_score_correction_bias", None) is not None}
+        self.seen.clear()
+        self.terms.zero_()
+        return log
+
+
+def reference_losses(cfg: RunConfig, data_dir: str, moe_log: list | None = None, mtp_log: list | None = None,
+                     label_mask: Callable | None = None) -> list[float]:
+    """moe_log: if given, gets each step's aux_loss (and its terms) and router biases (by block name); mtp_log: each
+    step's [L_main, L_1, ..., L_D] (MTP models); label_mask(input_ids, labels) -> labels: masks labels (-100) of
+    each global batch."""
     torch.manual_seed(cfg.train.seed)
     model, mcfg, mtp = reference_model(cfg, with_mtp=True)
     model.train()
     t = cfg.train
     whole = model if mtp is None else torch.nn.ModuleList([model, mtp])
-    # The run's MoE load balancing (balance losses in backward, router bias update after each step), in one process.
-    settings = resolve_settings(cfg.moe, mcfg)
-    balancer = (LoadBalancer(whole, settings, 1 / t.global_batch_size, t.global_batch_size, "cpu")
-                if settings and settings.active else None)
+    balancing = Balancing(whole, cfg.moe, mcfg, t.global_batch_size) if mcfg.model_type in PUBLISHED else None
+    balancing = balancing.attach() if balancing and balancing.active else None
     params = list({id(p): p for p in whole.parameters()}.values())  # the shared embedding and head once
     opt = torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
     # The learning-rate schedule is an input here, not what is tested: use the same schedule class.
@@ -107,6 +197,8 @@ def reference_losses(cfg: RunConfig, data_dir: str, moe_log: list | None = None,
     losses = []
     for _, batch in zip(range(t.steps), micro_batches(dataset, sampler)):
         (input_ids, labels), = batch
+        if label_mask is not None:
+            labels = label_mask(input_ids, labels)
         if mtp is not None:
             loss, parts = mtp_reference_loss(model, mtp, input_ids, labels, t.mtp_loss_weight)
             if mtp_log is not None:
@@ -114,14 +206,13 @@ def reference_losses(cfg: RunConfig, data_dir: str, moe_log: list | None = None,
         else:
             logits = model(input_ids=input_ids).logits
             loss = model.loss_function(logits=logits, labels=None, shift_labels=labels, vocab_size=mcfg.vocab_size)
-        loss.backward()
+        (loss + balancing.loss() if balancing else loss).backward()
         torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
         opt.step()
-        if balancer:
-            aux = balancer.after_step(skipped=False)
+        if balancing:
+            logged = balancing.after_step()
             if moe_log is not None:
-                moe_log.append({**aux, "biases": {name: router_bias(r).clone() for name, (_, r) in balancer.blocks.items()
-                                                  if router_bias(r) is not None}})
+                moe_log.append(logged)
         sched.step()
         opt.zero_grad()
         losses.append(loss.item())

@@ -1,7 +1,9 @@
 """MoE load balancing and expert parallelism under the real launcher: every layout (ZeRO-1, PP=2, AutoEP EP=2 with
 ZeRO 1/2/3, PP=2 x DP=2 x EP=2) gives the single-process reference's LM losses, balance losses and router biases,
-on every rank; the biases stay fp32 and are in DeepSpeed's checkpoint. DeepSeek-V2's three balance losses, each
-logged by the training loop, equal the reference's too."""
+on every rank; the biases stay fp32 and are in DeepSpeed's checkpoint. The layouts train on masked labels (-100 on
+a prompt-like prefix of each sample), so micro-batches, ranks and stages hold different numbers of valid tokens and
+the token weighting of the loss is checked end to end. DeepSeek-V2's three balance losses, each logged by the
+training loop, equal the reference's too."""
 
 import json
 import os
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from deepseek_ds.config import load_run_config
-from helpers import deepspeed, train
+from helpers import deepspeed, mask_prompt, train
 from reference import reference_losses
 
 pytestmark = pytest.mark.launch
@@ -32,7 +34,8 @@ def layer_of(name: str) -> int:
 @pytest.fixture(scope="module")
 def reference(data_dir):
     log = []
-    losses = reference_losses(load_run_config("recipes/tiny-v3.yaml", SETS + [f"data.path={data_dir}"]), data_dir, log)
+    losses = reference_losses(load_run_config("recipes/tiny-v3.yaml", SETS + [f"data.path={data_dir}"]), data_dir, log,
+                              label_mask=mask_prompt)
     return {"losses": losses, "aux": [r["aux_loss"] for r in log],
             "biases": {layer_of(k): v for k, v in log[-1]["biases"].items()}}
 
@@ -50,8 +53,9 @@ LAYOUTS = [
 @pytest.mark.parametrize("name,ranks,ds_config,extra", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
 def test_layout_equals_reference(name, ranks, ds_config, extra, reference, data_dir, tmp_path):
     out = str(tmp_path / name)
-    deepspeed(ranks, ["tests/moe_worker.py", "--config", "recipes/tiny-v3.yaml", "--deepspeed_config", ds_config,
-                      "--set", f"train.output_dir={out}", "--set", f"data.path={data_dir}",
+    deepspeed(ranks, ["tests/moe_worker.py", "--mask-labels", "--config", "recipes/tiny-v3.yaml",
+                      "--deepspeed_config", ds_config, "--set", f"train.output_dir={out}",
+                      "--set", f"data.path={data_dir}",
                       *[a for s in SETS + extra for a in ("--set", s)]])
     with open(os.path.join(out, "records.json")) as f:
         records = json.load(f)["records"]

@@ -122,6 +122,23 @@ def test_balance_loss_equals_hand_computation(score_func, device_alpha, comm_alp
     assert uniform[0].tolist() == pytest.approx([0.01, 0.0, 0.02], rel=1e-6)
 
 
+@pytest.mark.parametrize("score_func,device_alpha,comm_alpha", [("sigmoid", 0.0, 0.0), ("softmax", 0.05, 0.02)])
+def test_reference_balance_losses_equal_hand_computation(score_func, device_alpha, comm_alpha):
+    """tests/reference.py's own balance losses (the single-process reference's, written from the papers) against
+    the same hand computation."""
+    from reference import balance_terms
+
+    gen = torch.Generator().manual_seed(4)
+    b, t, e, k, groups, limit = 2, 5, 8, 3, 4, 2
+    logits = torch.randn(b, t, e, generator=gen, dtype=torch.float64)
+    chosen = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(b * t)]).view(b, t, k)
+    got = balance_terms(logits, chosen, [0.01, device_alpha, comm_alpha], k, groups, limit, score_func == "sigmoid")
+    for i in range(b):
+        want = hand_balance_loss(logits[i].tolist(), chosen[i].tolist(), k, 0.01, device_alpha, groups,
+                                 sigmoid=score_func == "sigmoid", comm_alpha=comm_alpha, limit=limit)
+        assert got[i].tolist() == pytest.approx(want, rel=1e-6)
+
+
 def test_balance_loss_gradient_through_hooks_equals_adding_it_to_the_loss():
     mcfg = build_model_config("tiny-v3")
     torch.manual_seed(0)
