@@ -16,6 +16,7 @@ from deepseek_ds.models.moe import (BalanceSettings, LoadBalancer, balance_losse
                                     restore_fp32_biases, snapshot_biases)
 from deepseek_ds.models.pipeline import build_model, prepare_config
 from deepseek_ds.models.presets import build_model_config
+from reference import balance_terms
 
 pytestmark = pytest.mark.unit
 
@@ -126,8 +127,6 @@ def test_balance_loss_equals_hand_computation(score_func, device_alpha, comm_alp
 def test_reference_balance_losses_equal_hand_computation(score_func, device_alpha, comm_alpha):
     """tests/reference.py's own balance losses (the single-process reference's, written from the papers) against
     the same hand computation."""
-    from reference import balance_terms
-
     gen = torch.Generator().manual_seed(4)
     b, t, e, k, groups, limit = 2, 5, 8, 3, 4, 2
     logits = torch.randn(b, t, e, generator=gen, dtype=torch.float64)
