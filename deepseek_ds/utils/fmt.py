@@ -1,4 +1,4 @@
-"""Numbers and tables for people: byte and count formatting, plain-text and markdown tables (through tabulate)."""
+"""Numbers and tables for people: byte sizes, plain-text and markdown tables (through tabulate)."""
 
 from __future__ import annotations
 
@@ -15,14 +15,6 @@ def human_bytes(n: float | None) -> str:
         if abs(n) >= div:
             return f"{n / div:.2f} {unit}"
     return f"{n:.0f} B"
-
-
-def human_count(n: int) -> str:
-    """Decimal units for parameter and token counts: 1.23B, 4.56M, 7.89K."""
-    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= div:
-            return f"{n / div:.2f}{unit}"
-    return str(n)
 
 
 def _align(headers: Sequence[str], align: Sequence[str] | None) -> tuple[str, ...]:
