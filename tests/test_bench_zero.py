@@ -3,12 +3,15 @@ measured optimizer bytes must equal that formula exactly."""
 
 import csv
 import math
+import os
 import re
 
 import pytest
 
 from deepseek_ds.bench import zero_bench
+from deepseek_ds.bench.launch import WORKER_MODULE, worker_command
 from deepseek_ds.bench.zero_bench import partition_numel, stage_ds_config, zero_formula
+from deepseek_ds.cli import build_parser
 from helpers import ROOT, cli, launch_env
 
 # Odd sizes on purpose: kv_lora_rank 33 makes two parameters odd and Ψ % 4 == 2, so ZeRO-3's per-parameter
@@ -41,6 +44,20 @@ def test_stage_configs_offload_only_where_deepspeed_accepts_it():
     z3 = stage_ds_config(base, 3, offload=True)
     assert zero_bench.offload_label(z3) == "optimizer+params"
     assert base == {"zero_optimization": {"stage": 1, "reduce_bucket_size": 5}}
+
+
+@pytest.mark.unit
+def test_the_worker_is_launched_with_the_launcher_options_and_the_run():
+    args = build_parser().parse_args(["bench", "zero", "--config", "r.yaml", "-H", "hosts", "-i", "node-0:0,1",
+                                      "--master-port", "29612", "--launcher-args=--ssh_port 2222", "--steps", "3"])
+    cmd = worker_command(args, world=2, global_batch_sizes=[8, 16], sets=["a.b=1"], deepspeed_config="z.json",
+                         result="out.json")
+    module = cmd.index("--module")
+    assert cmd[1:module] == ["--master_port", "29612", "--hostfile", "hosts", "--include", "node-0:0,1",
+                             "--ssh_port", "2222"]
+    assert cmd[module + 1:] == [WORKER_MODULE, "--config", "r.yaml", "--result", os.path.abspath("out.json"),
+                                "--global-batch-sizes", "8,16", "--warmup", "2", "--steps", "3",
+                                "--deepspeed_config", "z.json", "--set", "a.b=1"]
 
 
 def _model_numels() -> list[int]:

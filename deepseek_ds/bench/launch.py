@@ -11,7 +11,7 @@ import signal
 import statistics
 import subprocess
 
-from ..utils.cli_args import add_hostfile, add_master_port, add_run_args, spellings
+from ..utils.cli_args import add_hostfile, add_master_port, add_run_args, add_slot_filters, spellings
 from ..utils.errors import LaunchError
 from ..utils.net import free_port
 from ..utils.system import deepspeed_executable, launch_env, usable_cpus
@@ -23,6 +23,7 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     """Options every benchmark shares: the run, how to launch it, how long to measure."""
     add_run_args(p, set_help="override the run YAML, e.g. --set model.overrides.num_hidden_layers=2 (repeatable)")
     add_hostfile(p, help="DeepSpeed hostfile: launch on its hosts and slots (default: this host)")
+    add_slot_filters(p)
     add_master_port(p, help="rendezvous port (default: a free local port)")
     p.add_argument(*spellings("--launcher-args"), default="", metavar="ARGS",
                    help='more `deepspeed` launcher options, given with "=": --launcher-args="--master_addr node-0" '
@@ -56,7 +57,12 @@ def _tail(path: str, lines: int = 40) -> str:
 def worker_command(args: argparse.Namespace, *, world: int, global_batch_sizes: list[int], sets: list[str],
                    deepspeed_config: str | None, result: str) -> list[str]:
     cmd = [deepspeed_executable(), "--master_port", str(args.master_port or free_port())]
-    cmd += ["--hostfile", args.hostfile] if args.hostfile else ["--num_gpus", str(world)]
+    if args.hostfile:
+        cmd += ["--hostfile", args.hostfile]
+        cmd += ["--include", args.include] if args.include else []
+        cmd += ["--exclude", args.exclude] if args.exclude else []
+    else:
+        cmd += ["--num_gpus", str(world)]
     cmd += shlex.split(args.launcher_args)
     cmd += ["--module", WORKER_MODULE, "--config", args.config, "--result", os.path.abspath(result),
             "--global-batch-sizes", ",".join(map(str, global_batch_sizes)),

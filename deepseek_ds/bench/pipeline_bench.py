@@ -184,7 +184,7 @@ def run_pipeline_bench(args: argparse.Namespace) -> tuple[list[dict], list[dict]
     cfg = load_run_config(args.config, args.set)
     plans = []
     for p in args.stages:
-        world = count_slots(args.hostfile) if args.hostfile else p * args.dp
+        world = count_slots(args.hostfile, args.include, args.exclude) if args.hostfile else p * args.dp
         dp = world // p
         batches = [m * cfg.train.micro_batch_size * dp for m in args.micro_batches]
         sets = args.set + [f"parallel.pipeline_stages={p}", f"train.output_dir={os.path.join(raw, f'pp{p}')}",

@@ -261,7 +261,7 @@ def write_report(rows: list[dict], ranks: list[dict], out: str) -> list[str]:
 def run_zero_bench(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     """Validate every stage, then launch them one after the other; returns the rows and the last launch's
     per-rank reports (for the environment)."""
-    world = world_size(args.num_gpus, args.hostfile)
+    world = world_size(args.num_gpus, args.hostfile, args.include, args.exclude)
     raw = os.path.join(args.out, "raw")
     os.makedirs(raw, exist_ok=True)
     cfg = load_run_config(args.config, args.set)
@@ -323,8 +323,8 @@ def register(subparsers) -> None:
     p.add_argument("--stages", type=_stages, default=[0, 1, 2, 3], help="ZeRO stages to compare (default 0,1,2,3)")
     p.add_argument("--offload", action="store_true",
                    help="offload the optimizer (stage >= 1) and the parameters (stage 3) to CPU")
-    add_num_gpus(p, "--nproc", help="ranks (default: the local GPUs, or 2 without CUDA; with --hostfile its slots: "
-                                    "set --num_gpus when --launcher-args selects fewer)")
+    add_num_gpus(p, "--nproc", help="ranks (default: the local GPUs, or 2 without CUDA; with --hostfile the "
+                                    "slots it and --include/--exclude select)")
     p.add_argument(*spellings("--grad-accum"), type=int, default=2,
                    help="gradient accumulation steps (>= 2 shows stage 1's full gradients between micro-batches)")
     p.add_argument(*spellings("--loss-rtol"), type=float, default=None,
