@@ -102,13 +102,15 @@ class TrainSection:
     """A non-finite loss: "skip" the step, or "stop" (save, then end the run)."""
     peak_tflops: float | None = None
     """Per-device peak TFLOP/s for MFU; null: the known GPU's bf16 dense peak."""
+    log_interval: int = 10
+    """Steps between plain progress lines when the console is not a terminal (Slurm, nohup); a bar otherwise."""
     mtp_loss_weight: float = 0.3
     """lambda of DeepSeek-V3's multi-token-prediction loss (0.3, later 0.1, in its training); the depth is the model's
     num_nextn_predict_layers (model.overrides), 0 in the tiny presets and 1 in deepseek-v3."""
 
     def __post_init__(self):
         problems = _at_least("train", 1, steps=self.steps, micro_batch_size=self.micro_batch_size,
-                             global_batch_size=self.global_batch_size)
+                             global_batch_size=self.global_batch_size, log_interval=self.log_interval)
         if self.nan_policy not in NAN_POLICIES:
             problems.append(f"train.nan_policy = {self.nan_policy!r}: use 'skip' (drop the step and go on) or 'stop' "
                             "(save a checkpoint and end the run)")

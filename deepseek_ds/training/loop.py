@@ -7,7 +7,6 @@ import os
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from ..checkpoint.format import latest_tag, tag_for
 from ..checkpoint.resuming import resume
@@ -16,7 +15,8 @@ from ..data import GlobalBatchSampler, PackedDataset, micro_batches
 from ..models.loss import count_valid_tokens
 from . import monitors, nan_policy
 from .evaluation import evaluate_run
-from .metrics import MetricsWriter, StepMeter, console_line, flops_per_token, peak_tflops, plot_loss
+from .metrics import MetricsWriter, StepMeter, flops_per_token, peak_tflops, plot_loss
+from .progress import Progress
 from .router_stats import RouterStats, moe_layer_indices
 from .setup import Run
 from .signals import StopOnSignal
@@ -69,10 +69,9 @@ def mtp_loss_breakdown(run: Run) -> dict[str, float]:
 
 
 def train(run: Run, on_accepted=None) -> dict:
+    """Train from the newest checkpoint (or from scratch) up to train.steps; returns rank 0's summary."""
     cfg, engine, log = run.cfg, run.engine, run.log
     is_rank0 = run.rank == 0
-    out = cfg.train.output_dir
-    ckpt_dir = cfg.checkpoint_dir
     stop = StopOnSignal(engine.device)  # SIGTERM/SIGINT: finish the step, save, exit cleanly
     state = resume(run) or {}
     if on_accepted:  # the run, and its resume if any, passed every check: e.g. record resolved_config.yaml
@@ -81,28 +80,57 @@ def train(run: Run, on_accepted=None) -> dict:
         start_lr_schedule(engine)
     start_step = int(state.get("step", 0))
     consumed = int(state.get("consumed_samples", 0))
+    if start_step >= cfg.train.steps:
+        if is_rank0:
+            log.info("already complete: %s holds step %d of train.steps %d; nothing to train (raise train.steps to "
+                     "go on, or choose another train.output_dir for a new run)", latest_tag(cfg.checkpoint_dir),
+                     start_step, cfg.train.steps)
+        return {"steps": 0, "checkpoint": os.path.join(cfg.checkpoint_dir, latest_tag(cfg.checkpoint_dir))}
     if start_step and is_rank0:
-        log.info("resumed from %s at step %d (%d samples consumed)", latest_tag(ckpt_dir), start_step, consumed)
-
+        log.info("resumed from %s at step %d (%d samples consumed)", latest_tag(cfg.checkpoint_dir), start_step,
+                 consumed)
     sampler = GlobalBatchSampler(len(run.dataset), cfg.train.global_batch_size, cfg.train.micro_batch_size,
                                  run.dp_rank, run.dp_size, cfg.train.seed, shuffle=cfg.train.shuffle,
                                  consumed_samples=consumed)
-    batches = micro_batches(run.dataset, sampler)
-    metrics = MetricsWriter(os.path.join(out, "metrics.jsonl"), append=start_step > 0) if is_rank0 else None
+    metrics = MetricsWriter(os.path.join(cfg.train.output_dir, "metrics.jsonl"), start_step) if is_rank0 else None
+    last_saved, step = _steps(run, sampler, metrics, stop, start_step)
+    if step > start_step and (last_saved is None or not last_saved.endswith(tag_for(step))):
+        last_saved = save(run, step, sampler.consumed_samples)
+    if not is_rank0:
+        return {}
+    _close(metrics, engine)
+    return _summary(run, metrics.records, start_step, last_saved)
+
+
+def _meter(run: Run) -> StepMeter:
+    cfg, engine = run.cfg, run.engine
     tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
     flops_per_step = flops_per_token(run.model_config, cfg.data.seq_len) * tokens_per_step
     meter = StepMeter(flops_per_step, tokens_per_step, cfg.train.global_batch_size, run.world, engine.device,
                       peak_tflops(engine.device, cfg.train.peak_tflops))
-    if is_rank0 and engine.device.type == "cuda" and meter.peak is None:
-        log.warning("no peak TFLOP/s known for %s: set train.peak_tflops to get MFU", torch.cuda.get_device_name())
+    if run.rank == 0 and engine.device.type == "cuda" and meter.peak is None:
+        run.log.warning("no peak TFLOP/s known for %s: set train.peak_tflops to get MFU", torch.cuda.get_device_name())
+    return meter
+
+
+def _close(metrics: MetricsWriter | None, engine) -> None:
+    if metrics:
+        metrics.close()
+        monitors.finish(engine)
+
+
+def _steps(run: Run, sampler: GlobalBatchSampler, metrics: MetricsWriter | None, stop: StopOnSignal,
+           start_step: int) -> tuple[str | None, int]:
+    """The optimizer steps after `start_step`; returns (the last checkpoint saved, the last step trained)."""
+    cfg, engine, log = run.cfg, run.engine, run.log
+    batches = micro_batches(run.dataset, sampler)
+    meter = _meter(run)
     routers = (RouterStats(engine.module, run.model_config, engine.device, reports_bias=run.dp_rank == 0,
                            load=run.balancer.load if run.balancer else None)
                if moe_layer_indices(run.model_config) else None)
     valid = PackedDataset(run.dataset_dir, cfg.data.seq_len, split="valid") if cfg.eval.interval else None
-    bar = tqdm(total=cfg.train.steps, initial=start_step, disable=not is_rank0, desc="train", unit="step",
-               dynamic_ncols=True)
-    last_saved = None
-    step = start_step
+    progress = Progress(cfg.train.steps, start_step, run.rank == 0, cfg.train.log_interval, log)
+    last_saved, step = None, start_step
     for step in range(start_step + 1, cfg.train.steps + 1):
         lr = engine.get_lr()[0]
         skipped_before = engine.skipped_steps
@@ -130,15 +158,12 @@ def train(run: Run, on_accepted=None) -> dict:
         if metrics:
             metrics.write(record)
             monitors.write(engine, record, sampler.consumed_samples)
-        bar.set_postfix_str(console_line(record), refresh=False)
-        bar.update(1)
+        progress.update(step, record)
         if not math.isfinite(loss):
             if nan_policy.check(step, cfg.train.nan_policy, record["skipped"]):
                 saved = save(run, step, sampler.consumed_samples)
-                bar.close()
-                if metrics:
-                    metrics.close()
-                    monitors.finish(engine)
+                progress.close()
+                _close(metrics, engine)
                 raise nan_policy.NonFiniteLoss(nan_policy.stop_message(step, saved))
             log.warning("step %d: the loss is not finite; DeepSpeed discarded the update (train.nan_policy: skip)", step)
         if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
@@ -146,30 +171,33 @@ def train(run: Run, on_accepted=None) -> dict:
         if stop.requested():
             log.info("stop requested (%s): saving step %d and exiting", stop.received or "signal on another rank", step)
             break
-    bar.close()
-    if step > start_step and (last_saved is None or not last_saved.endswith(tag_for(step))):
-        last_saved = save(run, step, sampler.consumed_samples)
-    summary = {}
-    if is_rank0:
-        metrics.close()
-        monitors.finish(engine)
-        recs = metrics.records
-        if recs:
-            plot_loss(recs, os.path.join(out, "loss.png"), f"{cfg.model.preset or cfg.model.path} on {run.world} ranks")
-            timed = [r["tokens_per_sec"] for r in recs[1:]] or [recs[0]["tokens_per_sec"]]
-            summary = {"first_loss": recs[0]["loss"], "last_loss": recs[-1]["loss"], "steps": len(recs),
-                       "tokens_per_sec": sum(timed) / len(timed), "checkpoint": last_saved,
-                       "metrics": os.path.join(out, "metrics.jsonl"), "plot": os.path.join(out, "loss.png")}
-            log.info("\n".join([
-                "done:",
-                f"  loss        {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over {summary['steps']} steps",
-                *_mtp_lines(recs),
-                f"  throughput  {summary['tokens_per_sec']:.0f} tokens/s ({run.world} ranks)",
-                *_validation_lines(recs),
-                f"  checkpoint  {last_saved}",
-                f"  metrics     {summary['metrics']}",
-                f"  loss curve  {summary['plot']}",
-            ]))
+    progress.close()
+    return last_saved, step
+
+
+def _summary(run: Run, records: list[dict], start_step: int, last_saved: str | None) -> dict:
+    """The run's loss from its first step; throughput of this session only (a resumed run may have had another
+    layout or hardware before)."""
+    if not records:
+        return {}
+    out = run.cfg.train.output_dir
+    plot_loss(records, os.path.join(out, "loss.png"), f"{run.cfg.model.preset or run.cfg.model.path} on {run.world} ranks")
+    session = [r for r in records if r["step"] > start_step]
+    timed = [r["tokens_per_sec"] for r in session[1:]] or [session[0]["tokens_per_sec"]]
+    summary = {"first_loss": records[0]["loss"], "last_loss": records[-1]["loss"], "steps": len(records),
+               "session_steps": len(session), "tokens_per_sec": sum(timed) / len(timed), "checkpoint": last_saved,
+               "metrics": os.path.join(out, "metrics.jsonl"), "plot": os.path.join(out, "loss.png")}
+    resumed = f", steps {start_step + 1}-{session[-1]['step']} after the resume" if start_step else ""
+    run.log.info("\n".join([
+        "done:",
+        f"  loss        {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over {summary['steps']} steps",
+        *_mtp_lines(records),
+        f"  throughput  {summary['tokens_per_sec']:.0f} tokens/s ({run.world} ranks{resumed})",
+        *_validation_lines(records),
+        f"  checkpoint  {last_saved}",
+        f"  metrics     {summary['metrics']}",
+        f"  loss curve  {summary['plot']}",
+    ]))
     return summary
 
 

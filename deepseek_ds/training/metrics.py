@@ -6,6 +6,7 @@ import json
 import math
 import os
 import time
+from pathlib import Path
 
 import psutil
 import torch
@@ -13,6 +14,7 @@ import torch.distributed as dist
 
 from ..models import flops
 from ..models.pipeline import layer_costs
+from ..utils.fs import write_bytes_atomic
 
 # Dense bf16 tensor-core peak of one device in TFLOP/s (vendor data sheets), matched in order against
 # torch.cuda.get_device_name(): more specific names first ("GH200" before "H200", "A100" before "A10").
@@ -95,15 +97,18 @@ def console_line(record: dict) -> str:
 
 
 class MetricsWriter:
-    """Appends one JSON object per optimizer step; keeps the values for the final summary and plot."""
+    """Appends one JSON object per optimizer step; keeps the values for the final summary and plot. A run resumed
+    at `resume_step` keeps the records up to it; those of steps after the checkpoint (trained again now) are
+    dropped, so every step appears once."""
 
-    def __init__(self, path: str, append: bool):
+    def __init__(self, path: str, resume_step: int = 0):
         self.path = path
         self.records: list[dict] = []
-        if append and os.path.exists(path):
+        if resume_step and os.path.exists(path):
             with open(path) as f:
-                self.records = [json.loads(line) for line in f if line.strip()]
-        self._file = open(path, "a" if append else "w")
+                self.records = [r for r in map(json.loads, filter(str.strip, f)) if r["step"] <= resume_step]
+        write_bytes_atomic(Path(path), "".join(json.dumps(r) + "\n" for r in self.records).encode())
+        self._file = open(path, "a")
 
     def write(self, record: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
