@@ -63,6 +63,7 @@ def zero1(tmp_path_factory, data_dir) -> dict:
         args += ["--set", s]
     proc = deepspeed(2, args, check=False)
     ckpt = out / "checkpoints"
+    assert (ckpt / "latest").is_file(), f"no checkpoint before the kill:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     listing = sorted(os.listdir(ckpt))
     latest = (ckpt / "latest").read_text()
     records = read_metrics(str(out))
