@@ -11,6 +11,7 @@ from deepseek_ds.models.hf_io import load_hf_weights, to_hf_model
 from deepseek_ds.models.pipeline import (SequentialLM, build_model, layer_costs, layer_specs, local_layers, partition,
                                          partition_table, prepare_config)
 from deepseek_ds.models.presets import PRESETS, build_model_config, num_routed_experts
+from helpers import cli
 
 pytestmark = pytest.mark.unit
 
@@ -236,3 +237,9 @@ def test_local_layers_of_sequential_model():
 def test_presets_registry_is_complete():
     assert {"tiny-v3", "tiny-v2", "tiny-dense", "deepseek-v3", "deepseek-v2", "deepseek-v2-lite", "deepseek-llm-7b",
             "deepseek-coder-6.7b"} <= set(PRESETS)
+
+
+def test_partition_command_refuses_too_many_stages_in_one_line(capsys):
+    assert cli(["models", "partition", "--preset", "tiny-v3", "--stages", "100"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("deepseek-ds: error: parallel.pipeline_stages (100) exceeds") and "Traceback" not in err

@@ -17,7 +17,7 @@ from .flops import LayerCost
 from .layers import (DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, MTPLayerPipe, mtp_depth,
                      mtp_embed_forward, tied_head_forward)
 from .loss import TokenWeightedLoss
-from .presets import is_moe
+from .presets import ModelConfigError, is_moe
 
 # Seeds of layer i are base_seed * 1000 + i: fixed per layer, so the initial weights are the same whatever the layout.
 _SEED_STRIDE = 1000
@@ -107,8 +107,8 @@ def partition(config, num_stages: int, method: str = "balanced", seq_len: int = 
         return values if tail is None else values[:tail] + [sum(values[tail:])]
 
     if num_stages > units:
-        raise ValueError(f"parallel.pipeline_stages ({num_stages}) exceeds the number of pipeline layers ({units}"
-                         + (", the MTP modules and the head counting as one)" if tail is not None else ")"))
+        raise ModelConfigError(f"parallel.pipeline_stages ({num_stages}) exceeds the number of pipeline layers ({units}"
+                               + (", the MTP modules and the head counting as one)" if tail is not None else ")"))
     m = method.lower()
     if m == "balanced":
         parts = ds_utils.partition_balanced(per_unit(_stage_weights(costs, config, seq_len)), num_stages)
@@ -127,20 +127,21 @@ def partition(config, num_stages: int, method: str = "balanced", seq_len: int = 
     elif re.fullmatch(r"\d+(,\d+)+", m):
         parts = [int(x) for x in m.split(",")]
     else:
-        raise ValueError(f"model.partition_method: unknown method {method!r}; use balanced, uniform, parameters, "
-                         "type:REGEX, counts:a,b,... or explicit boundaries 0,a,b,...,N")
+        raise ModelConfigError(f"model.partition_method: unknown method {method!r}; use balanced, uniform, parameters, "
+                               "type:REGEX, counts:a,b,... or explicit boundaries 0,a,b,...,N")
     parts = [int(p) for p in parts]  # DeepSpeed's helpers return numpy ints, which break seed_fn and JSON
     if tail is not None and not (m.startswith("counts:") or m[0].isdigit()) and parts[-1] == units:
         parts[-1] = n  # the tail unit back to its layers
     if len(parts) != num_stages + 1 or parts[0] != 0 or parts[-1] != n or any(a >= b for a, b in zip(parts, parts[1:])):
-        raise ValueError(f"model.partition_method {method!r} gives boundaries {parts}: need {num_stages + 1} strictly "
-                         f"increasing indices from 0 to {n} ({n} layers: embedding, "
-                         f"{config.num_hidden_layers} decoder layers, norm, "
-                         + (f"MTP embedding, {mtp_depth(config)} MTP modules, " if tail is not None else "") + "head)")
+        raise ModelConfigError(f"model.partition_method {method!r} gives boundaries {parts}: need {num_stages + 1} "
+                               f"strictly increasing indices from 0 to {n} ({n} layers: embedding, "
+                               f"{config.num_hidden_layers} decoder layers, norm, "
+                               + (f"MTP embedding, {mtp_depth(config)} MTP modules, " if tail is not None else "")
+                               + "head)")
     if tail is not None and parts[-2] > tail:
-        raise ValueError(f"model.partition_method {method!r} gives boundaries {parts}, but the MTP modules (layers "
-                         f"{tail}-{n - 2}) must be on the last stage with the head: the last stage must start at "
-                         f"layer {tail} or earlier")
+        raise ModelConfigError(f"model.partition_method {method!r} gives boundaries {parts}, but the MTP modules "
+                               f"(layers {tail}-{n - 2}) must be on the last stage with the head: the last stage must "
+                               f"start at layer {tail} or earlier")
     return parts
 
 
