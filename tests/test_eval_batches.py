@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from deepseek_ds.data import PackedDataset
-from deepseek_ds.training.evaluation import TokenSums, eval_sample_count, rank_batches
 from deepseek_ds.models.loss import IGNORE_INDEX
+from deepseek_ds.training.evaluation import TokenSums, eval_sample_count, rank_batches
 
 pytestmark = pytest.mark.unit
 

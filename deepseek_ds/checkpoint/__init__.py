@@ -15,9 +15,28 @@ Only format's names are re-exported here: the other modules import deepspeed and
 `deepseek-ds` command line should not pay for at start-up.
 """
 
-from .format import (FORMAT_VERSION, LATEST, META, MODEL_CONFIG, PIPELINE, SCHEMES, SEQUENTIAL, CheckpointError,
-                     Layout, check_compatible, complete_tags, current_layout, is_converted, latest_tag,
-                     model_fingerprint, read_meta, saved_layout, tag_dir_of, tag_for, universal_dir)
+from .format import (
+    FORMAT_VERSION,
+    LATEST,
+    META,
+    MODEL_CONFIG,
+    PIPELINE,
+    SCHEMES,
+    SEQUENTIAL,
+    CheckpointError,
+    Layout,
+    check_compatible,
+    complete_tags,
+    current_layout,
+    is_converted,
+    latest_tag,
+    model_fingerprint,
+    read_meta,
+    saved_layout,
+    tag_dir_of,
+    tag_for,
+    universal_dir,
+)
 
 __all__ = ["FORMAT_VERSION", "LATEST", "META", "MODEL_CONFIG", "PIPELINE", "SCHEMES", "SEQUENTIAL", "CheckpointError",
            "Layout", "check_compatible", "complete_tags", "current_layout", "is_converted", "latest_tag",

@@ -7,8 +7,18 @@ from __future__ import annotations
 import argparse
 import os
 
-from .format import (PIPELINE, SCHEMES, SEQUENTIAL, CheckpointError, complete_tags, is_converted, read_meta,
-                     saved_layout, tag_dir_of, universal_dir)
+from .format import (
+    PIPELINE,
+    SCHEMES,
+    SEQUENTIAL,
+    CheckpointError,
+    complete_tags,
+    is_converted,
+    read_meta,
+    saved_layout,
+    tag_dir_of,
+    universal_dir,
+)
 
 
 def _size_gb(path: str) -> float:

@@ -11,8 +11,17 @@ import shutil
 import torch.distributed as dist
 
 from ..data import dataset_info
-from .format import (PARTIAL, CheckpointError, Layout, check_compatible, current_layout, latest_tag, read_meta,
-                     saved_layout, universal_dir)
+from .format import (
+    PARTIAL,
+    CheckpointError,
+    Layout,
+    check_compatible,
+    current_layout,
+    latest_tag,
+    read_meta,
+    saved_layout,
+    universal_dir,
+)
 from .run import TrainingRun
 from .safe_load import trusted_types_only
 from .state import restore_buffers, restore_rng
@@ -47,7 +56,9 @@ def resume(run: TrainingRun) -> dict | None:
             _load_universal(run, tag_dir)
     if not restore_rng(tag_dir, run.rank):  # a rank the saving layout did not have
         run.log.info("rank %d: no RNG state in %s; keeping this run's seeded state", run.rank, tag_dir)
-    return {"step": int(meta["step"]), "consumed_samples": int(meta["consumed_samples"])}
+    sched = meta["deepspeed_config"].get("scheduler", {}).get("params", {})
+    return {"step": int(meta["step"]), "consumed_samples": int(meta["consumed_samples"]),
+            "schedule_steps": sched.get("total_num_steps")}
 
 
 def _loads_natively(saved: Layout, now: Layout) -> bool:

@@ -13,12 +13,24 @@ import deepspeed
 import torch
 import torch.distributed as dist
 import transformers
-from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
-                                            UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+from deepspeed.checkpoint.constants import (
+    UNIVERSAL_CHECKPOINT_INFO,
+    UNIVERSAL_CHECKPOINT_VERSION_KEY,
+    UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+)
 
 from ..data import dataset_info
 from ..utils.fs import write_bytes_atomic, write_json_atomic
-from .format import FORMAT_VERSION, LATEST, META, MODEL_CONFIG, complete_tags, current_layout, model_fingerprint, tag_for
+from .format import (
+    FORMAT_VERSION,
+    LATEST,
+    META,
+    MODEL_CONFIG,
+    complete_tags,
+    current_layout,
+    model_fingerprint,
+    tag_for,
+)
 from .run import TrainingRun
 from .state import save_buffers, save_rng
 

@@ -60,7 +60,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help="HF model directory, or a training checkpoint (checkpoint.dir or one step directory)")
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: 64)")
     p.add_argument("--top-p", type=float, default=None, help="sample from the nucleus of this mass (default: greedy)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, with --top-p (default: 1.0)")
@@ -114,9 +114,10 @@ def _register_export(subparsers) -> None:
     p = export.add_parser("hf", help="HF directory: config, sharded safetensors, tokenizer")
     p.add_argument("checkpoint", help="checkpoint.dir of a run (its newest complete step) or one step directory")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
+                   help="dtype of the written weights (default: bf16; fp32 gives exactly the training model's logits)")
     p.add_argument("--data", default=None, help="prepared dataset with the tokenizer (default: the training data)")
-    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB or 500MB")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB or 500MB (default: 5GB)")
     p.add_argument("--work-dir", default=None, help="scratch space for the universal conversion (default: /tmp)")
     p.set_defaults(func=_cmd_export_hf)
     for fmt, help_text in (("torchscript", "traced TorchScript module: input_ids -> logits"),
@@ -125,7 +126,8 @@ def _register_export(subparsers) -> None:
         p.add_argument("source", help="a checkpoint (directory or step directory) or an HF model directory")
         suffix = "pt" if fmt == "torchscript" else "onnx"
         p.add_argument("--out", required=True, help=f"output file, e.g. model.{suffix}")
-        p.add_argument("--atol", type=float, default=1e-4, help="largest accepted |logits - PyTorch logits|")
+        p.add_argument("--atol", type=float, default=1e-4,
+                       help="largest accepted |logits - PyTorch logits| (default: 1e-4)")
         p.add_argument("--work-dir", default=None, help="scratch space for the universal conversion (default: /tmp)")
         p.set_defaults(func=_cmd_export_traced, format=fmt)
 

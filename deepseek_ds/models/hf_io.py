@@ -31,7 +31,7 @@ def to_hf_model(layers, config) -> nn.Module:
     if missing or unexpected:
         raise KeyError(f"weights do not match {type(model).__name__}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     # Non-persistent buffers (rotary tables) were left on meta: rebuild them on the CPU.
-    for name, module in model.named_modules():
+    for module in model.modules():
         if hasattr(module, "inv_freq") and module.inv_freq.device.type == "meta":
             fresh = type(module)(config)
             module.inv_freq = fresh.inv_freq

@@ -19,10 +19,10 @@ from transformers import PretrainedConfig
 
 from ..config import RunConfig
 from ..data import PackedDataset
-from ..models.loss import TokenWeightedLoss
-from ..models.moe import LoadBalancer, autoep_section, resolve_settings, restore_fp32_biases, snapshot_biases
 from ..models.hf_io import has_weights, load_hf_weights, mtp_layers_absent
 from ..models.layers import mtp_depth
+from ..models.loss import TokenWeightedLoss
+from ..models.moe import LoadBalancer, autoep_section, resolve_settings, restore_fp32_biases, snapshot_biases
 from ..models.names import hf_layer_prefix
 from ..models.pipeline import build_model, local_layers, partition, partition_table, prepare_config
 from ..models.presets import build_model_config, num_routed_experts
