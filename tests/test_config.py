@@ -178,6 +178,8 @@ def test_all_problems_reported_at_once():
 def test_single_field_rules_refuse_when_the_section_is_built():
     for build, message in [(lambda: TrainSection(steps=0), "train.steps must be >= 1"),
                            (lambda: TrainSection(nan_policy="ignore"), "train.nan_policy = 'ignore'"),
+                           (lambda: TrainSection(resume_schedule="restart"), "train.resume_schedule = 'restart'"),
+                           (lambda: TrainSection(log_interval=0), "train.log_interval must be >= 1"),
                            (lambda: ParallelSection(pipeline_stages=0), "parallel.pipeline_stages must be >= 1"),
                            (lambda: DataSection(seq_len=1), "data.seq_len must be >= 2"),
                            (lambda: DataSection(builtin="wiki"), "only built-in corpus is 'stdlib'"),

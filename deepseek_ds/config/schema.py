@@ -12,6 +12,7 @@ from typing import Any
 from ..utils.errors import UserError
 
 NAN_POLICIES = ("skip", "stop")
+RESUME_SCHEDULES = ("keep", "replan")
 BUILTIN_CORPORA = ("stdlib",)
 
 
@@ -102,6 +103,9 @@ class TrainSection:
     """A non-finite loss: "skip" the step, or "stop" (save, then end the run)."""
     peak_tflops: float | None = None
     """Per-device peak TFLOP/s for MFU; null: the known GPU's bf16 dense peak."""
+    resume_schedule: str = "keep"
+    """A resume with another train.steps: "keep" the checkpoint's learning-rate schedule (past its end the rate stays
+    at min_lr) or "replan" the warm-up + cosine over the new train.steps from the current step."""
     log_interval: int = 10
     """Steps between plain progress lines when the console is not a terminal (Slurm, nohup); a bar otherwise."""
     mtp_loss_weight: float = 0.3
@@ -114,6 +118,9 @@ class TrainSection:
         if self.nan_policy not in NAN_POLICIES:
             problems.append(f"train.nan_policy = {self.nan_policy!r}: use 'skip' (drop the step and go on) or 'stop' "
                             "(save a checkpoint and end the run)")
+        if self.resume_schedule not in RESUME_SCHEDULES:
+            problems.append(f"train.resume_schedule = {self.resume_schedule!r}: use 'keep' (the checkpoint's schedule) "
+                            "or 'replan' (warm-up + cosine over the new train.steps)")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             problems.append(f"train.peak_tflops = {self.peak_tflops}: must be > 0 (TFLOP/s of one device), or null")
         if self.mtp_loss_weight < 0:

@@ -17,6 +17,7 @@ from . import monitors, nan_policy
 from .evaluation import evaluate_run
 from .metrics import MetricsWriter, StepMeter, flops_per_token, peak_tflops, plot_loss
 from .progress import Progress
+from .schedule import align_resumed_schedule, start_lr_schedule
 from .router_stats import RouterStats, moe_layer_indices
 from .setup import Run
 from .signals import StopOnSignal
@@ -48,14 +49,6 @@ def train_step(run: Run, micro_batches: list) -> float:
     return float(_all_reduce(total, run.dp_group).item() / (run.dp_size * run.grad_accum))
 
 
-def start_lr_schedule(engine) -> None:
-    """DeepSpeed's warm-up schedulers report lr 0 until their first step(): without this the first optimizer step
-    of a fresh run would be wasted at lr 0."""
-    sched = engine.lr_scheduler
-    if sched is not None and getattr(sched, "last_batch_iteration", 0) == -1:
-        sched.step()
-
-
 def mtp_loss_breakdown(run: Run) -> dict[str, float]:
     """The main LM loss and each MTP depth's loss of the step that just ended (a collective: every rank calls it).
     `loss` is what was optimised, lm_loss + mtp_loss_weight x mtp_loss."""
@@ -78,6 +71,9 @@ def train(run: Run, on_accepted=None) -> dict:
         on_accepted()
     if not state:
         start_lr_schedule(engine)
+    else:
+        align_resumed_schedule(engine, state.get("schedule_steps"), cfg.train.resume_schedule,
+                               log if is_rank0 else None)
     start_step = int(state.get("step", 0))
     consumed = int(state.get("consumed_samples", 0))
     if start_step >= cfg.train.steps:
