@@ -12,6 +12,7 @@ import sys
 
 from .bench import checkpoint_bench, data_bench, pipeline_bench, zero_bench
 from .checkpoint import cli as checkpoint_cli
+from .checkpoint.existing import check_existing_checkpoint
 from .config import load_and_validate
 from .data import cli as data_cli
 from .inference import cli as inference_cli
@@ -34,9 +35,12 @@ def _world_size(args: argparse.Namespace) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     world = _world_size(args)
     cfg, ds = load_and_validate(args.config, args.deepspeed_config, args.set, world)
+    tag = check_existing_checkpoint(cfg)
     print(f"OK: {args.config} with {cfg.deepspeed_config} on {world} ranks "
           f"(global batch {ds['train_batch_size']} = micro {ds['train_micro_batch_size_per_gpu']} x "
-          f"grad-accum {ds['gradient_accumulation_steps']} x data-parallel)")
+          f"grad-accum {ds['gradient_accumulation_steps']} x data-parallel {cfg.data_parallel_size(world)}); "
+          + (f"resumes from {os.path.join(cfg.checkpoint_dir, tag)}" if tag else
+             f"a new run in {cfg.train.output_dir}"))
     return 0
 
 

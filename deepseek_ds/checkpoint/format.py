@@ -173,5 +173,6 @@ def check_compatible(tag_dir: str, meta: dict, model_config: PretrainedConfig, t
     if problems:
         raise CheckpointError(f"checkpoint {tag_dir} was trained with another model or tokenizer:\n  - "
                               + "\n  - ".join(problems)
-                              + "\nrestore the model/data settings it was trained with, or set checkpoint.dir "
-                              "to an empty directory to start a new run")
+                              + "\nfor a new run choose another train.output_dir (its checkpoints go to "
+                              "<output_dir>/checkpoints unless checkpoint.dir is set); to resume this one, restore "
+                              "the model and data settings it was trained with")

@@ -30,7 +30,8 @@ from .universal import to_universal
 
 def resume(run: TrainingRun) -> dict | None:
     """Every rank calls this before training. Loads the newest complete checkpoint of checkpoint.dir (resharding
-    it when the layout changed) and returns {"step", "consumed_samples"}; None for a fresh run."""
+    it when the layout changed) and returns {"step", "consumed_samples", "schedule_steps"} (the length of the
+    checkpoint's LR schedule); None for a fresh run."""
     ckpt_dir = run.cfg.checkpoint_dir
     choice = [latest_tag(ckpt_dir) if run.rank == 0 else None]
     dist.broadcast_object_list(choice, src=0)  # one decision, whatever each rank's view of a network filesystem

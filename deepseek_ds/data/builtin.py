@@ -38,6 +38,11 @@ def stdlib_files(max_mb: float) -> list[str]:
     return chosen
 
 
+def builtin_dataset_dir(cache_dir: str, vocab_size: int, max_mb: float) -> str:
+    """Where ensure_builtin_dataset keeps the corpus of these settings."""
+    return str(Path(cache_dir) / f"stdlib-v{vocab_size}-{max_mb}mb")
+
+
 def ensure_builtin_dataset(cache_dir: str, vocab_size: int = 2048, max_mb: float = 8.0, workers: int = 1,
                            *, progress: bool = True) -> str:
     """Build (once) the stdlib dataset with its own byte-level BPE and return its directory.
@@ -45,7 +50,7 @@ def ensure_builtin_dataset(cache_dir: str, vocab_size: int = 2048, max_mb: float
     Safe for concurrent callers on a shared filesystem: every racer writes identical bytes through
     atomic renames, and meta.json (written last) marks completion.
     """
-    out = Path(cache_dir) / f"stdlib-v{vocab_size}-{max_mb}mb"
+    out = Path(builtin_dataset_dir(cache_dir, vocab_size, max_mb))
     if (out / META).is_file():
         return str(out)
     return prepare_dataset(stdlib_files(max_mb), str(out), vocab_size=vocab_size, workers=workers,

@@ -10,7 +10,8 @@ import time
 import torch.distributed as dist
 
 from .. import config
-from ..config import ConfigError, write_resolved
+from ..checkpoint.existing import check_existing_checkpoint
+from ..config import write_resolved
 from ..utils.cli_args import add_run_args
 from ..utils.errors import UserError, format_user_error
 from .loop import train
@@ -49,7 +50,8 @@ def main(argv=None) -> int:
     world = int(os.environ.get("WORLD_SIZE", 1))
     try:
         cfg, ds = load_and_validate(args, world)
-    except ConfigError as e:
+        check_existing_checkpoint(cfg)  # a foreign checkpoint is refused before any engine is built
+    except UserError as e:
         report_failure(format_user_error(e))
         return 2
 

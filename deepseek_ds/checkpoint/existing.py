@@ -1,0 +1,40 @@
+"""Before any process starts: is checkpoint.dir free for this run, or does it hold a run this one can resume?
+
+A run whose output directory already holds another model's or tokenizer's checkpoint would otherwise fail only at
+resume, after every rank has built its engine. The same check_compatible runs again at resume (the built-in corpus
+may not exist yet here, and files can change between the two)."""
+
+from __future__ import annotations
+
+import os
+
+from ..config import RunConfig
+from ..data import dataset_info
+from ..data.builtin import builtin_dataset_dir
+from ..data.layout import META as DATASET_META
+from ..models.pipeline import prepare_config
+from ..models.presets import build_model_config
+from .format import check_compatible, latest_tag, read_meta
+
+
+def _dataset_dir(cfg: RunConfig) -> str | None:
+    """The run's dataset if it exists already (data.path, or a built-in corpus prepared by an earlier run)."""
+    mcfg = build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides)
+    path = cfg.data.path or builtin_dataset_dir(cfg.data.cache_dir, mcfg.vocab_size, cfg.data.builtin_max_mb)
+    return path if os.path.isfile(os.path.join(path, DATASET_META)) else None
+
+
+def check_existing_checkpoint(cfg: RunConfig) -> str | None:
+    """The tag a launch of `cfg` would resume from (None: a fresh run); CheckpointError when checkpoint.dir holds a
+    checkpoint of another model or tokenizer, with the fix."""
+    tag = latest_tag(cfg.checkpoint_dir)
+    if tag is None:
+        return None
+    tag_dir = os.path.join(cfg.checkpoint_dir, tag)
+    meta = read_meta(tag_dir)
+    dataset = _dataset_dir(cfg)
+    tokenizer_hash = dataset_info(dataset)["tokenizer_hash"] if dataset else meta["tokenizer_hash"]
+    model = prepare_config(build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides),
+                           cfg.model.attn_implementation, cfg.model.experts_implementation)
+    check_compatible(tag_dir, meta, model, tokenizer_hash)
+    return tag
