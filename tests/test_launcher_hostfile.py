@@ -9,6 +9,8 @@ import pytest
 
 from deepseek_ds.launcher.hostfile import HostfileError, parse_hostfile, read_hostfile, select_slots
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[1]
 
 FOUR = parse_hostfile("node-0 slots=4\nnode-1 slots=4\nnode-2 slots=2\n", source="four")

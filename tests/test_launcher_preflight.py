@@ -17,6 +17,8 @@ from deepseek_ds.launcher import envfile, preflight, probe, remote
 from deepseek_ds.launcher.bandwidth import RESULT_MARKER, bandwidth_command
 from deepseek_ds.launcher.preflight import PreflightOptions, Status, format_report, run_preflight
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "launch"
 HOSTS = REPO / "hostfiles" / "4node"
