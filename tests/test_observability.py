@@ -307,3 +307,11 @@ def test_pipeline_stops_on_nan_with_a_checkpoint_and_exact_validation(pipeline_r
     assert abs(step2["eval_loss"] - loss) < 1e-6
     assert abs(step2["eval_accuracy"] - accuracy) < 1e-9
     assert "eval_loss" not in recs[0]  # eval.interval=2
+
+
+def test_what_stopped_the_run_is_in_every_rank_log(pipeline_run):
+    """Post-mortems read logs/rankN.log: the message that ended the rank is there, not only on the console."""
+    for rank in (0, 1):
+        with open(os.path.join(pipeline_run["out"], "logs", f"rank{rank}.log")) as f:
+            log = f.read()
+        assert "ERROR" in log and "train.nan_policy: stop" in log.split("ERROR", 1)[1], f"rank{rank}.log"

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
+import traceback
 
 import torch.distributed as dist
 
@@ -44,6 +46,15 @@ def report_failure(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def log_failure_to_file(message: str) -> None:
+    """Put what ended this rank into its own logs/rankN.log (the console has it already), for post-mortems."""
+    log = logging.getLogger("deepseek_ds")
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "%s", (message,), None)
+    for handler in log.handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", 0))
@@ -63,12 +74,14 @@ def main(argv=None) -> int:
     status = 0
     try:
         train(build_run(cfg, ds), on_accepted=accepted)
-    except UserError as e:  # a dataset or checkpoint that does not fit the run: every rank finds the same
-        report_failure(format_user_error(e))
-        status = 2
-    except NonFiniteLoss as e:
-        report_failure(f"deepseek-ds: {e}")
-        status = 3
+    except (UserError, NonFiniteLoss) as e:  # a dataset or checkpoint that does not fit the run, or a NaN stop:
+        line = format_user_error(e) if isinstance(e, UserError) else f"deepseek-ds: {e}"  # every rank finds the same
+        log_failure_to_file(line)
+        report_failure(line)
+        status = 2 if isinstance(e, UserError) else 3
+    except BaseException:  # a bug, or a signal: the traceback goes to the console as usual and to the rank's log
+        log_failure_to_file(f"this rank failed:\n{traceback.format_exc()}")
+        raise
     else:
         dist.barrier()
     finally:
