@@ -54,6 +54,10 @@ def test_redirected_console_gets_plain_progress_lines(runs):
         assert f"step {step}/4  loss " in stdout
     assert "step 1/4  loss " not in stdout and "step 3/4  loss " not in stdout  # every train.log_interval steps
     assert "train:" not in stderr and "\r" not in stderr  # no tqdm bar in a redirected log
+    # Noise a user cannot act on stays out of the console.
+    for noise in ("Setting accelerator to CPU", "built successfully", "FutureWarning",
+                  "Attempting to get learning rate from scheduler"):
+        assert noise not in stdout + stderr, noise
 
 
 def test_rerun_of_a_finished_run_says_it_is_complete(runs):

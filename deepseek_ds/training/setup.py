@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -18,7 +21,7 @@ from torch.distributed import ProcessGroup
 from transformers import PretrainedConfig
 
 from ..config import RunConfig
-from ..data import PackedDataset
+from ..data import PackedDataset, ensure_builtin_dataset
 from ..models.hf_io import has_weights, load_hf_weights, mtp_layers_absent
 from ..models.layers import mtp_depth
 from ..models.loss import TokenWeightedLoss
@@ -50,7 +53,13 @@ class Run:
 
 
 def init_distributed(timeout_s: int = 1800) -> tuple[int, int]:
-    deepspeed.init_distributed(dist_backend=None, timeout=timedelta(seconds=timeout_s))
+    # DeepSpeed's CPU backend prints "... shm_comm_op built successfully" on every rank, also when the op was
+    # cached: drop that line, pass anything else through.
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        deepspeed.init_distributed(dist_backend=None, timeout=timedelta(seconds=timeout_s))
+    sys.stdout.write("".join(line for line in printed.getvalue().splitlines(keepends=True)
+                             if not line.endswith("built successfully\n")))
     release_shm_buffers()
     return dist.get_rank(), dist.get_world_size()
 
@@ -107,25 +116,39 @@ def setup_logging(output_dir: str, rank: int) -> logging.Logger:
         console.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(console)
     ds_logger = deepspeed.utils.logger
-    for h in ds_logger.handlers:
-        h.setLevel(logging.WARNING)
+    for h in ds_logger.handlers:  # rank 0 passes DeepSpeed's warnings on; the other ranks only its errors
+        h.setLevel(logging.WARNING if rank == 0 else logging.ERROR)
+        h.addFilter(_not_noise)
     ds_logger.addHandler(file_handler)
+    # DeepSpeed's own collectives call an API torch deprecated: nothing a user can act on, once per rank.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                            category=FutureWarning)
     return log
+
+
+# DeepSpeed warnings that say nothing to a user of this toolkit: the engine reads the rate once before
+# start_lr_schedule() takes the scheduler's first step.
+_NOISE = ("Attempting to get learning rate from scheduler before it has started",)
+
+
+def _not_noise(record: logging.LogRecord) -> bool:
+    return not any(text in record.getMessage() for text in _NOISE)
 
 
 def prepare_data(cfg: RunConfig, local_rank: int) -> str:
     """The dataset directory; the built-in corpus is built by one process per host while the others wait."""
-    from ..data import ensure_builtin_dataset
-
     if cfg.data.path:
         return cfg.data.path
     vocab = build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides).vocab_size
     path = None
     if local_rank == 0:
-        path = ensure_builtin_dataset(cfg.data.cache_dir, vocab_size=vocab, max_mb=cfg.data.builtin_max_mb)
+        # A bar only on a terminal: in a redirected log it is one endless line.
+        path = ensure_builtin_dataset(cfg.data.cache_dir, vocab_size=vocab, max_mb=cfg.data.builtin_max_mb,
+                                      progress=sys.stderr.isatty())
     dist.barrier()
     if path is None:
-        path = ensure_builtin_dataset(cfg.data.cache_dir, vocab_size=vocab, max_mb=cfg.data.builtin_max_mb)
+        path = ensure_builtin_dataset(cfg.data.cache_dir, vocab_size=vocab, max_mb=cfg.data.builtin_max_mb,
+                                      progress=False)
     return path
 
 
