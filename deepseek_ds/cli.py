@@ -17,6 +17,8 @@ from .config import load_and_validate
 from .data import cli as data_cli
 from .inference import cli as inference_cli
 from .launcher import cli as launcher_cli
+from .launcher.hostfile import read_hostfile, select_slots
+from .launcher.remote import LOCAL_HOSTS
 from .launcher.world import world_size
 from .models.pipeline import partition, partition_table, prepare_config
 from .models.presets import PRESETS, build_model_config
@@ -52,6 +54,11 @@ def train_command(args: argparse.Namespace) -> list[str]:
         argv += ["--hostfile", args.hostfile]
         argv += ["--include", args.include] if args.include else []
         argv += ["--exclude", args.exclude] if args.exclude else []
+        hosts = select_slots(read_hostfile(args.hostfile), args.include or "", args.exclude or "")
+        if set(hosts) <= set(LOCAL_HOSTS):
+            # One local host runs without pdsh, but DeepSpeed would still ssh to it first (its reachability check
+            # and `hostname -I` for the master address): a machine without sshd needs neither.
+            argv += ["--no_ssh_check", "--master_addr", "127.0.0.1"]
     else:
         argv += ["--num_gpus", str(_world_size(args))]
     if args.master_port:

@@ -265,12 +265,26 @@ def preflight_cli(*args, cwd):
 def test_cli_on_localhost_hostfile(tmp_path):
     out = preflight_cli("--hostfile", str(REPO / "hostfiles" / "localhost"), "--include", "localhost:0,1",
                         "--allow-cpu", "--checkpoint-dir", str(tmp_path / "ckpt"), "--master-port", "29533",
-                        cwd=tmp_path)
+                        "--no-ssh-check", cwd=tmp_path)
     if shutil.which("nvidia-smi") is None:
         assert out.returncode == 0, out.stdout + out.stderr
         assert re.search(r"localhost +gpus +WARN +cpu: ", out.stdout)
         assert out.stdout.splitlines()[-1].startswith("preflight passed")
-    assert re.search(r"localhost +ssh +PASS +local, no ssh needed", out.stdout)
+    assert re.search(r"localhost +ssh +PASS +local; the launch skips DeepSpeed's ssh check", out.stdout)
+
+
+def test_localhost_ssh_is_checked_as_deepspeeds_hostfile_launch_does(tmp_path):
+    """`deepspeed --hostfile` ssh-es even to a single localhost: preflight reports what that launch will meet."""
+    out = preflight_cli("--hostfile", str(REPO / "hostfiles" / "localhost"), "--include", "localhost:0,1",
+                        "--allow-cpu", "--master-port", "29534", "--timeout", "5", cwd=tmp_path)
+    works = subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "localhost", "true"],
+                           capture_output=True, timeout=30).returncode == 0 if shutil.which("ssh") else False
+    if works:
+        assert re.search(r"localhost +ssh +PASS +local; `ssh localhost` works", out.stdout)
+    else:
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert re.search(r"localhost +ssh +FAIL +local, but `ssh localhost` fails", out.stdout)
+        assert "--no_ssh_check --master_addr 127.0.0.1" in out.stdout
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has GPUs")

@@ -35,6 +35,16 @@ def test_train_runs_the_training_module_with_the_launcher_options():
 
 
 @pytest.mark.unit
+def test_a_local_only_hostfile_skips_deepspeeds_ssh_check():
+    """DeepSpeed runs one local host without pdsh but still ssh-es to it first; train passes what avoids that."""
+    cmd = _command("--hostfile", os.path.join(ROOT, "hostfiles", "localhost"), "--include", "localhost:0,1")
+    module = cmd.index("--module")
+    assert cmd[1:module] == ["--hostfile", os.path.join(ROOT, "hostfiles", "localhost"), "--include", "localhost:0,1",
+                             "--no_ssh_check", "--master_addr", "127.0.0.1"]
+    assert "--no_ssh_check" not in _command("--hostfile", os.path.join(ROOT, "hostfiles", "4node"))
+
+
+@pytest.mark.unit
 def test_a_user_error_is_one_line_and_exit_2(capsys):
     assert cli(["validate", "--config", RECIPE, "--include", "node-0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

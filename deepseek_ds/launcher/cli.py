@@ -43,6 +43,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="sshd port on the hosts (deepspeed --ssh_port; default: ssh's own)")
     parser.add_argument(*spellings("--allow-cpu"), action="store_true",
                         help="CPU-only hosts (test clusters): report missing GPUs/InfiniBand as WARN/SKIP, not FAIL")
+    parser.add_argument(*spellings("--no_ssh_check"), action="store_true",
+                        help="the launch passes deepspeed --no_ssh_check (as deepseek-ds train does for a local-only "
+                             "hostfile): do not require `ssh localhost`")
     parser.add_argument("--bandwidth", action="store_true",
                         help="also launch an all-reduce across the hosts with deepspeed and print the bus GB/s")
     parser.set_defaults(func=run)
@@ -52,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     options = PreflightOptions(hostfile=args.hostfile, include=args.include, exclude=args.exclude,
                                master_port=args.master_port, master_addr=args.master_addr,
                                checkpoint_dir=args.checkpoint_dir,
-                               timeout=args.timeout, allow_cpu=args.allow_cpu, ssh_port=args.ssh_port)
+                               timeout=args.timeout, allow_cpu=args.allow_cpu, ssh_port=args.ssh_port,
+                               no_ssh_check=args.no_ssh_check)
     job, checks = run_preflight(options)
     if args.bandwidth:
         checks.append(_bandwidth_check(options, list(job.slots), checks))

@@ -50,6 +50,7 @@ class PreflightOptions:
     timeout: float = 10.0
     allow_cpu: bool = False  # CPU-only hosts (test clusters): no GPUs / no InfiniBand are not failures
     ssh_port: int | None = None
+    no_ssh_check: bool = False  # the launch passes deepspeed --no_ssh_check (deepseek-ds train does on localhost)
     # DeepSpeed's pdsh launcher runs the launching interpreter's path on every host, so that is the
     # Python to probe there.
     python: str = sys.executable
@@ -105,9 +106,9 @@ def _host_checks(job: Job, options: PreflightOptions, result: remote.ProbeResult
     if result.facts is None:
         if result.stage == "ssh":
             return [Check(host, "ssh", Status.FAIL, result.error, result.fix)]
-        return [_ssh_passed(result), Check(host, "python", Status.FAIL, result.error, result.fix)]
+        return [_ssh_passed(result, options), Check(host, "python", Status.FAIL, result.error, result.fix)]
     facts = result.facts
-    checks = [_ssh_passed(result),
+    checks = [_ssh_passed(result, options),
               _versions(host, facts, reference),
               _gpus(host, facts, job.slots[host], options),
               _infiniband(host, facts, job.env, options.allow_cpu),
@@ -119,10 +120,22 @@ def _host_checks(job: Job, options: PreflightOptions, result: remote.ProbeResult
     return checks
 
 
-def _ssh_passed(result: remote.ProbeResult) -> Check:
-    if result.host in remote.LOCAL_HOSTS:
-        return Check(result.host, "ssh", Status.PASS, f"local, no ssh needed (probed in {result.seconds:.1f} s)")
-    return Check(result.host, "ssh", Status.PASS, f"connected, probed in {result.seconds:.1f} s")
+def _ssh_passed(result: remote.ProbeResult, options: PreflightOptions) -> Check:
+    host = result.host
+    if host not in remote.LOCAL_HOSTS:
+        return Check(host, "ssh", Status.PASS, f"connected, probed in {result.seconds:.1f} s")
+    # A single local host runs without pdsh, but `deepspeed --hostfile` first runs `ssh HOST hostname` (and
+    # `hostname -I` without --master_addr) even then: check what the launch will do.
+    if options.no_ssh_check:
+        return Check(host, "ssh", Status.PASS, f"local; the launch skips DeepSpeed's ssh check (probed in "
+                     f"{result.seconds:.1f} s)")
+    works, why = remote.ssh_works(host, options.timeout, options.ssh_port)
+    if works:
+        return Check(host, "ssh", Status.PASS, f"local; `ssh {host}` works, as DeepSpeed's hostfile launch checks")
+    return Check(host, "ssh", Status.FAIL, f"local, but `ssh {host}` fails ({why}) and `deepspeed --hostfile` "
+                 "checks it", "pass --no_ssh_check --master_addr 127.0.0.1 to deepspeed (deepseek-ds train does this "
+                 "for a local-only hostfile; then run preflight with --no-ssh-check), launch without a hostfile "
+                 "(--num_gpus N), or enable passwordless ssh to it")
 
 
 def _version_text(facts: dict) -> str:

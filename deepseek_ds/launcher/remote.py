@@ -84,6 +84,20 @@ def run_probe(host: str, python: str, probe_args: list[str], timeout: float,
                        f"run '{shlex.join(command)} < {probe.__file__}' to see the whole error", stage="python")
 
 
+def ssh_works(host: str, timeout: float, ssh_port: int | None = None) -> tuple[bool, str]:
+    """Whether `ssh HOST true` succeeds without a password, as DeepSpeed's launcher checks (for localhost too);
+    (False, why) otherwise."""
+    command = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={max(1, int(timeout))}"]
+    command += ["-p", str(ssh_port)] if ssh_port is not None else []
+    try:
+        out = subprocess.run([*command, host, "true"], capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        return False, "no ssh client on this machine"
+    except subprocess.TimeoutExpired:
+        return False, f"no answer within {timeout:g} s"
+    return out.returncode == 0, _last_line(out.stderr)
+
+
 def _ssh_failure(host: str, stderr: str) -> tuple[str, str]:
     for needle, cause, fix in _SSH_ERRORS:
         if needle in stderr:
