@@ -12,7 +12,8 @@ setup(
         "torch>=2.4",
         "deepspeed==0.19.8",
         "transformers>=5.0,<6",
-        "accelerate>=1.0",
+        # Not accelerate: its one helper we would use, init_empty_weights, is torch's own `with torch.device("meta")`,
+        # which the model code uses directly.
         "safetensors>=0.4",
         "tokenizers>=0.20",
         "pyyaml>=6",
@@ -20,6 +21,8 @@ setup(
         "tabulate>=0.9",
         "matplotlib>=3.7",
         "numpy>=1.24",
+        "psutil>=5.9",      # host memory in the metrics (DeepSpeed needs it too)
+        "pydantic>=2",      # DeepSpeed's own config models, run inside validate()
         "ninja",
     ],
     extras_require={
