@@ -21,12 +21,12 @@ import pytest
 import torch
 
 from deepseek_ds.config import load_run_config
-from deepseek_ds.data import PackedDataset
+from deepseek_ds.data import PackedDataset, prepare_dataset
 from deepseek_ds.models.hf_io import to_hf_model
 from deepseek_ds.models.pipeline import build_model, prepare_config
 from deepseek_ds.models.presets import build_model_config
 from deepseek_ds.training.metrics import flops_per_token
-from helpers import deepspeed, read_metrics
+from helpers import cli, deepspeed, read_metrics
 
 pytestmark = pytest.mark.launch
 
@@ -315,3 +315,14 @@ def test_what_stopped_the_run_is_in_every_rank_log(pipeline_run):
         with open(os.path.join(pipeline_run["out"], "logs", f"rank{rank}.log")) as f:
             log = f.read()
         assert "ERROR" in log and "train.nan_policy: stop" in log.split("ERROR", 1)[1], f"rank{rank}.log"
+
+
+def test_eval_refuses_data_of_another_tokenizer(moe_run, tmp_path, capsys):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("another corpus, another tokenizer\n" * 200)
+    other = prepare_dataset([str(tmp_path / "corpus")], str(tmp_path / "other"), vocab_size=300, progress=False)
+    ckpt = os.path.join(moe_run["out"], "checkpoints")
+    assert cli(["eval", "--checkpoint", ckpt, "--data", other]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"deepseek-ds: error: {other} was tokenized with another tokenizer")
+    assert "--tokenizer" in err and "Traceback" not in err

@@ -41,12 +41,25 @@ def model_from_checkpoint(tag_dir: str, cfg: RunConfig) -> tuple[SequentialLM, P
     return model, mcfg
 
 
+def _check_tokenizer(data: str, meta: dict) -> None:
+    """Token ids mean something only under the tokenizer the checkpoint was trained with (a resume refuses the
+    same mismatch)."""
+    theirs = dataset_info(data)["tokenizer_hash"]
+    if theirs != meta["tokenizer_hash"]:
+        raise DataError(f"{data} was tokenized with another tokenizer (hash {theirs[:12]}) than the checkpoint "
+                        f"(hash {meta['tokenizer_hash'][:12]}, data {meta['dataset_dir']}): its loss would mean "
+                        f"nothing; prepare it with the checkpoint's tokenizer (`deepseek-ds data prepare --tokenizer "
+                        f"{os.path.join(meta['dataset_dir'], 'tokenizer')} ...`)")
+
+
 def run_eval(args: argparse.Namespace) -> EvalResult:
     """Evaluate args.checkpoint on args.data (default: the dataset it trained on); rank 0 prints the result as JSON
     (and writes it to args.out)."""
     tag_dir = tag_dir_of(args.checkpoint)
     cfg = run_config_for(tag_dir, args.config, args.set)
-    data = args.data or read_meta(tag_dir)["dataset_dir"]
+    meta = read_meta(tag_dir)
+    data = args.data or meta["dataset_dir"]
+    _check_tokenizer(data, meta)
     distributed = int(os.environ.get("WORLD_SIZE", 1)) > 1
     if distributed:
         init_distributed()
