@@ -13,8 +13,8 @@ import torch.distributed as dist
 from deepseek_ds.data import GlobalBatchSampler, micro_batches
 from deepseek_ds.models.moe import moe_blocks, router_bias
 from deepseek_ds.training.loop import train_step
-from deepseek_ds.training.schedule import start_lr_schedule
 from deepseek_ds.training.main import load_and_validate, parse_args
+from deepseek_ds.training.schedule import start_lr_schedule
 from deepseek_ds.training.setup import build_run
 from helpers import mask_prompt
 

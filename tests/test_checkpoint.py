@@ -26,8 +26,20 @@ from deepseek_ds.checkpoint.resuming import resume
 from deepseek_ds.checkpoint.safe_load import trusted_types_only
 from deepseek_ds.checkpoint.state import read_buffers
 from deepseek_ds.training.signals import StopOnSignal
-from helpers import (BIN, ROOT, checkpoint_sets, cli, fresh_ckpt_dir, free_port, launch_env, losses, read_metrics,
-                     router_biases, snapshot, train)
+from helpers import (
+    BIN,
+    ROOT,
+    checkpoint_sets,
+    cli,
+    free_port,
+    fresh_ckpt_dir,
+    launch_env,
+    losses,
+    read_metrics,
+    router_biases,
+    snapshot,
+    train,
+)
 
 GLOBAL_BATCH = 16  # recipes/tiny-v3.yaml
 DROPOUT = "model.overrides.attention_dropout=0.1"  # the tiny presets have none

@@ -10,8 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from deepseek_ds.data import (BlendedDataset, DataError, PackedDataset, dataset_info, ensure_builtin_dataset,
-                              load_tokenizer, prepare_dataset)
+from deepseek_ds.data import (
+    BlendedDataset,
+    DataError,
+    PackedDataset,
+    dataset_info,
+    ensure_builtin_dataset,
+    load_tokenizer,
+    prepare_dataset,
+)
 from deepseek_ds.data import shards as shards_module
 from deepseek_ds.data.builtin import stdlib_files
 from deepseek_ds.data.tokenizer import token_dtype

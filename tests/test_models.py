@@ -8,8 +8,16 @@ import torch
 from safetensors.torch import load_file
 
 from deepseek_ds.models.hf_io import load_hf_weights, to_hf_model
-from deepseek_ds.models.pipeline import (SequentialLM, build_model, layer_costs, layer_specs, local_layers, partition,
-                                         partition_table, prepare_config)
+from deepseek_ds.models.pipeline import (
+    SequentialLM,
+    build_model,
+    layer_costs,
+    layer_specs,
+    local_layers,
+    partition,
+    partition_table,
+    prepare_config,
+)
 from deepseek_ds.models.presets import PRESETS, build_model_config, num_routed_experts
 from helpers import cli
 

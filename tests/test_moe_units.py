@@ -12,8 +12,15 @@ from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
 from deepseek_ds.config import MoESection, load_run_config
-from deepseek_ds.models.moe import (BalanceSettings, LoadBalancer, balance_losses, moe_blocks, resolve_settings,
-                                    restore_fp32_biases, snapshot_biases)
+from deepseek_ds.models.moe import (
+    BalanceSettings,
+    LoadBalancer,
+    balance_losses,
+    moe_blocks,
+    resolve_settings,
+    restore_fp32_biases,
+    snapshot_biases,
+)
 from deepseek_ds.models.pipeline import build_model, prepare_config
 from deepseek_ds.models.presets import build_model_config
 from reference import balance_terms
@@ -225,7 +232,7 @@ def test_bias_stays_fp32_when_deepspeed_casts_buffers():
     for b in model.buffers():
         b.data = b.data.to(torch.bfloat16)
     restore_fp32_biases(model, snapshot)
-    for name, (_, router) in moe_blocks(model).items():
+    for _, router in moe_blocks(model).values():
         bias = router.e_score_correction_bias
         assert bias.dtype == torch.float32 and torch.equal(bias, 1.0 + torch.arange(8, dtype=torch.float32) * 1e-3)
 

@@ -61,7 +61,6 @@ def test_redirected_console_gets_plain_progress_lines(runs):
 
 
 def test_rerun_of_a_finished_run_says_it_is_complete(runs):
-    out = runs["out"]
     assert "already complete:" in runs["again"].stdout and "step 4 of train.steps 4" in runs["again"].stdout
     assert "checkpoint  None" not in runs["again"].stdout
 

@@ -27,8 +27,8 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from ..config import load_and_validate, precision, zero_stage
 from ..data import GlobalBatchSampler, micro_batches
 from ..training.loop import train_step
-from ..training.schedule import start_lr_schedule
 from ..training.metrics import flops_per_token, peak_tflops
+from ..training.schedule import start_lr_schedule
 from ..training.setup import build_run
 from ..utils.cli_args import add_local_rank, add_run_args
 from ..utils.fs import write_json_atomic

@@ -23,8 +23,15 @@ from .errors import DataError
 from .layout import FORMAT_VERSION, META, PLAN, SPLITS, TOKENIZER_DIR, read_json, shard_files
 from .shards import ShardTask, group_by_size, init_worker, is_done, shard_key, write_shard
 from .sources import DEFAULT_EXTENSIONS, DocTable, read_docs, scan_inputs, split_text_tail
-from .tokenizer import (backend_json, import_tokenizer, load_hf_tokenizer, token_dtype, tokenizer_hash,
-                        train_bpe, vocab_size_of)
+from .tokenizer import (
+    backend_json,
+    import_tokenizer,
+    load_hf_tokenizer,
+    token_dtype,
+    tokenizer_hash,
+    train_bpe,
+    vocab_size_of,
+)
 
 # Documents read at a time while streaming text into the BPE trainer.
 _TRAIN_CHUNK = 1000

@@ -14,8 +14,16 @@ from torch.utils.checkpoint import checkpoint
 
 from . import flops
 from .flops import LayerCost
-from .layers import (DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, MTPLayerPipe, mtp_depth,
-                     mtp_embed_forward, tied_head_forward)
+from .layers import (
+    DecoderLayerPipe,
+    EmbeddingPipe,
+    FinalNormPipe,
+    LMHeadPipe,
+    MTPLayerPipe,
+    mtp_depth,
+    mtp_embed_forward,
+    tied_head_forward,
+)
 from .loss import TokenWeightedLoss
 from .presets import ModelConfigError, is_moe
 

@@ -17,8 +17,8 @@ from . import monitors, nan_policy
 from .evaluation import evaluate_run
 from .metrics import MetricsWriter, StepMeter, flops_per_token, peak_tflops, plot_loss
 from .progress import Progress
-from .schedule import align_resumed_schedule, start_lr_schedule
 from .router_stats import RouterStats, moe_layer_indices
+from .schedule import align_resumed_schedule, start_lr_schedule
 from .setup import Run
 from .signals import StopOnSignal
 
