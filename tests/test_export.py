@@ -70,6 +70,8 @@ def test_export_hf_bf16_keeps_router_in_fp32_and_ships_the_tokenizer(request, tm
     tag, step, logged = _run("zero1", request)
     out = tmp_path / "hf"
     assert cli(["export", "hf", str(tag.parent), "--out", str(out), "--work-dir", str(tmp_path)]) == 0  # bf16 default
+    # Every exported file readable by all, the weights as much as their siblings (save_pretrained leaves 0600).
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {p.name: "0o644" for p in out.iterdir()}
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
     assert dtypes["model.embed_tokens.weight"] == "BF16"

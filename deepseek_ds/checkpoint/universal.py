@@ -9,6 +9,7 @@ import io
 import json
 import os
 import shutil
+import sys
 
 from deepspeed.checkpoint import ds_to_universal
 from transformers import PretrainedConfig
@@ -35,8 +36,16 @@ def to_universal(tag_dir: str, scheme: str, config: PretrainedConfig, out: str |
     args = argparse.Namespace(input_folder=tag_dir, output_folder=tmp, num_extract_workers=workers,
                               num_merge_workers=workers, keep_temp_folder=False, strict=True,
                               inject_missing_state=False)
-    with trusted_types_only(), contextlib.redirect_stdout(io.StringIO()):  # its progress prints are not ours
-        ds_to_universal.main(args)
+    # DeepSpeed's converter prints progress and draws two unlabelled bars: one labelled line instead, and its
+    # output only if it fails.
+    print(f"converting {tag_dir} into a DeepSpeed universal checkpoint ...", file=sys.stderr, flush=True)
+    captured = io.StringIO()
+    try:
+        with trusted_types_only(), contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
+            ds_to_universal.main(args)
+    except BaseException:
+        sys.stderr.write(captured.getvalue())
+        raise
     # It also points a `latest_universal` file in the parent directory at the temporary name: not ours to keep.
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(parent, "latest_universal"))

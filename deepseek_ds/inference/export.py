@@ -6,9 +6,11 @@ compared with PyTorch before they are reported as done.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import tempfile
+import warnings
 
 import numpy as np
 import torch
@@ -109,7 +111,17 @@ def export_hf(checkpoint: str, out: str, dtype: str = "bf16", data_dir: str | No
     if mtp:
         add_to_hf_dir(out, mtp, "model-mtp.safetensors")
     load_tokenizer(data_dir).save_pretrained(out)
+    _readable_by_all(out)
     return out
+
+
+def _readable_by_all(directory: str) -> None:
+    """save_pretrained writes the weights through a private temporary file (mode 0600) while its siblings get the
+    usual 0644: give every exported file the same, world-readable mode, as a shared model directory needs."""
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            os.chmod(path, 0o644)
 
 
 def add_to_hf_dir(hf_dir: str, tensors: dict[str, torch.Tensor], filename: str) -> None:
@@ -193,9 +205,18 @@ def export_onnx(model: LogitsOnly, out: str, atol: float = 1e-4) -> float:
 
     example = _inputs(model, [(2, 16)])[0]
     size = sum(p.numel() * p.element_size() for p in model.parameters())
-    with torch.no_grad():
-        torch.onnx.export(model, (example,), out, dynamo=True, input_names=["input_ids"], output_names=["logits"],
-                          dynamic_shapes={"input_ids": {0: Dim("batch"), 1: Dim("sequence")}},
-                          external_data=size > 1.5 * 2**30, verbose=False)  # protobuf caps a file at 2 GiB
+    # The exporter warns about torchvision ops it cannot register (not installed, never used by a language model)
+    # and about a pytree API torch itself calls: nothing the user can act on.
+    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = registration.level
+    registration.setLevel(logging.ERROR)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*LeafSpec.*is deprecated", category=FutureWarning)
+            torch.onnx.export(model, (example,), out, dynamo=True, input_names=["input_ids"], output_names=["logits"],
+                              dynamic_shapes={"input_ids": {0: Dim("batch"), 1: Dim("sequence")}},
+                              external_data=size > 1.5 * 2**30, verbose=False)  # protobuf caps a file at 2 GiB
+    finally:
+        registration.setLevel(level)
     session = onnxruntime.InferenceSession(out, providers=["CPUExecutionProvider"])
     return check_against_pytorch(model, lambda ids: session.run(None, {"input_ids": ids.numpy()})[0], atol)
