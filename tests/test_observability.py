@@ -1,4 +1,4 @@
-"""Issue 8, through real launches: per-step metrics, DeepSpeed monitors, MoE expert load, the NaN policy, and
+"""Through real launches: per-step metrics, DeepSpeed monitors, MoE expert load, the NaN policy, and
 validation numbers equal to a single-process transformers evaluation of the same weights.
 
 Three launches in all (each check shares one): a 2-rank MoE run (ZeRO-1, gradient accumulation, activation
@@ -9,7 +9,6 @@ evaluation of the first run's checkpoint.
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import math
@@ -239,8 +238,6 @@ def test_monitors_receive_the_metrics(moe_run):
 
 # ----------------------------------------------------------------------------------------------- eval / generate
 def test_standalone_eval_on_two_ranks_and_one_process_matches(moe_run, data_dir, tmp_path):
-    from deepseek_ds.inference import cli as evaluation
-
     ckpt = os.path.join(moe_run["out"], "checkpoints")
     last = moe_run["records"][-1]
     deepspeed(2, ["--module", "deepseek_ds.inference.cli", "eval", "--checkpoint", ckpt, "--data", data_dir,
@@ -250,11 +247,8 @@ def test_standalone_eval_on_two_ranks_and_one_process_matches(moe_run, data_dir,
     assert abs(two["eval_loss"] - last["eval_loss"]) < 1e-6
     # `deepseek-ds eval` in one process, other micro-batches (3 samples each), the dataset the checkpoint
     # names: the same token-weighted numbers.
-    parser = argparse.ArgumentParser()
-    evaluation.register(parser.add_subparsers())
-    args = parser.parse_args(["eval", "--checkpoint", ckpt, "--set", "train.micro_batch_size=3",
-                              "--out", str(tmp_path / "one.json")])
-    assert args.func(args) == 0
+    assert cli(["eval", "--checkpoint", ckpt, "--set", "train.micro_batch_size=3",
+                "--out", str(tmp_path / "one.json")]) == 0
     one = json.loads((tmp_path / "one.json").read_text())
     assert one["data"] == os.path.abspath(data_dir)
     assert one["ranks"] == 1 and one["eval_tokens"] == last["eval_tokens"]

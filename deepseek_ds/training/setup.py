@@ -21,7 +21,7 @@ from torch.distributed import ProcessGroup
 from transformers import PretrainedConfig
 
 from ..config import RunConfig
-from ..data import PackedDataset, ensure_builtin_dataset
+from ..data import DataError, PackedDataset, dataset_info, ensure_builtin_dataset
 from ..models.hf_io import has_weights, load_hf_weights, mtp_layers_absent
 from ..models.layers import mtp_depth
 from ..models.loss import TokenWeightedLoss
@@ -29,6 +29,7 @@ from ..models.moe import LoadBalancer, autoep_section, resolve_settings, restore
 from ..models.names import hf_layer_prefix
 from ..models.pipeline import build_model, local_layers, partition, partition_table, prepare_config
 from ..models.presets import build_model_config, num_routed_experts
+from ..utils.system import usable_cpus
 
 
 @dataclass(kw_only=True)
@@ -81,8 +82,6 @@ def share_cpu_threads() -> int | None:
     """On CPU, give each local rank its share of the cores unless OMP_NUM_THREADS is set. With torch's default
     (every rank one thread per core) the ranks' spinning OpenMP threads starve each other: a 2-rank run on 2 cores
     ran many times slower. Returns the thread count it set, if any."""
-    from ..utils.system import usable_cpus
-
     if "OMP_NUM_THREADS" in os.environ or get_accelerator().device_name() != "cpu":
         return None
     threads = max(1, usable_cpus() // local_ranks())
@@ -153,8 +152,6 @@ def prepare_data(cfg: RunConfig, local_rank: int) -> str:
 
 
 def build_run(cfg: RunConfig, ds: dict) -> Run:
-    from ..data import DataError, PackedDataset, dataset_info
-
     rank, world = init_distributed(cfg.train.dist_timeout_s)
     threads = share_cpu_threads()
     log = setup_logging(cfg.train.output_dir, rank)
