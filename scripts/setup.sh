@@ -20,6 +20,7 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
 fi
 # Compile the ops DeepSpeed JIT-builds on first use, so the first launch is not slowed by ~1 minute of C++.
 python - <<'PY'
+import deepseek_ds  # noqa: F401  (tells DeepSpeed the accelerator before it guesses and warns)
 import torch
 from deepspeed.accelerator import get_accelerator
 names = ["FusedAdamBuilder", "CPUAdamBuilder"]
