@@ -6,14 +6,20 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import importlib.util
 import json
 import os
 from typing import Any
 
 import pydantic
+from deepspeed.autotuning.constants import AUTOTUNING
+from deepspeed.profiling.constants import FLOPS_PROFILER
+from deepspeed.runtime.activation_checkpointing.config import ACT_CHKPT
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+from deepspeed.runtime.constants import SCHEDULER
+from deepspeed.runtime.swap_tensor.constants import AIO
 
 from .schema import ConfigError, RunConfig
 
@@ -76,14 +82,68 @@ def _fill_auto(node: dict, prefix: str, auto: dict[str, Any]) -> None:
 
 def resolve_ds_config(ds: dict, cfg: RunConfig, world_size: int) -> dict:
     """Fill every "auto" from the run config, so batch sizes and the learning rate are written once. An explicit
-    value that contradicts the run config is an error."""
+    value that contradicts the run config is an error. A JSON without an `optimizer` section gets AdamW with the
+    run config's values (DeepSpeed would otherwise assert on every rank that ZeRO needs an optimizer)."""
     ds = copy.deepcopy(ds)
     auto = _auto_values(cfg, world_size)
+    if "optimizer" not in ds:
+        ds["optimizer"] = {"type": "AdamW", "params": {k: "auto" for k in ("lr", "betas", "eps", "weight_decay")}}
     _fill_auto(ds, "", auto)
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "steps_per_print"):
         ds.setdefault(key, auto[key])
     fill_output_paths(ds, cfg.train.output_dir)
     return ds
+
+
+def filled_sections(ds_raw: dict) -> list[str]:
+    """What resolve_ds_config adds that the user's JSON did not say, one line each, for the log and the record."""
+    if "optimizer" in ds_raw:
+        return []
+    return ["deepspeed_config has no 'optimizer' section: using AdamW with train.lr, train.beta1/beta2, train.eps "
+            "and train.weight_decay from the run config"]
+
+
+# ------------------------------------------------------------------------------------------ top-level keys
+@functools.lru_cache(maxsize=1)
+def deepspeed_top_level_keys() -> frozenset[str]:
+    """Every top-level key DeepSpeed reads. Its top level is no pydantic model (an unknown key, such as a misspelt
+    `zero_optimisation`, is silently ignored), so the set comes from DeepSpeed itself: the keys DeepSpeedConfig
+    asks of a config dict while parsing one, plus the sections read elsewhere or by `in param_dict.keys()`
+    (scheduler, activation checkpointing, the flops profiler, aio, autotuning: their constants)."""
+    asked: set[str] = set()
+
+    class Recorder(dict):
+        def get(self, key, *default):
+            asked.add(key)
+            return super().get(key, *default)
+
+        def __getitem__(self, key):
+            asked.add(key)
+            return super().__getitem__(key)
+
+        def __contains__(self, key):
+            asked.add(key)
+            return super().__contains__(key)
+
+    try:
+        DeepSpeedConfig(Recorder(train_micro_batch_size_per_gpu=1, optimizer={"type": "AdamW", "params": {}}),
+                        mpu=None)
+    except Exception:  # a DeepSpeed that parses differently still gives the keys asked so far
+        pass
+    return frozenset(asked | {SCHEDULER, ACT_CHKPT, FLOPS_PROFILER, AIO, AUTOTUNING})
+
+
+def unknown_top_level_keys(ds: dict) -> list[str]:
+    """A line per top-level key of the DeepSpeed JSON that DeepSpeed does not read, with its nearest spelling."""
+    valid = deepspeed_top_level_keys()
+    errors = []
+    for key in ds:
+        if key in valid:
+            continue
+        close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+        hint = f"did you mean '{close[0]}'?" if close else "remove it"
+        errors.append(f"deepspeed_config: unknown top-level key '{key}' (DeepSpeed would silently ignore it); {hint}")
+    return errors
 
 
 def zero_stage(ds: dict) -> int:

@@ -9,6 +9,7 @@ import os
 import torch
 
 from ..data import DataError, dataset_info
+from ..models.hf_io import has_weights, pickled_weights
 from ..models.layers import mtp_depth
 from ..models.moe import resolve_settings
 from ..models.pipeline import partition
@@ -19,6 +20,7 @@ from .deepspeed_json import (
     precision,
     resolve_ds_config,
     skips_nonfinite_steps,
+    unknown_top_level_keys,
     zero_stage,
 )
 from .schema import ConfigError, RunConfig
@@ -29,8 +31,8 @@ def validate(cfg: RunConfig, ds: dict, world_size: int, cuda_available: bool | N
     own config model runs last, only when these rules pass (its complaints would otherwise restate theirs)."""
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()
-    errors = (_layout_errors(cfg, world_size) + _deepspeed_errors(cfg, ds, cuda_available) + _model_errors(cfg, ds)
-              + _data_errors(cfg) + _nan_policy_errors(cfg, ds) + missing_monitor_packages(ds))
+    errors = (unknown_top_level_keys(ds) + _layout_errors(cfg, world_size) + _deepspeed_errors(cfg, ds, cuda_available)
+              + _model_errors(cfg, ds) + _data_errors(cfg) + _nan_policy_errors(cfg, ds) + missing_monitor_packages(ds))
     if not errors:
         try:
             errors = deepspeed_refusals(resolve_ds_config(ds, cfg, world_size))
@@ -93,6 +95,11 @@ def _model_errors(cfg: RunConfig, ds: dict) -> list[str]:
     p = cfg.parallel
     if cfg.model.path and not os.path.isdir(cfg.model.path):
         return [f"model.path {cfg.model.path!r} does not exist; point it at a local HF model directory"]
+    pickled = pickled_weights(cfg.model.path) if cfg.model.path and not has_weights(cfg.model.path) else []
+    if pickled:
+        return [f"model.path {cfg.model.path!r} holds only PyTorch pickle weights ({pickled[0]}), "
+                "which deepseek-ds does not read (training would start from random weights); convert it once with "
+                "`AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(DIR, safe_serialization=True)`"]
     try:
         mcfg = build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides)
     except (ModelConfigError, TypeError, ValueError) as e:
@@ -122,9 +129,10 @@ def _data_errors(cfg: RunConfig) -> list[str]:
         return [f"data.path {cfg.data.path!r} does not exist; prepare one with "
                 "`deepseek-ds data prepare --input ... --out DIR` or use data.builtin: stdlib"]
     try:
-        splits = dataset_info(cfg.data.path)["splits"]
+        info = dataset_info(cfg.data.path)
     except DataError as e:
         return [str(e)]
+    splits = info["splits"]
     # A split of n tokens holds (n - 1) // seq_len samples (each needs seq_len + 1 tokens for its labels).
     need = cfg.data.seq_len + 1
     errors = []
@@ -137,7 +145,20 @@ def _data_errors(cfg: RunConfig) -> list[str]:
                       f"{splits['valid']['num_docs']} documents / {splits['valid']['num_tokens']} tokens, fewer "
                       f"than one sample of data.seq_len {cfg.data.seq_len} + 1; prepare it with a larger "
                       "--valid-fraction (or more documents), or set eval.interval: 0")
-    return errors
+    return errors + _vocab_errors(cfg, info)
+
+
+def _vocab_errors(cfg: RunConfig, info: dict) -> list[str]:
+    """A dataset whose token ids reach past the model's embedding (it would fail in the first step on every rank)."""
+    try:
+        vocab = build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides).vocab_size
+    except (ModelConfigError, TypeError, ValueError):
+        return []  # the model's own problem, reported by _model_errors
+    if info["vocab_size"] <= vocab:
+        return []
+    return [f"data.path {cfg.data.path!r} was tokenized with {info['vocab_size']} tokens but the model's vocab_size is "
+            f"{vocab}; use a dataset prepared with the model's tokenizer or set model.overrides.vocab_size: "
+            f"{info['vocab_size']}"]
 
 
 def _nan_policy_errors(cfg: RunConfig, ds: dict) -> list[str]:

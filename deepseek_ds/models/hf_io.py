@@ -125,3 +125,10 @@ def mtp_layers_absent(layers, hf_dir: str) -> tuple[list, list]:
 
 def has_weights(hf_dir: str) -> bool:
     return any(os.path.isfile(os.path.join(hf_dir, f)) for f in ("model.safetensors.index.json", "model.safetensors"))
+
+
+def pickled_weights(hf_dir: str) -> list[str]:
+    """The PyTorch-pickle weight files (pytorch_model*.bin) of a directory. We read safetensors only (no unpickling
+    of a downloaded file), so a directory with just these must be refused, not trained from random weights."""
+    return sorted(f for f in os.listdir(hf_dir) if f.startswith("pytorch_model") and
+                  (f.endswith(".bin") or f.endswith(".bin.index.json")))

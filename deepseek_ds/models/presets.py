@@ -6,6 +6,9 @@ that differ from transformers' defaults for that config class are spelled out.
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 import json
 import os
 from dataclasses import dataclass
@@ -91,12 +94,48 @@ def build_model_config(preset: str | None = None, path: str | None = None,
             raise ModelConfigError(f"model.path: model_type {model_type!r} in {cfg_file} is not supported; "
                                    f"expected one of {sorted(SUPPORTED_MODEL_TYPES)}")
         fields = {k: v for k, v in raw.items() if k not in ("architectures", "transformers_version", "auto_map")}
+        _check_overrides(SUPPORTED_MODEL_TYPES[model_type], overrides)
         fields.update(overrides or {})
         return SUPPORTED_MODEL_TYPES[model_type](**fields)
     if preset not in PRESETS:
         raise ModelConfigError(f"model.preset: unknown preset {preset!r}; choose one of {sorted(PRESETS)} or set model.path")
     p = PRESETS[preset]
+    _check_overrides(p.config_cls, overrides)
     return p.config_cls(**{**p.fields, **(overrides or {})})
+
+
+@functools.cache
+def config_fields(config_cls: type) -> frozenset[str]:
+    """The field names a transformers config class knows: its serialized fields, its __init__ arguments and its
+    aliases (attribute_map). A config accepts any other keyword too and keeps it as a stray attribute, which is
+    how a misspelt override would be ignored."""
+    params = inspect.signature(config_cls.__init__).parameters
+    named = {n for n, p in params.items() if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return frozenset(set(config_cls().to_dict()) | named | set(getattr(config_cls, "attribute_map", {})))
+
+
+# Why a field of another family does not apply, where a plain "not a field" would leave the user guessing.
+_FAMILY_NOTES = {"num_nextn_predict_layers": "multi-token prediction is DeepSeek-V3's"}
+
+
+def _check_overrides(config_cls: type, overrides: dict[str, Any] | None) -> None:
+    known = config_fields(config_cls)
+    problems = []
+    for key in overrides or {}:
+        if key in known:
+            continue
+        others = [c for c in SUPPORTED_MODEL_TYPES.values() if c is not config_cls and key in config_fields(c)]
+        other = others[0] if others else None
+        if other is not None:
+            note = _FAMILY_NOTES.get(key, f"it is a field of {other.__name__}")
+            problems.append(f"model.overrides.{key}: {note} (model_type {other.model_type}), not "
+                            f"{config_cls.model_type}'s; remove it from model.overrides")
+            continue
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f"did you mean '{close[0]}'?" if close else f"see transformers' {config_cls.__name__} for its fields"
+        problems.append(f"model.overrides.{key} is not a field of {config_cls.__name__}; {hint}")
+    if problems:
+        raise ModelConfigError("; ".join(problems))
 
 
 def is_moe(config: PretrainedConfig) -> bool:
