@@ -1,5 +1,5 @@
-"""`deepseek-ds checkpoint list|reshard`: inspect a run's checkpoints; convert one ahead of a resume on another
-layout (training converts on its own when it finds the layout changed; doing it here keeps that work off the
+"""`deepseek-ds checkpoint list|verify|reshard`: inspect a run's checkpoints; check their files against the sizes and
+checksums recorded when they were saved; convert one ahead of a resume on another layout (training converts on its own when it finds the layout changed; doing it here keeps that work off the
 job's clock)."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from .format import (
     tag_dir_of,
     universal_dir,
 )
+from .integrity import check_tag
 
 
 def _size_gb(path: str) -> float:
@@ -42,6 +43,24 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    """A table of every complete tag (files, bytes, OK/DAMAGED and the first bad file); 1 when the newest is
+    damaged (a resume would fall back to an older one), else 0."""
+    if not os.path.isdir(args.checkpoint_dir):
+        raise CheckpointError(f"{args.checkpoint_dir} is not a directory; pass the checkpoint.dir of a training run")
+    tags = complete_tags(args.checkpoint_dir)
+    if not tags:
+        print(f"{args.checkpoint_dir}: no complete checkpoints")
+        return 0
+    checks = [check_tag(os.path.join(args.checkpoint_dir, tag)) for tag in tags]
+    print(f"{'tag':<16} {'files':>6} {'bytes':>14}  status")
+    for tag, c in zip(tags, checks):
+        status = "OK" if c.ok and c.recorded else "OK (no sizes or checksums recorded)" if c.ok else \
+            f"DAMAGED: {c.problem}"
+        print(f"{tag:<16} {c.files:>6} {c.bytes:>14}  {status}")
+    return 0 if checks[-1].ok else 1
+
+
 def cmd_reshard(args: argparse.Namespace) -> int:
     # Imported here: deepspeed and transformers take seconds to import, which every other `deepseek-ds` command
     # (and `--help`) would pay at start-up.
@@ -57,12 +76,17 @@ def cmd_reshard(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> None:
-    """Add `checkpoint` (list, reshard) to the `deepseek-ds` sub-commands."""
-    group = subparsers.add_parser("checkpoint", help="list checkpoints; convert one for another layout").add_subparsers(
+    """Add `checkpoint` (list, verify, reshard) to the `deepseek-ds` sub-commands."""
+    group = subparsers.add_parser("checkpoint", help="list or verify checkpoints; convert one for another layout"
+                                  ).add_subparsers(
         dest="checkpoint_command", metavar="SUBCOMMAND", required=True)
     p = group.add_parser("list", help="complete checkpoints of a checkpoint.dir with step, layout and size")
     p.add_argument("checkpoint_dir")
     p.set_defaults(func=cmd_list)
+    p = group.add_parser("verify", help="check every checkpoint's files against their recorded sizes and checksums "
+                                        "(exit 1 when the newest is damaged)")
+    p.add_argument("checkpoint_dir")
+    p.set_defaults(func=cmd_verify)
     p = group.add_parser("reshard", help="universal checkpoint for another data-parallel size / pipeline layout")
     p.add_argument("checkpoint", help="checkpoint.dir of a run (its newest complete step) or one step directory")
     p.add_argument("--pipeline-stages", type=int, required=True, help="parallel.pipeline_stages of the resuming run")

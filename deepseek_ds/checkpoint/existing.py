@@ -14,7 +14,8 @@ from ..data.builtin import builtin_dataset_dir
 from ..data.layout import META as DATASET_META
 from ..models.pipeline import prepare_config
 from ..models.presets import build_model_config
-from .format import check_compatible, latest_tag, read_meta
+from .format import check_compatible, read_meta
+from .integrity import newest_verified_tag
 
 
 def _dataset_dir(cfg: RunConfig) -> str | None:
@@ -27,7 +28,8 @@ def _dataset_dir(cfg: RunConfig) -> str | None:
 def check_existing_checkpoint(cfg: RunConfig) -> str | None:
     """The tag a launch of `cfg` would resume from (None: a fresh run); CheckpointError when checkpoint.dir holds a
     checkpoint of another model or tokenizer, with the fix."""
-    tag = latest_tag(cfg.checkpoint_dir)
+    # Sizes only (a stat per file): every rank runs this before start-up; resume checks the checksums.
+    tag = newest_verified_tag(cfg.checkpoint_dir, sizes_only=True)
     if tag is None:
         return None
     tag_dir = os.path.join(cfg.checkpoint_dir, tag)

@@ -2,11 +2,13 @@
 
 Under `checkpoint.dir`:
 
+  .lock                   the job that uses this directory (host, pid, start time): see lock.py
   latest                  the newest complete tag, replaced atomically (os.replace) after it is published
   step00000200/           a complete checkpoint: only ever created by renaming a finished `.partial` directory
     *_model_states.pt, *_optim_states.pt, layer_*-model_states.pt    DeepSpeed's own files
     checkpoint.json       our metadata: step, consumed samples, layout, model fingerprint, tokenizer hash,
-                          resolved run + DeepSpeed config (written last, by rank 0, after a barrier)
+                          resolved run + DeepSpeed config, every other file's size and crc32 (integrity.py)
+                          (written last, by rank 0, after a barrier)
     config.json           the transformers model config (what `export hf` rebuilds the model from)
     rng/rank_00000.pt     RNG states of every rank (python, numpy, torch, accelerator)
     buffers/stage_00.safetensors   persistent buffers (MoE e_score_correction_bias) by HF name: a universal

@@ -16,12 +16,13 @@ from .format import (
     CheckpointError,
     Layout,
     check_compatible,
+    complete_tags,
     current_layout,
-    latest_tag,
     read_meta,
     saved_layout,
     universal_dir,
 )
+from .integrity import newest_verified_tag
 from .run import TrainingRun
 from .safe_load import trusted_types_only
 from .state import restore_buffers, restore_rng
@@ -29,15 +30,19 @@ from .universal import to_universal
 
 
 def resume(run: TrainingRun) -> dict | None:
-    """Every rank calls this before training. Loads the newest complete checkpoint of checkpoint.dir (resharding
-    it when the layout changed) and returns {"step", "consumed_samples", "schedule_steps"} (the length of the
-    checkpoint's LR schedule); None for a fresh run."""
+    """Every rank calls this before training. Loads the newest complete checkpoint of checkpoint.dir that verifies
+    (resharding it when the layout changed) and returns {"step", "consumed_samples", "schedule_steps"} (the length
+    of the checkpoint's LR schedule), "tag"; None for a fresh run."""
     ckpt_dir = run.cfg.checkpoint_dir
-    choice = [latest_tag(ckpt_dir) if run.rank == 0 else None]
-    dist.broadcast_object_list(choice, src=0)  # one decision, whatever each rank's view of a network filesystem
+    # Rank 0 verifies (checksums: see integrity.py) and skips damaged tags with a warning naming the bad file; one
+    # decision, whatever each rank's view of a network filesystem.
+    choice = [_choose(ckpt_dir, run.log) if run.rank == 0 else None]
+    dist.broadcast_object_list(choice, src=0)
+    tag, refusal = choice[0]
+    if refusal:
+        raise CheckpointError(refusal)
     if run.rank == 0:
         _remove_partials(ckpt_dir, run.log)
-    tag = choice[0]
     if tag is None:
         return None
     tag_dir = os.path.join(ckpt_dir, tag)
@@ -59,7 +64,17 @@ def resume(run: TrainingRun) -> dict | None:
         run.log.info("rank %d: no RNG state in %s; keeping this run's seeded state", run.rank, tag_dir)
     sched = meta["deepspeed_config"].get("scheduler", {}).get("params", {})
     return {"step": int(meta["step"]), "consumed_samples": int(meta["consumed_samples"]),
-            "schedule_steps": sched.get("total_num_steps")}
+            "schedule_steps": sched.get("total_num_steps"), "tag": tag}
+
+
+def _choose(ckpt_dir: str, log: logging.Logger) -> tuple[str | None, str | None]:
+    """(the tag to resume from, None) or (None, why not): checkpoints that are all damaged are refused rather than
+    silently replaced by a fresh run."""
+    tag = newest_verified_tag(ckpt_dir, log)
+    if tag is None and complete_tags(ckpt_dir):
+        return None, (f"no checkpoint in {ckpt_dir} verifies (`deepseek-ds checkpoint verify {ckpt_dir}` lists what "
+                      "is damaged); restore one from a copy, or move the directory away to start a fresh run")
+    return tag, None
 
 
 def _loads_natively(saved: Layout, now: Layout) -> bool:

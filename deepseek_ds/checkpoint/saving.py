@@ -31,6 +31,7 @@ from .format import (
     model_fingerprint,
     tag_for,
 )
+from .integrity import FILES, intact_tags, record_files
 from .run import TrainingRun
 from .state import save_buffers, save_rng
 
@@ -58,7 +59,9 @@ def save(run: TrainingRun, step: int, consumed_samples: int) -> str:
     dist.barrier()  # every rank's files are written
     if run.rank == 0:
         run.model_config.to_json_file(os.path.join(partial, MODEL_CONFIG))
-        write_json_atomic(Path(partial) / META, _meta(run, tag, step, consumed_samples))
+        meta = _meta(run, tag, step, consumed_samples)
+        meta[FILES] = record_files(partial)  # reads the tag back once: see integrity.py for the cost
+        write_json_atomic(Path(partial) / META, meta)
         _fsync_tree(partial)
         if os.path.isdir(final):  # the same step saved again (a resumed run re-reaching it): replace it
             shutil.rmtree(final)
@@ -106,9 +109,11 @@ def _fsync_tree(root: str) -> None:
 
 
 def _prune(ckpt_dir: str, keep: int) -> None:
-    """Keep the newest `keep` complete checkpoints, with their universal conversions."""
-    tags = complete_tags(ckpt_dir)
-    doomed = set(tags[:-keep])
+    """Keep the newest `keep` intact checkpoints (and any newer damaged ones), with their universal conversions:
+    a damaged tag never counts, so the newest good one survives `keep: 1`. (Intact = every file has its recorded
+    size; the tag just published was checksummed from its bytes a moment ago.)"""
+    tags, kept = complete_tags(ckpt_dir), intact_tags(ckpt_dir)[-keep:]
+    doomed = set(tags[:tags.index(kept[0])]) if kept else set()
     for name in os.listdir(ckpt_dir):
         if name.split(".")[0] in doomed:
             shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint.format import latest_tag, tag_for
+from ..checkpoint.lock import checkpoint_lock
 from ..checkpoint.resuming import resume
 from ..checkpoint.saving import save
 from ..data import GlobalBatchSampler, PackedDataset, micro_batches
@@ -63,6 +64,11 @@ def mtp_loss_breakdown(run: Run) -> dict[str, float]:
 
 def train(run: Run, on_accepted=None) -> dict:
     """Train from the newest checkpoint (or from scratch) up to train.steps; returns rank 0's summary."""
+    with checkpoint_lock(run):  # held from before the resume (which removes .partial saves) to the last save
+        return _train(run, on_accepted)
+
+
+def _train(run: Run, on_accepted=None) -> dict:
     cfg, engine, log = run.cfg, run.engine, run.log
     is_rank0 = run.rank == 0
     stop = StopOnSignal(engine.device)  # SIGTERM/SIGINT: finish the step, save, exit cleanly
@@ -83,7 +89,7 @@ def train(run: Run, on_accepted=None) -> dict:
                      start_step, cfg.train.steps)
         return {"steps": 0, "checkpoint": os.path.join(cfg.checkpoint_dir, latest_tag(cfg.checkpoint_dir))}
     if start_step and is_rank0:
-        log.info("resumed from %s at step %d (%d samples consumed)", latest_tag(cfg.checkpoint_dir), start_step,
+        log.info("resumed from %s at step %d (%d samples consumed)", state["tag"], start_step,
                  consumed)
     sampler = GlobalBatchSampler(len(run.dataset), cfg.train.global_batch_size, cfg.train.micro_batch_size,
                                  run.dp_rank, run.dp_size, cfg.train.seed, shuffle=cfg.train.shuffle,

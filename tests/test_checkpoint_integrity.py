@@ -1,0 +1,194 @@
+"""Checkpoints that survive races and damage: one job per checkpoint.dir (a lock naming its holder, stale locks taken
+over), every file's size and checksum recorded and verified, a damaged newest tag skipped at resume (and never
+counted by retention), `deepseek-ds checkpoint verify`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from deepseek_ds.checkpoint.format import FORMAT_VERSION, META, CheckpointError, tag_for
+from deepseek_ds.checkpoint.integrity import FILES, check_tag, newest_verified_tag, record_files
+from deepseek_ds.checkpoint.lock import LOCK, STALE_S, acquire
+from helpers import checkpoint_sets, cli, deepspeed, losses, read_metrics
+
+
+def _fake_tag(ckpt: Path, step: int, recorded: bool = True) -> Path:
+    """A published tag with two files (one in a sub-directory) and a checkpoint.json recording them."""
+    d = ckpt / tag_for(step)
+    (d / "rng").mkdir(parents=True)
+    (d / "mp_rank_00_model_states.pt").write_bytes(bytes(range(256)) * 40)
+    (d / "rng" / "rank_00000.pt").write_bytes(b"rng" * 10)
+    meta = {"format_version": FORMAT_VERSION, "tag": tag_for(step), "step": step}
+    if recorded:
+        meta[FILES] = record_files(str(d))
+    (d / META).write_text(json.dumps(meta))
+    return d
+
+
+def _truncate(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()  # reaped: the pid names no process now
+    return proc.pid
+
+
+def _write_lock(ckpt: Path, host: str, pid: int, age_s: float = 0.0) -> Path:
+    ckpt.mkdir(parents=True, exist_ok=True)
+    path = ckpt / LOCK
+    path.write_text(json.dumps({"host": host, "pid": pid, "since": "2026-01-01T00:00:00+0000", "token": "theirs"}))
+    if age_s:
+        old = time.time() - age_s
+        os.utime(path, (old, old))
+    return path
+
+
+# ----------------------------------------------------------------------------------------------- lock
+@pytest.mark.unit
+def test_lock_refuses_a_second_holder_naming_the_first(tmp_path):
+    lock = acquire(str(tmp_path / "ckpt"))
+    holder = json.loads((tmp_path / "ckpt" / LOCK).read_text())
+    assert (holder["host"], holder["pid"]) == (socket.gethostname(), os.getpid())
+    with pytest.raises(CheckpointError) as err:
+        acquire(str(tmp_path / "ckpt"))
+    message = str(err.value)
+    assert f"host {socket.gethostname()}, pid {os.getpid()}, since {holder['since']}" in message
+    assert "another checkpoint.dir" in message  # the fix
+    lock.release()
+    assert not (tmp_path / "ckpt" / LOCK).exists()
+    acquire(str(tmp_path / "ckpt")).release()  # free again once released
+
+
+@pytest.mark.unit
+def test_lock_of_a_dead_pid_on_this_host_is_taken_over(tmp_path, caplog):
+    dead = _dead_pid()
+    _write_lock(tmp_path, socket.gethostname(), dead)
+    with caplog.at_level(logging.WARNING):
+        lock = acquire(str(tmp_path), logging.getLogger("test"))
+    assert f"pid {dead}" in caplog.text and "no longer running" in caplog.text
+    assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid()
+    assert [n for n in os.listdir(tmp_path) if n != LOCK] == []  # the stale lock is gone, no temporaries left
+    lock.release()
+
+
+@pytest.mark.unit
+def test_lock_of_another_host_is_stale_only_without_heartbeat(tmp_path):
+    _write_lock(tmp_path, "elsewhere", 1, age_s=STALE_S / 2)  # a live holder on a host we cannot check
+    with pytest.raises(CheckpointError, match="host elsewhere, pid 1"):
+        acquire(str(tmp_path))
+    _write_lock(tmp_path, "elsewhere", 1, age_s=STALE_S * 2)
+    acquire(str(tmp_path)).release()
+
+
+# ----------------------------------------------------------------------------------------------- integrity
+@pytest.mark.unit
+def test_check_tag_finds_truncation_flipped_bytes_and_missing_files(tmp_path):
+    d = _fake_tag(tmp_path, 1)
+    check = check_tag(str(d))
+    assert check.ok and check.files == 2 and check.bytes == 256 * 40 + 30
+    _truncate(d / "rng" / "rank_00000.pt")
+    assert check_tag(str(d)).problem == "rng/rank_00000.pt (15 bytes, 30 written)"
+    (d / "rng" / "rank_00000.pt").write_bytes(b"rng" * 10)
+    data = bytearray((d / "mp_rank_00_model_states.pt").read_bytes())
+    data[100] ^= 1
+    (d / "mp_rank_00_model_states.pt").write_bytes(bytes(data))
+    assert check_tag(str(d), sizes_only=True).ok  # same size: only the checksum sees it
+    assert "mp_rank_00_model_states.pt (checksum" in check_tag(str(d)).problem
+    (d / "mp_rank_00_model_states.pt").unlink()
+    assert check_tag(str(d)).problem == "mp_rank_00_model_states.pt (missing)"
+
+
+@pytest.mark.unit
+def test_newest_verified_tag_skips_damaged_ones_with_a_warning(tmp_path, caplog):
+    for step in (1, 2, 3):
+        _fake_tag(tmp_path, step)
+    _truncate(tmp_path / tag_for(3) / "mp_rank_00_model_states.pt")
+    (tmp_path / tag_for(2) / META).write_text('{"format_version": 1, "ta')  # cut short
+    with caplog.at_level(logging.WARNING):
+        assert newest_verified_tag(str(tmp_path), logging.getLogger("test")) == tag_for(1)
+    assert f"{tag_for(3)} is damaged: mp_rank_00_model_states.pt (5120 bytes, 10240 written)" in caplog.text
+    assert f"{tag_for(2)} is damaged: {META} (unreadable" in caplog.text
+
+
+@pytest.mark.unit
+def test_retention_never_deletes_the_newest_intact_tag(tmp_path):
+    from deepseek_ds.checkpoint.saving import _prune  # imports deepspeed: only here
+
+    for step in (1, 2, 3, 4):
+        _fake_tag(tmp_path, step)
+    _truncate(tmp_path / tag_for(4) / "mp_rank_00_model_states.pt")
+    _prune(str(tmp_path), keep=1)
+    assert sorted(os.listdir(tmp_path)) == [tag_for(3), tag_for(4)]  # the damaged step 4 does not count
+
+
+@pytest.mark.unit
+def test_verify_command_prints_a_table_and_fails_on_a_damaged_newest(tmp_path, capsys):
+    _fake_tag(tmp_path, 1, recorded=False)  # written before checkpoints recorded their files
+    _fake_tag(tmp_path, 2)
+    assert cli(["checkpoint", "verify", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["tag", "files", "bytes", "status"]
+    assert out[1].split()[:4] == [tag_for(1), "0", "0", "OK"] and "no sizes or checksums" in out[1]
+    assert out[2].split() == [tag_for(2), "2", str(256 * 40 + 30), "OK"]
+    _truncate(tmp_path / tag_for(2) / "mp_rank_00_model_states.pt")
+    assert cli(["checkpoint", "verify", str(tmp_path)]) == 1
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith(tag_for(2)) and "DAMAGED: mp_rank_00_model_states.pt (5120 bytes, 10240 written)" in last
+    assert cli(["checkpoint", "verify", str(tmp_path / "nowhere")]) == 2  # a UserError: one line, status 2
+
+
+# ----------------------------------------------------------------------------------------------- through the launcher
+def _launch(out: Path, data_dir: str, steps: int, check: bool = True) -> subprocess.CompletedProcess:
+    args = ["train.py", "--config", "recipes/tiny-v3.yaml", "--set", f"train.output_dir={out}"]
+    for s in checkpoint_sets(data_dir, steps, 1, "data.seq_len=32"):
+        args += ["--set", s]
+    return deepspeed(2, args, check=check)
+
+
+def _tree(path: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*") if p.is_file()}
+
+
+@pytest.mark.launch
+def test_damaged_newest_falls_back_and_a_second_job_is_refused(tmp_path, data_dir):
+    _launch(tmp_path / "straight", data_dir, 5)
+    straight = losses(read_metrics(str(tmp_path / "straight")))
+    out = tmp_path / "run"
+    _launch(out, data_dir, 3)
+    ckpt = out / "checkpoints"
+    damaged = sorted((ckpt / tag_for(3)).glob("*model_states.pt"))[0]
+    _truncate(damaged)
+    assert cli(["checkpoint", "verify", str(ckpt)]) == 1
+
+    # A second job while a live process (this one) holds the lock: refused at start, on every rank, with one line
+    # per host naming the holder; nothing under checkpoint.dir changes.
+    lock = _write_lock(ckpt, socket.gethostname(), os.getpid())
+    before = _tree(ckpt)
+    t0 = time.monotonic()
+    refused = _launch(out, data_dir, 5, check=False)
+    assert refused.returncode != 0
+    errors = [line for line in (refused.stdout + refused.stderr).splitlines() if "deepseek-ds: error:" in line]
+    assert errors and all(f"pid {os.getpid()}" in line and "in use by another job" in line for line in errors)
+    assert time.monotonic() - t0 < 120  # start-up included; the refusal itself is immediate
+    assert _tree(ckpt) == before
+    lock.unlink()
+
+    resumed = _launch(out, data_dir, 5)
+    log = resumed.stdout + resumed.stderr
+    assert f"{tag_for(3)} is damaged: {damaged.name}" in log
+    assert f"resumed from {tag_for(2)} at step 2" in log
+    assert losses(read_metrics(str(out))) == straight  # bitwise, every step 1-5
+    assert cli(["checkpoint", "verify", str(ckpt)]) == 0  # step 3 saved again, intact
+    assert not (ckpt / LOCK).exists()  # released at the end
