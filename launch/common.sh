@@ -26,7 +26,9 @@ usage: $(basename "$0") --hostfile F --config RECIPE.yaml [--deepspeed_config DS
   --master_addr A           address of the first host (default: DeepSpeed asks it: 'hostname -I')
   --master_port P           rendezvous port on the first host (default 29500)
   --node_rank N             this node's index in the hostfile (no_ssh.sh; default \$SLURM_NODEID)
-  --env FILE                KEY=VALUE file exported on every node (repeatable; default launch/nccl.env)
+  --env FILE                KEY=VALUE file exported on every node (repeatable; default launch/nccl.env);
+                            rendered into ./.deepspeed_env, mode 0600 (it may hold secrets), which is
+                            removed when the launcher exits (pdsh.sh, openmpi.sh)
   --script PATH             what to launch (default: train.py of this repo)
   --dry-run                 print the .deepspeed_env and the command instead of running them
 Anything after -- goes to the script, e.g. -- --set train.steps=100
@@ -103,8 +105,12 @@ write_deepspeed_env() {
         echo "$rendered"
         return
     fi
-    echo "$rendered" >.deepspeed_env
-    echo "$(basename "$0"): wrote $(pwd)/.deepspeed_env from ${ENV_FILES[*]}" >&2
+    # Owner-only (values may be secrets passed with --env): an old file keeps its mode, so replace it, and
+    # create the new one under umask 077. run() removes it when the launcher exits.
+    rm -f .deepspeed_env
+    (umask 077 && echo "$rendered" >.deepspeed_env)
+    ENV_WRITTEN=$(pwd)/.deepspeed_env
+    echo "$(basename "$0"): wrote $ENV_WRITTEN from ${ENV_FILES[*]} (mode 0600, removed at exit)" >&2
 }
 
 # With --no_ssh DeepSpeed launches locally and ignores .deepspeed_env: export the same lines here.
@@ -130,5 +136,20 @@ run() {
         return
     fi
     echo "$(basename "$0"): $*" >&2
-    exec "$@"
+    [[ -n ${ENV_WRITTEN:-} ]] || exec "$@"
+    # DeepSpeed's runner reads .deepspeed_env when it starts; keep it until the launcher ends, then remove it
+    # (it may hold secrets). Not exec'd so this shell outlives it: a TERM/INT/HUP is passed on as TERM (a
+    # background child of a non-interactive shell ignores INT), and the launcher's exit status is ours.
+    trap 'rm -f "$ENV_WRITTEN"' EXIT
+    local pid="" rc=0
+    trap '[[ -z $pid ]] || kill -TERM "$pid" 2>/dev/null' TERM INT HUP  # set before the launcher can start
+    "$@" &
+    pid=$!
+    while :; do
+        wait "$pid" && rc=0 || rc=$?
+        kill -0 "$pid" 2>/dev/null && continue  # a trapped signal ended wait early: the launcher still runs
+        wait "$pid" && rc=0 || rc=$?  # it ended meanwhile: bash kept its exit status
+        break
+    done
+    exit "$rc"
 }

@@ -53,12 +53,12 @@ def test_pdsh_writes_deepspeed_env_and_bounds_ssh(tmp_path):
     extra = tmp_path / "cluster.env"
     extra.write_text("# test cluster\nNCCL_SOCKET_IFNAME=veth\n\nNCCL_DEBUG=INFO\n")
     fake_deepspeed = tmp_path / "deepspeed"  # prints the environment the launcher would get
-    fake_deepspeed.write_text("#!/bin/bash\nenv\n")
+    fake_deepspeed.write_text("#!/bin/bash\nenv\ncp .deepspeed_env seen.env\n")  # the wrapper removes it at exit
     fake_deepspeed.chmod(0o755)
     out = wrapper("pdsh.sh", "-H", str(HOSTS), "-c", "r.yaml", "--env", str(LAUNCH / "nccl.env"), "--env", str(extra),
                   cwd=tmp_path, env={"DEEPSPEED": str(fake_deepspeed)})
     assert out.returncode == 0, out.stderr
-    lines = (tmp_path / ".deepspeed_env").read_text().splitlines()
+    lines = (tmp_path / "seen.env").read_text().splitlines()
     assert lines[0] == "NCCL_SOCKET_IFNAME=veth"  # the later file wins, in the first file's order
     assert "NCCL_DEBUG=INFO" in lines and "GLOO_SOCKET_IFNAME=eth0" in lines
     assert "PDSH_SSH_ARGS_APPEND=-o ServerAliveInterval=10 -o ServerAliveCountMax=3" in out.stdout.splitlines()

@@ -7,7 +7,9 @@ every node. It splits each line at the first '=' and nothing else, so:
   - a comment line containing '=' becomes `export # ...` and the shell then ignores the REST of the
     remote command line: the job starts nothing and still exits 0.
 The commented source we keep in the repo (launch/nccl.env) is therefore rendered into a bare
-`.deepspeed_env` by the launch wrappers, and preflight rejects the two mistakes above.
+`.deepspeed_env` by the launch wrappers, and preflight rejects the two mistakes above. Its values may be
+secrets (an API key passed with `--env`), so the wrappers write it owner-only (mode 0600, whatever the umask)
+and remove it when the launcher exits: DeepSpeed reads it once, as it starts, and it is not left behind.
 Interface/HCA lists follow NCCL's syntax (comma-separated prefixes, '^' excludes, '=' means exact).
 """
 
