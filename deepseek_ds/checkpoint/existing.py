@@ -16,6 +16,7 @@ from ..models.pipeline import prepare_config
 from ..models.presets import build_model_config
 from .format import check_compatible, read_meta
 from .integrity import newest_verified_tag
+from .lock import check_free
 
 
 def _dataset_dir(cfg: RunConfig) -> str | None:
@@ -27,7 +28,8 @@ def _dataset_dir(cfg: RunConfig) -> str | None:
 
 def check_existing_checkpoint(cfg: RunConfig) -> str | None:
     """The tag a launch of `cfg` would resume from (None: a fresh run); CheckpointError when checkpoint.dir holds a
-    checkpoint of another model or tokenizer, with the fix."""
+    checkpoint of another model or tokenizer, or when another live job holds checkpoint.dir, with the fix."""
+    check_free(cfg.checkpoint_dir)
     # Sizes only (a stat per file): every rank runs this before start-up; resume checks the checksums.
     tag = newest_verified_tag(cfg.checkpoint_dir, sizes_only=True)
     if tag is None:

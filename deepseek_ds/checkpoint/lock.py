@@ -117,6 +117,35 @@ def _take_over(path: str, seen: dict | None, token: str) -> bool:
     return True
 
 
+_GONE = object()
+
+
+def _inspect(path: str, stale_s: float) -> tuple[dict | object | None, str]:
+    """(the holder, why its lock is stale) of an existing lock; (_GONE, "") when it vanished meanwhile.
+    CheckpointError naming the holder and the fix when it is live."""
+    seen = _read(path)
+    try:
+        age = time.time() - os.stat(path).st_mtime
+    except FileNotFoundError:
+        return _GONE, ""
+    reason = _stale_reason(seen, age, stale_s)
+    if reason is None:
+        raise CheckpointError(
+            f"checkpoint.dir {os.path.dirname(path)} is in use by another job ({describe(seen)}; lock {path} renewed "
+            f"{age:.0f} s ago)",
+            hint="wait for that job to end or stop it, or give this run another checkpoint.dir (or "
+                 f"train.output_dir); if that job is gone for good, delete {path}")
+    return seen, reason
+
+
+def check_free(ckpt_dir: str, stale_s: float = STALE_S) -> None:
+    """CheckpointError when a live job holds `ckpt_dir` (taking nothing): lets every rank refuse before it spends
+    minutes building an engine. checkpoint_lock still decides, atomically, once the job has started."""
+    path = os.path.join(ckpt_dir, LOCK)
+    if os.path.exists(path):
+        _inspect(path, stale_s)
+
+
 def acquire(ckpt_dir: str, log: logging.Logger | None = None, stale_s: float = STALE_S) -> DirLock:
     """Take the lock of `ckpt_dir` (created if needed); CheckpointError naming the holder when a live job has it."""
     os.makedirs(ckpt_dir, exist_ok=True)
@@ -127,18 +156,9 @@ def acquire(ckpt_dir: str, log: logging.Logger | None = None, stale_s: float = S
     for _ in range(3):  # a stale lock taken over by a racing job between our attempts: look again
         if _try_link(ckpt_dir, path, holder):
             return DirLock(path, token)
-        seen = _read(path)
-        try:
-            age = time.time() - os.stat(path).st_mtime
-        except FileNotFoundError:
+        seen, reason = _inspect(path, stale_s)
+        if seen is _GONE:
             continue
-        reason = _stale_reason(seen, age, stale_s)
-        if reason is None:
-            raise CheckpointError(
-                f"checkpoint.dir {ckpt_dir} is in use by another job ({describe(seen)}; lock {path} renewed "
-                f"{age:.0f} s ago)",
-                hint="wait for that job to end or stop it, or give this run another checkpoint.dir (or "
-                     f"train.output_dir); if that job is gone for good, delete {path}")
         if log:
             log.warning("taking over the stale lock %s (%s): %s", path, describe(seen or {}), reason)
         _take_over(path, seen, token)
