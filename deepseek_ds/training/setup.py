@@ -29,6 +29,7 @@ from ..models.moe import LoadBalancer, autoep_section, resolve_settings, restore
 from ..models.names import hf_layer_prefix
 from ..models.pipeline import build_model, local_layers, partition, partition_table, prepare_config
 from ..models.presets import build_model_config, num_routed_experts
+from ..utils.redact import redact
 from ..utils.system import usable_cpus
 
 
@@ -194,6 +195,7 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                            config=ds)
     restore_fp32_biases(engine.module, biases)
+    engine.config = redact(engine.config)  # the dict DeepSpeed saves into every checkpoint's .pt files
     if pp > 1:
         dp_rank, dp_size, dp_group = engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size(), \
             engine.grid.get_data_parallel_group()
