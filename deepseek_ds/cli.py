@@ -13,7 +13,7 @@ import sys
 from .bench import checkpoint_bench, data_bench, pipeline_bench, zero_bench
 from .checkpoint import cli as checkpoint_cli
 from .checkpoint.existing import check_existing_checkpoint
-from .config import load_and_validate
+from .config import filled_sections, load_and_validate, load_ds_config
 from .data import cli as data_cli
 from .inference import cli as inference_cli
 from .launcher import cli as launcher_cli
@@ -43,6 +43,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
           f"grad-accum {ds['gradient_accumulation_steps']} x data-parallel {cfg.data_parallel_size(world)}); "
           + (f"resumes from {os.path.join(cfg.checkpoint_dir, tag)}" if tag else
              f"a new run in {cfg.train.output_dir}"))
+    print("".join(f"note: {line}\n" for line in filled_sections(load_ds_config(cfg.deepspeed_config))), end="")
     return 0
 
 

@@ -115,6 +115,15 @@ def test_deepspeed_json_without_optimizer_gets_adamw_from_the_run_config(tmp_pat
     assert any("no 'optimizer' section" in line for line in doc["filled_in"])
 
 
+def test_validate_says_the_optimizer_was_filled_in(tmp_path, capsys):
+    ds = {k: v for k, v in load_ds_config(ZERO1).items() if k != "optimizer"}
+    path = write_json(tmp_path / "no_opt.json", ds)
+    assert cli(["validate", "--config", "recipes/tiny-v3.yaml", "--deepspeed_config", path,
+                "--set", f"train.output_dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("OK: ") and "note: deepspeed_config has no 'optimizer' section: using AdamW" in out
+
+
 def test_json_with_its_own_optimizer_is_not_noted(tmp_path):
     cfg = run_config_from_dict({"train": {"output_dir": str(tmp_path)}, "deepspeed_config": ZERO1})
     doc = yaml.safe_load(open(write_resolved(cfg, resolve_ds_config(load_ds_config(ZERO1), cfg, 1), 1)))
