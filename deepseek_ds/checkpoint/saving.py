@@ -21,6 +21,7 @@ from deepspeed.checkpoint.constants import (
 
 from ..data import dataset_info
 from ..utils.fs import write_bytes_atomic, write_json_atomic
+from ..utils.redact import redact
 from .format import (
     FORMAT_VERSION,
     LATEST,
@@ -59,7 +60,7 @@ def save(run: TrainingRun, step: int, consumed_samples: int) -> str:
     dist.barrier()  # every rank's files are written
     if run.rank == 0:
         run.model_config.to_json_file(os.path.join(partial, MODEL_CONFIG))
-        meta = _meta(run, tag, step, consumed_samples)
+        meta = redact(_meta(run, tag, step, consumed_samples))  # no credentials next to every checkpoint
         meta[FILES] = record_files(partial)  # reads the tag back once: see integrity.py for the cost
         write_json_atomic(Path(partial) / META, meta)
         _fsync_tree(partial)
