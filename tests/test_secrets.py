@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from deepseek_ds.checkpoint import model_fingerprint
 from deepseek_ds.config import load_ds_config, resolve_ds_config, run_config_from_dict, write_resolved
+from deepseek_ds.models.presets import build_model_config
 from deepseek_ds.utils.redact import REDACTED, is_secret_key, redact
 from helpers import train
 
@@ -28,7 +30,8 @@ def test_credential_like_keys(name):
 
 @pytest.mark.unit
 @pytest.mark.parametrize("name", ["reduce_bucket_size", "tokenizer_hash", "max_tokens", "keep", "keep_in_fp32_modules",
-                                  "sort_keys", "monkey", "stage3_prefetch_bucket_size", "vocab_size", "lr"])
+                                  "sort_keys", "monkey", "stage3_prefetch_bucket_size", "vocab_size", "lr",
+                                  "bos_token_id", "pad_token_id", "num_key_value_heads", "key_value_heads"])
 def test_ordinary_keys(name):
     assert not is_secret_key(name)
 
@@ -42,6 +45,13 @@ def test_redact_replaces_secret_values_at_any_depth_and_leaves_the_input_alone()
                    "runs": [{"token": REDACTED, "steps": 3}], "password": None,
                    "zero_optimization": {"reduce_bucket_size": 5}}
     assert doc["comet"]["api_key"] == COMET_KEY
+
+
+@pytest.mark.unit
+def test_a_model_config_comes_through_unredacted():
+    """A resume compares the saved model config with the run's: its token ids and head counts must survive."""
+    fingerprint = model_fingerprint(build_model_config("tiny-v3"))
+    assert redact(fingerprint) == fingerprint and "bos_token_id" in fingerprint
 
 
 def _ds_with_comet_key() -> dict:

@@ -61,9 +61,6 @@ def save(run: TrainingRun, step: int, consumed_samples: int) -> str:
     if run.rank == 0:
         run.model_config.to_json_file(os.path.join(partial, MODEL_CONFIG))
         meta = redact(_meta(run, tag, step, consumed_samples))  # no credentials next to every checkpoint
-        # Model hyperparameters hold no credentials, and resume compares them: bos_token_id, num_key_value_heads must
-        # not come back as "<redacted>" (redaction matches the words token and key).
-        meta["model_config"] = model_fingerprint(run.model_config)
         meta[FILES] = record_files(partial)  # reads the tag back once: see integrity.py for the cost
         write_json_atomic(Path(partial) / META, meta)
         _fsync_tree(partial)

@@ -7,15 +7,17 @@ import re
 from typing import Any
 
 REDACTED = "<redacted>"
-# Whole words of a key name, not substrings: `api_key`, `HF_TOKEN`, `apiKey`, `AWS_SECRET_ACCESS_KEY` are
-# credentials; `tokenizer_hash`, `max_tokens`, `keep`, `reduce_bucket_size` are not.
+# The last word of a key name, not a substring or any word: `api_key`, `HF_TOKEN`, `apiKey`, `AWS_SECRET_ACCESS_KEY`
+# are credentials; `tokenizer_hash`, `max_tokens`, `reduce_bucket_size`, and model fields such as `bos_token_id`
+# or `num_key_value_heads` (which a resume compares) are not.
 _SECRET_WORDS = {"key", "apikey", "token", "secret", "password", "passwd", "credential", "credentials"}
 _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
 
 
 def is_secret_key(name: str) -> bool:
-    """Whether a key name looks like it holds a credential (case-insensitive, by whole words)."""
-    return any(word.lower() in _SECRET_WORDS for word in _WORD.findall(str(name)))
+    """Whether a key name looks like it holds a credential (case-insensitive, by its last word)."""
+    words = _WORD.findall(str(name))
+    return bool(words) and words[-1].lower() in _SECRET_WORDS
 
 
 def redact(value: Any) -> Any:
