@@ -224,3 +224,14 @@ def test_damaged_newest_falls_back_and_a_second_job_is_refused(tmp_path, data_di
     assert losses(read_metrics(str(out))) == straight  # bitwise, every step 1-5
     assert cli(["checkpoint", "verify", str(ckpt)]) == 0  # step 3 saved again, intact
     assert not (ckpt / LOCK).exists()  # released at the end
+
+
+@pytest.mark.unit
+def test_list_and_verify_of_a_missing_directory_are_one_line_errors(tmp_path, capsys):
+    for command in ("list", "verify"):
+        assert cli(["checkpoint", command, str(tmp_path / "nope")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"deepseek-ds: error: {tmp_path / 'nope'} is not a directory") and "Traceback" not in err
+    (tmp_path / "empty").mkdir()
+    assert cli(["checkpoint", "list", str(tmp_path / "empty")]) == 0
+    assert "no complete checkpoints" in capsys.readouterr().out

@@ -26,14 +26,18 @@ def _size_gb(path: str) -> float:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs) / 1e9
 
 
-def cmd_list(args: argparse.Namespace) -> int:
-    if not os.path.isdir(args.checkpoint_dir):
-        raise CheckpointError(f"{args.checkpoint_dir} is not a directory; pass the checkpoint.dir of a training run")
-    tags = complete_tags(args.checkpoint_dir)
+def _tags(checkpoint_dir: str) -> list[str]:
+    """The complete tags of a checkpoint directory, oldest first (saying so when there are none)."""
+    if not os.path.isdir(checkpoint_dir):
+        raise CheckpointError(f"{checkpoint_dir} is not a directory; pass the checkpoint.dir of a training run")
+    tags = complete_tags(checkpoint_dir)
     if not tags:
-        print(f"{args.checkpoint_dir}: no complete checkpoints")
-        return 0
-    for tag in tags:
+        print(f"{checkpoint_dir}: no complete checkpoints")
+    return tags
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    for tag in _tags(args.checkpoint_dir):
         tag_dir = os.path.join(args.checkpoint_dir, tag)
         meta = read_meta(tag_dir)
         converted = [s for s in SCHEMES if is_converted(universal_dir(tag_dir, s))]
@@ -46,11 +50,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     """A table of every complete tag (files, bytes, OK/DAMAGED and the first bad file); 1 when the newest is
     damaged (a resume would fall back to an older one), else 0."""
-    if not os.path.isdir(args.checkpoint_dir):
-        raise CheckpointError(f"{args.checkpoint_dir} is not a directory; pass the checkpoint.dir of a training run")
-    tags = complete_tags(args.checkpoint_dir)
+    tags = _tags(args.checkpoint_dir)
     if not tags:
-        print(f"{args.checkpoint_dir}: no complete checkpoints")
         return 0
     checks = [check_tag(os.path.join(args.checkpoint_dir, tag)) for tag in tags]
     print(f"{'tag':<16} {'files':>6} {'bytes':>14}  status")
