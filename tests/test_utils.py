@@ -42,8 +42,11 @@ def test_the_deepspeed_launcher_of_this_environment_comes_first(monkeypatch):
 
 
 def test_free_port_can_be_bound():
+    port = net.free_port()
+    assert 1024 <= port <= 65535  # an unprivileged port the OS chose, not 0 or a placeholder
     with socket.socket() as s:
-        s.bind(("127.0.0.1", net.free_port()))
+        s.bind(("127.0.0.1", port))
+        assert s.getsockname()[1] == port
 
 
 def _raising(error: Exception):
