@@ -11,9 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
+from deepseek_ds.config import ConfigError, validate
 from deepseek_ds.utils.net import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -121,3 +123,10 @@ def training_loss(model, data_dir: str, step: int, seq_len: int = 128, global_ba
                                      ignore_index=IGNORE_INDEX, reduction="sum").item()
             tokens += int((labels != IGNORE_INDEX).sum())
     return total / tokens
+
+
+def refused(cfg, ds: dict, world: int = 1, match: str | None = None, cuda: bool = False) -> str:
+    """validate() must refuse (with a message matching `match`, when given); returns that message."""
+    with pytest.raises(ConfigError, match=match) as e:
+        validate(cfg, ds, world, cuda_available=cuda)
+    return str(e.value)

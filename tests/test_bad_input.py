@@ -10,7 +10,6 @@ import yaml
 
 from deepseek_ds.config import (
     RESOLVED_NAME,
-    ConfigError,
     load_ds_config,
     resolve_ds_config,
     run_config_from_dict,
@@ -20,18 +19,12 @@ from deepseek_ds.config import (
 from deepseek_ds.config.deepspeed_json import deepspeed_top_level_keys
 from deepseek_ds.models.presets import build_model_config
 from deepseek_ds.training.main import main as train_main
-from helpers import cli
+from helpers import cli, refused
 
 pytestmark = pytest.mark.unit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ZERO1 = os.path.join(ROOT, "ds_configs", "zero1.json")
-
-
-def refusal(cfg, ds, world=1) -> str:
-    with pytest.raises(ConfigError) as e:
-        validate(cfg, ds, world, cuda_available=False)
-    return str(e.value)
 
 
 def write_json(path, doc) -> str:
@@ -42,7 +35,7 @@ def write_json(path, doc) -> str:
 def test_misspelt_top_level_deepspeed_key_is_refused_with_its_spelling():
     ds = load_ds_config(ZERO1)
     ds["zero_optimisation"] = ds.pop("zero_optimization")
-    message = refusal(run_config_from_dict({}), ds)
+    message = refused(run_config_from_dict({}), ds)
     assert "unknown top-level key 'zero_optimisation'" in message
     assert "did you mean 'zero_optimization'?" in message
 
@@ -74,7 +67,7 @@ def test_deepspeed_typo_refused_by_the_cli_and_by_train_py_before_init(tmp_path,
                                                 ("tiny-v2", "n_routed_expert", "n_routed_experts")])
 def test_misspelt_model_override_is_refused_with_the_nearest_field(preset, key, nearest):
     cfg = run_config_from_dict({"model": {"preset": preset, "overrides": {key: 2}}})
-    message = refusal(cfg, load_ds_config(ZERO1))
+    message = refused(cfg, load_ds_config(ZERO1))
     assert f"model.overrides.{key} is not a field of" in message
     assert f"did you mean '{nearest}'?" in message
 
@@ -87,14 +80,14 @@ def test_real_model_overrides_and_aliases_pass():
 
 def test_seq_len_above_max_position_embeddings_is_refused():
     cfg = run_config_from_dict({"data": {"seq_len": 2048}})  # tiny-v3: 1024 positions
-    message = refusal(cfg, load_ds_config(ZERO1))
+    message = refused(cfg, load_ds_config(ZERO1))
     assert "data.seq_len (2048) exceeds the model's max_position_embeddings (1024)" in message
 
 
 def test_dataset_with_a_larger_vocabulary_than_the_model_is_refused(data_dir):
     cfg = run_config_from_dict({"data": {"path": data_dir, "seq_len": 32},
                                 "model": {"overrides": {"vocab_size": 1000}}})
-    message = refusal(cfg, load_ds_config(ZERO1))
+    message = refused(cfg, load_ds_config(ZERO1))
     assert f"data.path {data_dir!r} was tokenized with 2048 tokens but the model's vocab_size is 1000" in message
     ok = run_config_from_dict({"data": {"path": data_dir, "seq_len": 32}})
     validate(ok, load_ds_config(ZERO1), 1, cuda_available=False)
@@ -135,7 +128,7 @@ def test_model_path_with_only_pickle_weights_is_refused(tmp_path):
     cfg = run_config_from_dict({"model": {"path": str(tmp_path), "preset": None}})
     validate(cfg, load_ds_config(ZERO1), 1, cuda_available=False)  # config only: a fresh model, as documented
     (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
-    message = refusal(cfg, load_ds_config(ZERO1))
+    message = refused(cfg, load_ds_config(ZERO1))
     assert "holds only PyTorch pickle weights (pytorch_model.bin)" in message
     assert "save_pretrained(DIR, safe_serialization=True)" in message
     (tmp_path / "model.safetensors").write_bytes(b"")  # safetensors next to it: those are what is read

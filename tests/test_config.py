@@ -27,6 +27,7 @@ from deepseek_ds.config import (
     write_resolved,
 )
 from deepseek_ds.training.main import main as train_main
+from helpers import refused
 
 pytestmark = pytest.mark.unit
 
@@ -40,13 +41,6 @@ def cfg(**sections):
 
 def ds(name="zero1.json"):
     return load_ds_config(os.path.join(DS, name))
-
-
-def refused(c, d, world, match, cuda=False) -> str:
-    """validate() must refuse with a message matching `match`; returns that message."""
-    with pytest.raises(ConfigError, match=match) as e:
-        validate(c, d, world, cuda_available=cuda)
-    return str(e.value)
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(DS, "*.json"))), ids=os.path.basename)
