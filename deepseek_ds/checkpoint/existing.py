@@ -19,10 +19,9 @@ from .integrity import newest_verified_tag
 from .lock import check_free
 
 
-def _dataset_dir(cfg: RunConfig) -> str | None:
+def _dataset_dir(cfg: RunConfig, vocab_size: int) -> str | None:
     """The run's dataset if it exists already (data.path, or a built-in corpus prepared by an earlier run)."""
-    mcfg = build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides)
-    path = cfg.data.path or builtin_dataset_dir(cfg.data.cache_dir, mcfg.vocab_size, cfg.data.builtin_max_mb)
+    path = cfg.data.path or builtin_dataset_dir(cfg.data.cache_dir, vocab_size, cfg.data.builtin_max_mb)
     return path if os.path.isfile(os.path.join(path, DATASET_META)) else None
 
 
@@ -36,9 +35,9 @@ def check_existing_checkpoint(cfg: RunConfig) -> str | None:
         return None
     tag_dir = os.path.join(cfg.checkpoint_dir, tag)
     meta = read_meta(tag_dir)
-    dataset = _dataset_dir(cfg)
-    tokenizer_hash = dataset_info(dataset)["tokenizer_hash"] if dataset else meta["tokenizer_hash"]
     model = prepare_config(build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides),
                            cfg.model.attn_implementation, cfg.model.experts_implementation)
+    dataset = _dataset_dir(cfg, model.vocab_size)
+    tokenizer_hash = dataset_info(dataset)["tokenizer_hash"] if dataset else meta["tokenizer_hash"]
     check_compatible(tag_dir, meta, model, tokenizer_hash)
     return tag
