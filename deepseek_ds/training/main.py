@@ -28,11 +28,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def load_and_validate(args: argparse.Namespace, world_size: int):
-    """config.load_and_validate for parsed --config/--deepspeed_config/--set arguments."""
-    return config.load_and_validate(args.config, args.deepspeed_config, args.set, world_size)
-
-
 # How long the other ranks of a host leave local rank 0 to report a failure that every rank hits.
 REPORT_GRACE_S = 3.0
 
@@ -60,7 +55,7 @@ def main(argv=None) -> int:
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     try:
-        cfg, ds = load_and_validate(args, world)
+        cfg, ds = config.load_and_validate(args.config, args.deepspeed_config, args.set, world)
         check_existing_checkpoint(cfg)  # a foreign checkpoint is refused before any engine is built
     except UserError as e:
         report_failure(format_user_error(e))
