@@ -10,10 +10,11 @@ import sys
 import torch
 import torch.distributed as dist
 
+from deepseek_ds.config import load_and_validate
 from deepseek_ds.data import GlobalBatchSampler, micro_batches
 from deepseek_ds.models.moe import moe_blocks, router_bias
 from deepseek_ds.training.loop import train_step
-from deepseek_ds.training.main import load_and_validate, parse_args
+from deepseek_ds.training.main import parse_args
 from deepseek_ds.training.schedule import start_lr_schedule
 from deepseek_ds.training.setup import build_run
 from helpers import mask_prompt
@@ -22,7 +23,7 @@ from helpers import mask_prompt
 def main(argv: list[str]) -> int:
     mask = "--mask-labels" in argv
     args = parse_args([a for a in argv if a != "--mask-labels"])
-    cfg, ds = load_and_validate(args, int(os.environ["WORLD_SIZE"]))
+    cfg, ds = load_and_validate(args.config, args.deepspeed_config, args.set, int(os.environ["WORLD_SIZE"]))
     run = build_run(cfg, ds)
     engine, out = run.engine, cfg.train.output_dir
     start_lr_schedule(engine)  # as the training loop does: the first step is not at lr 0
