@@ -98,9 +98,12 @@ class TrainSection:
     output_dir: str = "runs/default"
     """Metrics, logs, plots, resolved_config.yaml and (by default) checkpoints (relative: to the current directory)."""
     dist_timeout_s: int = 1800
-    """Collectives waiting longer than this fail (a dead host ends the job)."""
+    """Collectives waiting longer than this fail, in every process group (a dead or hung host ends the job)."""
     nan_policy: str = "stop"
     """A non-finite loss: "skip" the step, or "stop" (save, then end the run)."""
+    max_consecutive_skips: int = 50
+    """Steps in a row DeepSpeed may discard (fp16 overflow, non-finite gradients) before the run saves and stops;
+    0: no limit. fp16's first steps skip while the loss scale settles (about 16 from the default 2^16)."""
     peak_tflops: float | None = None
     """Per-device peak TFLOP/s for MFU; null: the known GPU's bf16 dense peak."""
     resume_schedule: str = "keep"
@@ -114,7 +117,9 @@ class TrainSection:
 
     def __post_init__(self):
         problems = _at_least("train", 1, steps=self.steps, micro_batch_size=self.micro_batch_size,
-                             global_batch_size=self.global_batch_size, log_interval=self.log_interval)
+                             global_batch_size=self.global_batch_size, log_interval=self.log_interval,
+                             dist_timeout_s=self.dist_timeout_s)
+        problems += _at_least("train", 0, max_consecutive_skips=self.max_consecutive_skips)
         if self.nan_policy not in NAN_POLICIES:
             problems.append(f"train.nan_policy = {self.nan_policy!r}: use 'skip' (drop the step and go on) or 'stop' "
                             "(save a checkpoint and end the run)")
@@ -150,9 +155,12 @@ class CheckpointSection:
     """Save every N steps; 0: only at the end."""
     keep: int = 2
     """Complete checkpoints kept; older ones are deleted."""
+    lock_stale_s: int = 300
+    """A checkpoint.dir lock whose heartbeat is older than this is stale (its job died on another host) and is taken
+    over with a warning; a holder on this host is checked by its pid instead."""
 
     def __post_init__(self):
-        _refuse(_at_least("checkpoint", 1, keep=self.keep))
+        _refuse(_at_least("checkpoint", 1, keep=self.keep, lock_stale_s=self.lock_stale_s))
 
 
 @dataclass
