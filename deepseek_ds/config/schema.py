@@ -169,11 +169,20 @@ class EvalSection:
     """Evaluate on the validation split every N steps; 0: never."""
     batches: int = 4
     """Global batches per evaluation."""
+    task: str | None = None
+    """A held-out task (JSON Lines, chat or prompt/response) scored at each eval.interval: greedy generation, exact
+    match and BLEU, as `deepseek-ds eval --task`; null: none."""
+    task_items: int = 0
+    """Items of eval.task scored each time (its first N); 0: all."""
+    task_max_new_tokens: int = 64
+    """Generation length limit per eval.task item."""
 
     def __post_init__(self):
         if self.interval < 0 or self.batches < 1:
             _refuse([f"eval.interval ({self.interval}) must be >= 0 (0: no evaluation) and eval.batches "
                      f"({self.batches}) >= 1"])
+        _refuse(_at_least("eval", 0, task_items=self.task_items)
+                + _at_least("eval", 1, task_max_new_tokens=self.task_max_new_tokens))
 
 
 @dataclass
