@@ -18,8 +18,11 @@ import pytest
 
 from deepseek_ds.checkpoint.format import FORMAT_VERSION, META, CheckpointError, tag_for
 from deepseek_ds.checkpoint.integrity import FILES, check_tag, newest_verified_tag, record_files
-from deepseek_ds.checkpoint.lock import LOCK, STALE_S, acquire
+from deepseek_ds.checkpoint.lock import LOCK, acquire
+from deepseek_ds.config import run_config_from_dict
 from helpers import checkpoint_sets, cli, deepspeed, losses, read_metrics
+
+STALE_S = 300  # checkpoint.lock_stale_s's default
 
 
 def _fake_tag(ckpt: Path, step: int, recorded: bool = True) -> Path:
@@ -59,17 +62,17 @@ def _write_lock(ckpt: Path, host: str, pid: int, age_s: float = 0.0) -> Path:
 # ----------------------------------------------------------------------------------------------- lock
 @pytest.mark.unit
 def test_lock_refuses_a_second_holder_naming_the_first(tmp_path):
-    lock = acquire(str(tmp_path / "ckpt"))
+    lock = acquire(str(tmp_path / "ckpt"), STALE_S)
     holder = json.loads((tmp_path / "ckpt" / LOCK).read_text())
     assert (holder["host"], holder["pid"]) == (socket.gethostname(), os.getpid())
     with pytest.raises(CheckpointError) as err:
-        acquire(str(tmp_path / "ckpt"))
+        acquire(str(tmp_path / "ckpt"), STALE_S)
     message = str(err.value)
     assert f"host {socket.gethostname()}, pid {os.getpid()}, since {holder['since']}" in message
     assert "another checkpoint.dir" in message  # the fix
     lock.release()
     assert not (tmp_path / "ckpt" / LOCK).exists()
-    acquire(str(tmp_path / "ckpt")).release()  # free again once released
+    acquire(str(tmp_path / "ckpt"), STALE_S).release()  # free again once released
 
 
 @pytest.mark.unit
@@ -77,7 +80,7 @@ def test_lock_of_a_dead_pid_on_this_host_is_taken_over(tmp_path, caplog):
     dead = _dead_pid()
     _write_lock(tmp_path, socket.gethostname(), dead)
     with caplog.at_level(logging.WARNING):
-        lock = acquire(str(tmp_path), logging.getLogger("test"))
+        lock = acquire(str(tmp_path), STALE_S, logging.getLogger("test"))
     assert f"pid {dead}" in caplog.text and "no longer running" in caplog.text
     assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid()
     assert [n for n in os.listdir(tmp_path) if n != LOCK] == []  # the stale lock is gone, no temporaries left
@@ -88,9 +91,9 @@ def test_lock_of_a_dead_pid_on_this_host_is_taken_over(tmp_path, caplog):
 def test_lock_of_another_host_is_stale_only_without_heartbeat(tmp_path):
     _write_lock(tmp_path, "elsewhere", 1, age_s=STALE_S / 2)  # a live holder on a host we cannot check
     with pytest.raises(CheckpointError, match="host elsewhere, pid 1"):
-        acquire(str(tmp_path))
+        acquire(str(tmp_path), STALE_S)
     _write_lock(tmp_path, "elsewhere", 1, age_s=STALE_S * 2)
-    acquire(str(tmp_path)).release()
+    acquire(str(tmp_path), STALE_S).release()
 
 
 @pytest.mark.unit
@@ -101,9 +104,9 @@ def test_a_live_lock_is_refused_before_start_up_and_in_the_job(tmp_path):
     from deepseek_ds.checkpoint.resuming import resume
 
     ckpt = tmp_path / "ckpt"
-    run = types.SimpleNamespace(cfg=types.SimpleNamespace(checkpoint_dir=str(ckpt)), rank=0,
+    run = types.SimpleNamespace(cfg=run_config_from_dict({"checkpoint": {"dir": str(ckpt)}}), rank=0,
                                 log=logging.getLogger("test"))
-    check_free(str(ckpt))  # no lock: free
+    check_free(str(ckpt), STALE_S)  # no lock: free
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
     try:
         with pytest.raises(RuntimeError, match="boom"), checkpoint_lock(run):
@@ -111,7 +114,7 @@ def test_a_live_lock_is_refused_before_start_up_and_in_the_job(tmp_path):
             raise RuntimeError("boom")
         assert not (ckpt / LOCK).exists()  # released on the way out of an exception
         _write_lock(ckpt, socket.gethostname(), os.getpid())
-        for refuse in (lambda: check_free(str(ckpt)), lambda: checkpoint_lock(run).__enter__()):
+        for refuse in (lambda: check_free(str(ckpt), STALE_S), lambda: checkpoint_lock(run).__enter__()):
             with pytest.raises(CheckpointError, match=f"in use by another job .host {socket.gethostname()}, "
                                                       f"pid {os.getpid()}, since 2026-01-01"):
                 refuse()
@@ -122,6 +125,22 @@ def test_a_live_lock_is_refused_before_start_up_and_in_the_job(tmp_path):
             resume(run)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.unit
+def test_lock_stale_age_comes_from_checkpoint_lock_stale_s(tmp_path, caplog):
+    from deepseek_ds.checkpoint.existing import check_existing_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    _write_lock(ckpt, "elsewhere", 1, age_s=100)  # a holder on another host, silent for 100 s
+    default = run_config_from_dict({"checkpoint": {"dir": str(ckpt)}})
+    with pytest.raises(CheckpointError, match="in use by another job .host elsewhere"):
+        check_existing_checkpoint(default)  # 100 s < 300 s: still live
+    impatient = run_config_from_dict({"checkpoint": {"dir": str(ckpt), "lock_stale_s": 60}})
+    assert check_existing_checkpoint(impatient) is None  # stale at 60 s: free, nothing to resume
+    with caplog.at_level(logging.WARNING):
+        acquire(str(ckpt), impatient.checkpoint.lock_stale_s, logging.getLogger("test")).release()
+    assert "taking over the stale lock" in caplog.text and "for 100 s (more than 60 s)" in caplog.text
 
 
 # ----------------------------------------------------------------------------------------------- integrity

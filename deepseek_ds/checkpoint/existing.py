@@ -28,7 +28,7 @@ def _dataset_dir(cfg: RunConfig, vocab_size: int) -> str | None:
 def check_existing_checkpoint(cfg: RunConfig) -> str | None:
     """The tag a launch of `cfg` would resume from (None: a fresh run); CheckpointError when checkpoint.dir holds a
     checkpoint of another model or tokenizer, or when another live job holds checkpoint.dir, with the fix."""
-    check_free(cfg.checkpoint_dir)
+    check_free(cfg.checkpoint_dir, cfg.checkpoint.lock_stale_s)
     # Sizes only (a stat per file): every rank runs this before start-up; resume checks the checksums.
     tag = newest_verified_tag(cfg.checkpoint_dir, sizes_only=True)
     if tag is None:

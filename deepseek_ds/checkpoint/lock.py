@@ -5,7 +5,10 @@ at start instead of deleting the first job's save in progress and interleaving t
 The lock file appears atomically with its content (written to a private file, then os.link()ed into place: link
 fails when the name exists, also on NFS, where O_EXCL was long unreliable). It names the holder (host, pid, start
 time); the holder touches it every HEARTBEAT_S seconds. A lock is stale, and taken over with a warning, when its pid
-is dead on this host, or when its heartbeat is older than STALE_S (a holder on another host that died)."""
+is dead on this host, or when its heartbeat is older than checkpoint.lock_stale_s (a holder on another host that
+died). That age should be ten missed heartbeats or more: long enough for a loaded filesystem or a paused VM, short
+enough that a requeued job whose predecessor's host vanished waits minutes, not hours. (Mtimes come from the file
+server's clock on shared storage and are compared with this host's clock: skew between them eats into the margin.)"""
 
 from __future__ import annotations
 
@@ -26,10 +29,6 @@ from .run import TrainingRun
 
 LOCK = ".lock"
 HEARTBEAT_S = 30.0
-# Ten missed heartbeats: long enough for a loaded filesystem or a paused VM, short enough that a requeued job whose
-# predecessor's host vanished waits minutes, not hours. (Mtimes come from the file server's clock on shared storage
-# and are compared with this host's clock: skew between them eats into this margin.)
-STALE_S = 300.0
 
 
 def _alive(pid: int) -> bool:
@@ -138,7 +137,7 @@ def _inspect(path: str, stale_s: float) -> tuple[dict | object | None, str]:
     return seen, reason
 
 
-def check_free(ckpt_dir: str, stale_s: float = STALE_S) -> None:
+def check_free(ckpt_dir: str, stale_s: float) -> None:
     """CheckpointError when a live job holds `ckpt_dir` (taking nothing): lets every rank refuse before it spends
     minutes building an engine. checkpoint_lock still decides, atomically, once the job has started."""
     path = os.path.join(ckpt_dir, LOCK)
@@ -146,7 +145,7 @@ def check_free(ckpt_dir: str, stale_s: float = STALE_S) -> None:
         _inspect(path, stale_s)
 
 
-def acquire(ckpt_dir: str, log: logging.Logger | None = None, stale_s: float = STALE_S) -> DirLock:
+def acquire(ckpt_dir: str, stale_s: float, log: logging.Logger | None = None) -> DirLock:
     """Take the lock of `ckpt_dir` (created if needed); CheckpointError naming the holder when a live job has it."""
     os.makedirs(ckpt_dir, exist_ok=True)
     path = os.path.join(ckpt_dir, LOCK)
@@ -173,7 +172,7 @@ def checkpoint_lock(run: TrainingRun) -> Iterator[None]:
     lock, refusal = None, [None]
     if run.rank == 0:
         try:
-            lock = acquire(run.cfg.checkpoint_dir, run.log)
+            lock = acquire(run.cfg.checkpoint_dir, run.cfg.checkpoint.lock_stale_s, run.log)
         except CheckpointError as e:
             refusal[0] = (str(e.args[0]), e.hint)
         except OSError as e:  # e.g. a read-only directory: refused the same way on every rank
