@@ -19,8 +19,8 @@ import pytest
 from deepseek_ds.checkpoint.format import FORMAT_VERSION, META, CheckpointError, tag_for
 from deepseek_ds.checkpoint.integrity import FILES, check_tag, newest_verified_tag, record_files
 from deepseek_ds.checkpoint.lock import LOCK, acquire
-from deepseek_ds.config import run_config_from_dict
-from helpers import checkpoint_sets, cli, deepspeed, losses, read_metrics
+from deepseek_ds.config import load_ds_config, run_config_from_dict, validate
+from helpers import ROOT, checkpoint_sets, cli, deepspeed, losses, read_metrics, refused
 
 STALE_S = 300  # checkpoint.lock_stale_s's default
 
@@ -141,6 +141,27 @@ def test_lock_stale_age_comes_from_checkpoint_lock_stale_s(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         acquire(str(ckpt), impatient.checkpoint.lock_stale_s, logging.getLogger("test")).release()
     assert "taking over the stale lock" in caplog.text and "for 100 s (more than 60 s)" in caplog.text
+
+
+# ----------------------------------------------------------------------------------------------- engines
+@pytest.mark.unit
+@pytest.mark.parametrize("section, key", [
+    ({"checkpoint": {"writer": {"type": "fast", "decoupled": True}}}, "checkpoint.writer.decoupled = true"),
+    ({"nebula": {"enabled": True}}, "'nebula'"),
+    ({"datastates_ckpt": {}}, "'datastates_ckpt'"),  # DeepSpeed enables it for anything but false
+])
+def test_asynchronous_checkpoint_engines_are_refused_before_launch(section, key):
+    ds = {**load_ds_config(os.path.join(ROOT, "ds_configs", "zero1.json")), **section}
+    message = refused(run_config_from_dict({}), ds)
+    assert key in message and "asynchronous" in message and "synchronous engine" in message
+    assert message.count("\n  - ") == 1  # this one problem only
+
+
+@pytest.mark.unit
+def test_synchronous_checkpoint_engine_settings_pass():
+    ds = {**load_ds_config(os.path.join(ROOT, "ds_configs", "zero1.json")),
+          "checkpoint": {"writer": {"decoupled": False}}, "datastates_ckpt": False}
+    validate(run_config_from_dict({}), ds, 1, cuda_available=False)
 
 
 # ----------------------------------------------------------------------------------------------- integrity

@@ -200,6 +200,28 @@ def fill_output_paths(ds: dict, output_dir: str) -> None:
             section["output_path"] = os.path.join(output_dir, "monitors")
 
 
+# ------------------------------------------------------------------------------------------ checkpoint engines
+def asynchronous_checkpoint_engines(ds: dict) -> list[str]:
+    """The DeepSpeed checkpoint engines whose save_checkpoint returns before the files are durable (a background
+    process writes them), which would let a save publish, fsync and checksum files not yet written. DeepSpeed
+    0.19.8 picks them in runtime/checkpoint_engine/utils.py from these keys."""
+    fix = ("deepseek-ds publishes a checkpoint only once every file is written and flushed, so it needs DeepSpeed's "
+           "synchronous engine")
+    errors = []
+    writer = ds.get("checkpoint", {}).get("writer")
+    if isinstance(writer, dict) and writer.get("decoupled"):
+        errors.append(f"deepspeed_config checkpoint.writer.decoupled = true selects DeepSpeed's decoupled "
+                      f"(asynchronous) checkpoint engine; {fix}: remove it or set it to false")
+    if "nebula" in ds:
+        errors.append(f"deepspeed_config 'nebula' asks for the asynchronous Nebula checkpoint engine (removed from "
+                      f"DeepSpeed 0.19, which refuses the section); {fix}: remove the section")
+    # DeepSpeed enables DataStates whenever the key is present and not literally false (an empty {} included).
+    if ds.get("datastates_ckpt", False) is not False:
+        errors.append(f"deepspeed_config 'datastates_ckpt' enables the asynchronous DataStates checkpoint engine; "
+                      f"{fix}: remove the section")
+    return errors
+
+
 # ------------------------------------------------------------------------------------------ DeepSpeed's own check
 def deepspeed_refusals(resolved: dict) -> list[str]:
     """What DeepSpeed's own config parser (its pydantic section models: unknown or mistyped keys at any depth)

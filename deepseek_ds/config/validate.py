@@ -15,6 +15,7 @@ from ..models.moe import resolve_settings
 from ..models.pipeline import partition
 from ..models.presets import ModelConfigError, build_model_config, num_routed_experts
 from .deepspeed_json import (
+    asynchronous_checkpoint_engines,
     deepspeed_refusals,
     missing_monitor_packages,
     precision,
@@ -32,7 +33,8 @@ def validate(cfg: RunConfig, ds: dict, world_size: int, cuda_available: bool | N
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()
     errors = (unknown_top_level_keys(ds) + _layout_errors(cfg, world_size) + _deepspeed_errors(cfg, ds, cuda_available)
-              + _model_errors(cfg, ds) + _data_errors(cfg) + _nan_policy_errors(cfg, ds) + missing_monitor_packages(ds))
+              + _model_errors(cfg, ds) + _data_errors(cfg) + _nan_policy_errors(cfg, ds) + missing_monitor_packages(ds)
+              + asynchronous_checkpoint_engines(ds))
     if not errors:
         try:
             errors = deepspeed_refusals(resolve_ds_config(ds, cfg, world_size))
