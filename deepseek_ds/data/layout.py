@@ -66,16 +66,33 @@ def dataset_info(dataset_dir: str) -> dict:
 
 def check_shard(dataset_dir: Path, record: dict, dtype: str, verify_checksums: bool) -> None:
     """DataError when a shard's files are missing, truncated or corrupted relative to `record`."""
+    check_shard_sizes(dataset_dir, record, dtype)
+    if verify_checksums:
+        check_shard_checksums(dataset_dir, record)
+
+
+def check_shard_sizes(dataset_dir: Path, record: dict, dtype: str) -> None:
+    """DataError when a shard's files are missing or not the size `record` says (cheap: two stat calls)."""
     bin_path, idx_path, _ = shard_files(dataset_dir, record["name"])
-    expected = {bin_path: (record["num_tokens"] * np.dtype(dtype).itemsize, record["bin_sha256"]),
-                idx_path: ((record["num_docs"] + 1) * 8, record["idx_sha256"])}
-    fix = (f"re-run the same `deepseek-ds data prepare` command (it rebuilds damaged shards) or delete "
-           f"{dataset_dir} and prepare it again")
-    for path, (size, sha) in expected.items():
+    expected = {bin_path: record["num_tokens"] * np.dtype(dtype).itemsize, idx_path: (record["num_docs"] + 1) * 8}
+    for path, size in expected.items():
         if not path.is_file():
-            raise DataError(f"{path} is missing: {fix}")
+            raise DataError(f"{path} is missing: {_rebuild_fix(dataset_dir)}")
         actual = path.stat().st_size
         if actual != size:
-            raise DataError(f"{path} has {actual} bytes but {META} expects {size} (truncated or overwritten): {fix}")
-        if verify_checksums and file_sha256(path) != sha:
-            raise DataError(f"{path} does not match its sha256 checksum in {META} (corrupted): {fix}")
+            raise DataError(f"{path} has {actual} bytes but {META} expects {size} (truncated or overwritten): "
+                            f"{_rebuild_fix(dataset_dir)}")
+
+
+def check_shard_checksums(dataset_dir: Path, record: dict) -> None:
+    """DataError when a shard's bytes do not hash to `record`'s sha256 (reads the whole shard)."""
+    bin_path, idx_path, _ = shard_files(dataset_dir, record["name"])
+    for path, sha in ((bin_path, record["bin_sha256"]), (idx_path, record["idx_sha256"])):
+        if file_sha256(path) != sha:
+            raise DataError(f"{path} does not match its sha256 checksum in {META} (corrupted): "
+                            f"{_rebuild_fix(dataset_dir)}")
+
+
+def _rebuild_fix(dataset_dir: Path) -> str:
+    return (f"re-run the same `deepseek-ds data prepare` command (it rebuilds damaged shards) or delete "
+            f"{dataset_dir} and prepare it again")

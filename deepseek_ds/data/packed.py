@@ -3,6 +3,10 @@
 Sample i is tokens[i*seq_len : i*seq_len + seq_len + 1] of the split's token stream (shards in order):
 samples cross document boundaries (EOS separates documents) and consecutive samples share one token,
 so every token is a training label exactly once.
+
+Checksums are verified lazily: a shard's sha256 is computed the first time one of its samples is read, so
+opening a dataset of any size costs a few stat calls, a rank hashes only the shards it reads, and no corrupted
+byte reaches a sample (the read that would return it raises DataError instead).
 """
 
 from __future__ import annotations
@@ -12,12 +16,13 @@ from pathlib import Path
 import numpy as np
 
 from .errors import DataError
-from .layout import check_shard, read_meta, shard_files
+from .layout import check_shard_checksums, check_shard_sizes, read_meta, shard_files
 
 
 class PackedDataset:
-    """Samples of one split of a prepared dataset. Files are validated on open (sizes always, sha256
-    checksums unless verify_checksums=False) and memory-mapped, so RSS stays small for any data size."""
+    """Samples of one split of a prepared dataset. Sizes are checked on open; each shard's sha256 checksums on
+    the first read from it (unless verify_checksums=False). Files are memory-mapped, so RSS stays small for any
+    data size."""
 
     def __init__(self, dataset_dir: str, seq_len: int, split: str = "train", *, verify_checksums: bool = True):
         if seq_len < 1:
@@ -29,7 +34,9 @@ class PackedDataset:
         self._dtype = meta["dtype"]
         shards = [s for s in meta["splits"][split]["shards"] if s["num_tokens"] > 0]
         for record in shards:
-            check_shard(Path(dataset_dir), record, self._dtype, verify_checksums)
+            check_shard_sizes(Path(dataset_dir), record, self._dtype)
+        self._records = shards
+        self._unverified = set(range(len(shards))) if verify_checksums else set()
         self._paths = [str(shard_files(Path(dataset_dir), s["name"])[0]) for s in shards]
         # _starts[k] = index of shard k's first token in the split's token stream.
         self._starts = np.concatenate([[0], np.cumsum([s["num_tokens"] for s in shards])]).astype(np.int64)
@@ -64,10 +71,16 @@ class PackedDataset:
         while pos < end:  # a sample may span several shards
             take = min(end, int(self._starts[k + 1])) - pos
             local = pos - int(self._starts[k])
-            out[pos - start:pos - start + take] = self._maps[k][local:local + take]
+            out[pos - start:pos - start + take] = self._verified_map(k)[local:local + take]
             pos += take
             k += 1
         return out
+
+    def _verified_map(self, k: int) -> np.memmap:
+        if k in self._unverified:
+            check_shard_checksums(Path(self.dataset_dir), self._records[k])
+            self._unverified.discard(k)
+        return self._maps[k]
 
 
 class BlendedDataset:
