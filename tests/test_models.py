@@ -18,7 +18,7 @@ from deepseek_ds.models.pipeline import (
     partition_table,
     prepare_config,
 )
-from deepseek_ds.models.presets import PRESETS, build_model_config, num_routed_experts
+from deepseek_ds.models.presets import PRESETS, build_model_config
 from helpers import cli
 
 pytestmark = pytest.mark.unit
@@ -192,7 +192,7 @@ def test_hf_round_trip_is_bitwise(tmp_path):
     to_hf_model(src.layers, cfg).save_pretrained(first, max_shard_size="1MB")
     loaded_cfg = prepare_config(build_model_config(path=str(first)))
     model = build_model(loaded_cfg, 1, seed=None)
-    load_hf_weights(model.layers, str(first), num_routed_experts(loaded_cfg))
+    load_hf_weights(model.layers, str(first), loaded_cfg)
     second = tmp_path / "second"
     to_hf_model(model.layers, loaded_cfg).save_pretrained(second, max_shard_size="1MB")
 
@@ -227,7 +227,7 @@ def test_stage_local_loading_reads_only_the_stage_tensors(tmp_path):
         stage_layers = [s.build() for s in specs[parts[stage]:parts[stage + 1]]]
         expected = sum(t.numel() * t.element_size() for layer in stage_layers
                        for k, t in layer.state_dict().items() if not k.startswith("rotary."))
-        got = load_hf_weights(stage_layers, str(tmp_path), cfg.n_routed_experts)
+        got = load_hf_weights(stage_layers, str(tmp_path), cfg)
         assert got == expected  # exactly this stage's bytes, not the whole model's
         read.append(got)
         for layer, ref in zip(stage_layers, full.layers[parts[stage]:parts[stage + 1]]):

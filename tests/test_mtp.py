@@ -93,14 +93,14 @@ def test_hf_directory_without_mtp_tensors_loads_the_rest(data_dir, tmp_path):
     layers = local_layers(build_model(mcfg, 1, seed=1))
     load, absent = mtp_layers_absent(layers, str(tmp_path / "plain"))
     assert [l.depth for l in absent] == list(range(1, DEPTH + 1)) and len(load) == len(layers) - DEPTH
-    load_hf_weights(load, str(tmp_path / "plain"), mcfg.n_routed_experts)
+    load_hf_weights(load, str(tmp_path / "plain"), mcfg)
     assert torch.equal(layers[0].embed_tokens.weight, plain.model.embed_tokens.weight)
     # Once the directory has MTP tensors (the export's per-expert layout), they are read, experts fused back.
     source = local_layers(build_model(mcfg, 1, seed=2))
     add_to_hf_dir(str(tmp_path / "plain"), mtp_hf_state_dict(source, mcfg), "model-mtp.safetensors")
     load, absent = mtp_layers_absent(layers, str(tmp_path / "plain"))
     assert not absent
-    load_hf_weights(load, str(tmp_path / "plain"), mcfg.n_routed_experts)
+    load_hf_weights(load, str(tmp_path / "plain"), mcfg)
     for got, want in zip(layers[-1 - DEPTH:-1], source[-1 - DEPTH:-1]):
         assert got.depth == want.depth and all(torch.equal(a, b) for a, b in zip(got.state_dict().values(),
                                                                                   want.state_dict().values()))

@@ -14,8 +14,22 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from ..utils.errors import UserError
+from .fp8 import FP8_DTYPES, SCALE_SUFFIX, BlockFP8, QuantizationError, read_quantization
 from .layers import EmbeddingPipe, LMHeadPipe, MTPLayerPipe, family_of
-from .names import MTP_EMBED, MTP_HEAD, fuse_experts, hf_layer_prefix, hf_state_dict, per_expert_names, split_experts
+from .names import (
+    MTP_EMBED,
+    MTP_HEAD,
+    fuse_experts,
+    hf_layer_prefix,
+    hf_prefix,
+    hf_state_dict,
+    model_hf_prefixes,
+    owner_prefix,
+    per_expert_names,
+    split_experts,
+)
+from .presets import num_routed_experts
 
 
 def to_hf_model(layers, config) -> nn.Module:
@@ -63,17 +77,29 @@ def mtp_hf_state_dict(layers, config) -> dict[str, torch.Tensor]:
 
 
 # -------------------------------------------------------------------------------------------- reading a directory
+class WeightsMismatchError(UserError):
+    """A weights directory whose tensors are not this model's, one for one."""
+
+
+INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
+# Rotary tables some older transformers versions saved; ours are rebuilt from the config.
+_ROTARY_TABLE = "rotary_emb.inv_freq"
+
+
+def _weights_file(hf_dir: str) -> str:
+    for name in (INDEX, SINGLE):
+        if os.path.isfile(os.path.join(hf_dir, name)):
+            return name
+    raise FileNotFoundError(f"{hf_dir} has neither {INDEX} nor {SINGLE}")
+
+
 def _weight_map(hf_dir: str) -> dict[str, str]:
     """HF tensor name -> file, from the sharded index or the single model.safetensors."""
-    index = os.path.join(hf_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
+    if _weights_file(hf_dir) == INDEX:
+        with open(os.path.join(hf_dir, INDEX)) as f:
             return json.load(f)["weight_map"]
-    single = os.path.join(hf_dir, "model.safetensors")
-    if not os.path.isfile(single):
-        raise FileNotFoundError(f"{hf_dir} has neither model.safetensors.index.json nor model.safetensors")
-    with safe_open(single, "pt") as f:
-        return {k: "model.safetensors" for k in f.keys()}
+    with safe_open(os.path.join(hf_dir, SINGLE), "pt") as f:
+        return {k: SINGLE for k in f.keys()}
 
 
 def _disk_names(wanted: str, weight_map: dict[str, str], num_experts: int) -> list[str]:
@@ -81,36 +107,95 @@ def _disk_names(wanted: str, weight_map: dict[str, str], num_experts: int) -> li
     of a fused one (transformers converts only whole models on load; this is per tensor, for stage-local loading)."""
     if wanted in weight_map:
         return [wanted]
-    names = per_expert_names(wanted, num_experts)
-    if names is None:
-        raise KeyError(f"tensor {wanted!r} is not in the checkpoint")
-    return names
+    return per_expert_names(wanted, num_experts) or [wanted]
 
 
-def load_hf_weights(layers, hf_dir: str, num_experts: int = 0) -> int:
-    """Fill the given (local) pipeline layers from an HF safetensors directory, reading only their own
-    tensors. Returns the number of bytes read, so callers and tests can see a stage reads only its share."""
+def _listed(names: list[str], where=None) -> str:
+    shown = ", ".join(f"{n} ({where[n]})" if where else n for n in names[:3])
+    return f"{len(names)}: {shown}{', ...' if len(names) > 3 else ''}"
+
+
+def _unused_mtp_module(owner: str | None, weight_map: dict[str, str], config) -> bool:
+    """Whether `owner` is a published MTP module beyond the model's num_nextn_predict_layers (V3 ships one; a model
+    configured with fewer trains without it, as transformers' DeepseekV3ForCausalLM ignores model.layers.61.*)."""
+    index = owner.removeprefix("model.layers.").rstrip(".") if owner and owner.startswith("model.layers.") else ""
+    return (index.isdigit() and int(index) >= config.num_hidden_layers
+            and owner + "eh_proj.weight" in weight_map)
+
+
+def _check_one_for_one(plan: dict[str, list[str]], layers, weight_map: dict[str, str], hf_dir: str, config,
+                       scales: bool) -> None:
+    """Every tensor of this rank's layers on disk feeds a parameter and every parameter has its tensors; a tensor
+    that belongs to no layer of any stage is refused on every rank. Tensors of other stages' layers are theirs."""
+    missing = sorted(n for names in plan.values() for n in names if n not in weight_map)
+    if missing:
+        raise WeightsMismatchError(f"{hf_dir}: parameters of this {config.model_type} model with no tensor in "
+                                   f"{_weights_file(hf_dir)}, {_listed(missing)}; is config.json the one these "
+                                   "weights were saved with?")
+    consumed = {n for names in plan.values() for n in names}
+    if scales:
+        consumed |= {n + SCALE_SUFFIX for n in consumed}
+    local = {hf_prefix(layer) for layer in layers}
+    # The published MTP modules' own copies of the shared embedding and head: ours share the main model's.
+    copies = {hf_prefix(layer) + key for layer in layers if isinstance(layer, MTPLayerPipe) for key in (MTP_EMBED, MTP_HEAD)}
+    whole_model = model_hf_prefixes(config)
+    unmapped = []
+    for name in sorted(set(weight_map) - consumed - copies):
+        owner = owner_prefix(name)
+        if name.endswith(_ROTARY_TABLE) or (owner in whole_model and owner not in local):
+            continue
+        if owner in local or not _unused_mtp_module(owner, weight_map, config):
+            unmapped.append(name)
+    if unmapped:
+        hint = (f"{SCALE_SUFFIX} tensors are FP8 scales, but config.json has no quantization_config"
+                if not scales and any(n.endswith(SCALE_SUFFIX) for n in unmapped)
+                else "is config.json the one these weights were saved with?")
+        raise WeightsMismatchError(f"{hf_dir}: tensors that map to no parameter of this {config.model_type} model, "
+                                   f"{_listed(unmapped, weight_map)}; {hint}")
+
+
+def _dequantized(name: str, raw: dict[str, torch.Tensor], fp8: BlockFP8 | None, dtype: torch.dtype) -> torch.Tensor:
+    """Tensor `name` as read, or dequantized with its scale when it is stored in FP8 (each read tensor used once)."""
+    tensor, scale = raw.pop(name), raw.pop(name + SCALE_SUFFIX, None)
+    if scale is not None:
+        return fp8.dequantize(name, tensor, scale, dtype)
+    if tensor.dtype in FP8_DTYPES:
+        raise QuantizationError(f"tensor {name} is stored as {tensor.dtype} without its {name}{SCALE_SUFFIX}; "
+                                "casting it without its scales would give wrong weights")
+    return tensor
+
+
+def load_hf_weights(layers, hf_dir: str, config) -> int:
+    """Fill the given (local) pipeline layers of a model with this config from an HF safetensors directory, reading
+    only their own tensors; FP8 weights (fp8.py) are dequantized into the parameters' dtype. A tensor or parameter
+    without its counterpart is refused (_check_one_for_one). Returns the number of bytes read, so callers and tests
+    can see a stage reads only its share."""
+    layers = list(layers)
     weight_map = _weight_map(hf_dir)
+    fp8 = read_quantization(hf_dir)
     wanted = hf_state_dict(layers, keep_vars=True)  # hf name -> destination tensor
-    plan = {name: _disk_names(name, weight_map, num_experts) for name in wanted}
-    by_file: dict[str, set[str]] = {}
-    for names in plan.values():
-        for n in names:
-            by_file.setdefault(weight_map[n], set()).add(n)
-    loaded: dict[str, torch.Tensor] = {}
+    plan = {name: _disk_names(name, weight_map, num_routed_experts(config)) for name in wanted}
+    _check_one_for_one(plan, layers, weight_map, hf_dir, config, scales=fp8 is not None)
+    reads = {n for names in plan.values() for n in names}
+    reads |= {n + SCALE_SUFFIX for n in reads if fp8 and n + SCALE_SUFFIX in weight_map}
+    by_file: dict[str, list[str]] = {}
+    for n in reads:
+        by_file.setdefault(weight_map[n], []).append(n)
+    raw: dict[str, torch.Tensor] = {}
     read = 0
     for fname, names in sorted(by_file.items()):
         with safe_open(os.path.join(hf_dir, fname), "pt") as f:
             for n in sorted(names):
-                loaded[n] = f.get_tensor(n)
-                read += loaded[n].numel() * loaded[n].element_size()
+                raw[n] = f.get_tensor(n)
+                read += raw[n].numel() * raw[n].element_size()
     with torch.no_grad():
         for name, dest in wanted.items():
-            parts = [loaded[n] for n in plan[name]]
-            src = parts[0] if plan[name] == [name] else fuse_experts(name, parts, num_experts)
+            parts = [_dequantized(n, raw, fp8, dest.dtype) for n in plan[name]]
+            src = parts[0] if plan[name] == [name] else fuse_experts(name, parts, num_routed_experts(config))
             if src.shape != dest.shape:
-                raise ValueError(f"{hf_dir}: tensor {name} has shape {tuple(src.shape)}, the model expects "
-                                 f"{tuple(dest.shape)}; is config.json the one these weights were saved with?")
+                raise WeightsMismatchError(f"{hf_dir}: tensor {name} has shape {tuple(src.shape)}, the model "
+                                           f"expects {tuple(dest.shape)}; is config.json the one these weights "
+                                           "were saved with?")
             dest.copy_(src.to(dest.dtype))
     return read
 
@@ -124,7 +209,7 @@ def mtp_layers_absent(layers, hf_dir: str) -> tuple[list, list]:
 
 
 def has_weights(hf_dir: str) -> bool:
-    return any(os.path.isfile(os.path.join(hf_dir, f)) for f in ("model.safetensors.index.json", "model.safetensors"))
+    return any(os.path.isfile(os.path.join(hf_dir, f)) for f in (INDEX, SINGLE))
 
 
 def pickled_weights(hf_dir: str) -> list[str]:

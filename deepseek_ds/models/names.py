@@ -13,10 +13,12 @@ In memory, transformers fuses the routed experts into 3-D tensors (`mlp.experts.
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
-from .layers import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, MTPLayerPipe
+from .layers import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, MTPLayerPipe, mtp_depth
 
 _DECODER = "model.layers.{i}."
 
@@ -65,6 +67,28 @@ def hf_state_dict(layers, keep_vars: bool = False) -> dict[str, torch.Tensor]:
 def hf_layer_prefix(layer: DecoderLayerPipe) -> str:
     """The HF name prefix of every tensor of one decoder (or MTP) layer."""
     return _DECODER.format(i=layer.layer_idx)
+
+
+def hf_prefix(layer: nn.Module) -> str:
+    """The HF name prefix of every tensor one pipeline layer owns in a checkpoint (its first TO_HF entry's)."""
+    return TO_HF[type(layer)][0][1].format(i=getattr(layer, "layer_idx", None))
+
+
+def model_hf_prefixes(config) -> set[str]:
+    """hf_prefix of every layer of the whole model (all pipeline stages), from its config."""
+    layers = config.num_hidden_layers + mtp_depth(config)
+    top = {"model.embed_tokens.", "model.norm."} | ({"lm_head."} if not getattr(config, "tie_word_embeddings", False)
+                                                     else set())
+    return top | {_DECODER.format(i=i) for i in range(layers)}
+
+
+_LAYER_PREFIX = re.compile(r"(model\.layers\.\d+\.|model\.embed_tokens\.|model\.norm\.|lm_head\.)")
+
+
+def owner_prefix(name: str) -> str | None:
+    """The hf_prefix a checkpoint tensor name falls under (the layer it would belong to), None for any other name."""
+    m = _LAYER_PREFIX.match(name)
+    return m.group(0) if m else None
 
 
 def _fused(name: str) -> tuple[str, tuple[str, ...]] | None:

@@ -17,6 +17,7 @@ from typing import Any
 from transformers import DeepseekV2Config, DeepseekV3Config, LlamaConfig, PretrainedConfig
 
 from ..utils.errors import UserError
+from .fp8 import quantization_of
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,10 @@ PRESETS: dict[str, Preset] = {
         num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2, n_routed_experts=64, routed_scaling_factor=1.0,
         kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=1,
         topk_group=1, topk_method="greedy", num_experts_per_tok=6, first_k_dense_replace=1,
-        max_position_embeddings=163840, bos_token_id=100000, eos_token_id=100001), "DeepSeek-V2-Lite 16B (2.4B active)"),
+        max_position_embeddings=163840,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707},
+        bos_token_id=100000, eos_token_id=100001), "DeepSeek-V2-Lite 16B (2.4B active)"),
     "deepseek-llm-7b": Preset(LlamaConfig, dict(
         vocab_size=102400, hidden_size=4096, intermediate_size=11008, num_hidden_layers=30, num_attention_heads=32,
         num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-6, bos_token_id=100000,
@@ -93,7 +97,12 @@ def build_model_config(preset: str | None = None, path: str | None = None,
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ModelConfigError(f"model.path: model_type {model_type!r} in {cfg_file} is not supported; "
                                    f"expected one of {sorted(SUPPORTED_MODEL_TYPES)}")
-        fields = {k: v for k, v in raw.items() if k not in ("architectures", "transformers_version", "auto_map")}
+        quantization_of(raw, cfg_file)  # refuses a layout load_hf_weights cannot dequantize, before any work
+        # auto_map names the remote code transformers now ships itself; quantization_config describes the files, not
+        # the model: weights are dequantized on load, and a config carrying it would make from_pretrained of our
+        # checkpoints and exports quantize again.
+        dropped = ("architectures", "transformers_version", "auto_map", "quantization_config")
+        fields = {k: v for k, v in raw.items() if k not in dropped}
         _check_overrides(SUPPORTED_MODEL_TYPES[model_type], overrides)
         fields.update(overrides or {})
         return SUPPORTED_MODEL_TYPES[model_type](**fields)
