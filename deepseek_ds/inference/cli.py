@@ -11,8 +11,8 @@ import os
 import sys
 import tempfile
 
-from ..utils.cli_args import add_num_gpus, add_run_args
-from ..utils.errors import run_command
+from ..utils.cli_args import add_num_gpus, add_run_args, positive_int, spellings
+from ..utils.errors import UserError, run_command
 
 # The commands import their modules when they run: torch, deepspeed and transformers take seconds to import, which
 # every other `deepseek-ds` command (and `--help`) would otherwise pay at start-up.
@@ -20,8 +20,10 @@ from ..utils.errors import run_command
 
 # ----------------------------------------------------------------------------------------------- eval
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True,
-                   help="checkpoint.dir of a run (its newest complete step) or one step directory")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", default=None,
+                        help="checkpoint.dir of a run (its newest complete step) or one step directory")
+    source.add_argument("--model", default=None, help="HF model directory (with --task only)")
     p.add_argument("--data", default=None,
                    help="prepared dataset directory (default: the one the checkpoint was trained on)")
     p.add_argument("--split", default="valid", help="dataset split to evaluate (default: valid)")
@@ -29,30 +31,74 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
                  config_help="run YAML (default: the run config saved in the checkpoint's checkpoint.json)",
                  set_help="override, e.g. eval.batches=8, train.micro_batch_size=4, data.seq_len=256 (repeatable)")
     p.add_argument("--out", default=None, help="also write the result as JSON to this file")
+    task = p.add_argument_group("task evaluation (instead of loss and perplexity)")
+    task.add_argument("--task", default=None,
+                      help="JSON Lines of conversations (messages, or prompt/response): greedy answers to each last "
+                           "assistant turn, scored by exact match and BLEU")
+    task.add_argument(*spellings("--max-new-tokens"), dest="max_new_tokens", type=positive_int, default=64,
+                      metavar="N", help="tokens generated per item (default: 64)")
+    task.add_argument(*spellings("--batch-size"), dest="batch_size", type=positive_int, default=8, metavar="N",
+                      help="items generated together per rank (default: 8)")
+    task.add_argument("--predictions", default=None,
+                      help='write one {"prediction": ..., "reference": ...} line per item, in input order')
+    task.add_argument("--tokenizer", default=None,
+                      help="tokenizer or prepared dataset directory (default: the HF directory's own; for a "
+                           "checkpoint, the one of the dataset it was trained on)")
+    task.add_argument(*spellings("--skip-bad"), dest="skip_bad", action="store_true",
+                      help="skip (and count) bad task lines instead of refusing the file")
+
+
+_TASK_ONLY = ("model", "predictions", "tokenizer", "skip_bad")
+_LOSS_ONLY = ("data",)
+
+
+def _check_eval_args(args: argparse.Namespace) -> None:
+    if args.task is None:
+        given = [name for name in _TASK_ONLY if getattr(args, name)]
+    else:
+        given = [name for name in _LOSS_ONLY if getattr(args, name)]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise UserError(f"{flags}: " + ("only with --task FILE.jsonl" if args.task is None
+                                        else "only for loss evaluation, not with --task"))
 
 
 def _eval_rank(args: argparse.Namespace) -> int:
-    from .eval import run_eval
+    _check_eval_args(args)
+    if args.task:
+        from .task_eval import run_task_eval
 
-    run_eval(args)
+        run_task_eval(args)
+    else:
+        from .eval import run_eval
+
+        run_eval(args)
     return 0
+
+
+def _forwarded_eval_args(args: argparse.Namespace) -> list[str]:
+    """The eval arguments again, for the ranks the deepspeed launcher starts."""
+    argv = ["--split", args.split]
+    for flag in ("checkpoint", "model", "data", "config", "out", "task", "predictions", "tokenizer"):
+        if getattr(args, flag):
+            argv += ["--" + flag, getattr(args, flag)]
+    argv += ["--max-new-tokens", str(args.max_new_tokens), "--batch-size", str(args.batch_size)]
+    argv += ["--skip-bad"] if args.skip_bad else []
+    for s in args.set:
+        argv += ["--set", s]
+    return argv
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     """In this process, or with --num_gpus > 1 under the deepspeed launcher, each rank running _eval_rank."""
     if not args.num_gpus or args.num_gpus == 1:
         return _eval_rank(args)
+    _check_eval_args(args)
     from ..utils.system import deepspeed_executable
 
     launcher = deepspeed_executable()
-    argv = [launcher, "--num_gpus", str(args.num_gpus), "--module", "deepseek_ds.inference.cli", "eval",
-            "--checkpoint", args.checkpoint, "--split", args.split]
-    argv += ["--data", args.data] if args.data else []
-    argv += ["--config", args.config] if args.config else []
-    argv += ["--out", args.out] if args.out else []
-    for s in args.set:
-        argv += ["--set", s]
-    os.execv(launcher, argv)
+    argv = [launcher, "--num_gpus", str(args.num_gpus), "--module", "deepseek_ds.inference.cli", "eval"]
+    os.execv(launcher, argv + _forwarded_eval_args(args))
     return 0  # not reached
 
 
@@ -135,7 +181,8 @@ def _register_export(subparsers) -> None:
 # ----------------------------------------------------------------------------------------------- registration
 def register(subparsers) -> None:
     """Add `eval`, `generate` and `export` (hf, torchscript, onnx) to the `deepseek-ds` sub-commands."""
-    p = subparsers.add_parser("eval", help="validation loss, perplexity and accuracy of a checkpoint")
+    p = subparsers.add_parser("eval", help="validation loss, perplexity and accuracy of a checkpoint, or a task's "
+                                          "exact match and BLEU (--task)")
     add_eval_arguments(p)
     add_num_gpus(p, help="ranks to evaluate on (default: 1, in this process; > 1 starts the deepspeed launcher)")
     p.set_defaults(func=_cmd_eval)

@@ -1,5 +1,6 @@
 """`deepseek-ds generate`: text from a Hugging Face directory or a training checkpoint, greedy or top-p
-sampled, through transformers' own generate()."""
+sampled, through transformers' own generate(); and batched greedy generation with a KV cache for task
+evaluation (inference/task_eval.py)."""
 
 from __future__ import annotations
 
@@ -10,27 +11,41 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..checkpoint.format import META, read_meta, tag_dir_of
-from ..data import load_tokenizer
+from ..data import DataError, load_tokenizer
 from ..data.layout import META as DATASET_META
+from ..data.tokenizer import backend_json, tokenizer_hash
 from ..models.hf_io import to_hf_model
 from .eval import model_from_checkpoint, run_config_for
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
-def load_tokenizer_from(path: str):
-    """A prepared dataset's tokenizer (checked against the dataset) or a plain tokenizer directory."""
+
+def load_tokenizer_from(path: str, needed_by: str):
+    """A prepared dataset's tokenizer (checked against the dataset) or a plain tokenizer directory; DataError
+    saying how to pass one when `path` holds neither (`needed_by` names the model that needs it)."""
     if os.path.isfile(os.path.join(path, DATASET_META)):
         return load_tokenizer(path)
+    if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        raise DataError(f"no tokenizer for {needed_by}: {path} is neither a prepared dataset nor a tokenizer "
+                        f"directory", hint="pass --tokenizer DIR (a tokenizer directory or a prepared dataset)")
     return AutoTokenizer.from_pretrained(path)
 
 
 def load_model(model: str, tokenizer: str | None = None, config: str | None = None, sets: list[str] | None = None):
-    """(transformers CausalLM in eval mode, tokenizer) from an HF directory or a training checkpoint, whose
-    tokenizer is the one of the dataset it was trained on."""
+    """(transformers CausalLM in eval mode, tokenizer) from an HF directory (its own tokenizer) or a training
+    checkpoint (the tokenizer of the dataset it was trained on, or `tokenizer` if it decides the same ids)."""
     if os.path.isfile(os.path.join(model, "config.json")) and not os.path.isfile(os.path.join(model, META)):
-        return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval(), load_tokenizer_from(tokenizer or model)
+        tok = load_tokenizer_from(tokenizer or model, model)
+        return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval(), tok
     tag_dir = tag_dir_of(model)
+    meta = read_meta(tag_dir)
+    tok = load_tokenizer_from(tokenizer or meta["dataset_dir"], tag_dir)
+    found = tokenizer_hash(backend_json(tok))
+    if found != meta["tokenizer_hash"]:
+        raise DataError(f"the tokenizer {tokenizer} (hash {found[:12]}) is not the one {tag_dir} was trained with "
+                        f"(hash {meta['tokenizer_hash'][:12]})", hint="pass the tokenizer of its training data")
     seq_model, mcfg = model_from_checkpoint(tag_dir, run_config_for(tag_dir, config, sets or []))
-    return to_hf_model(seq_model.layers, mcfg), load_tokenizer_from(tokenizer or read_meta(tag_dir)["dataset_dir"])
+    return to_hf_model(seq_model.layers, mcfg), tok
 
 
 def prompt_ids(tokenizer, prompt: str) -> torch.Tensor:
@@ -56,3 +71,23 @@ def generate(model: nn.Module, tokenizer, prompt: str, max_new_tokens: int = 64,
     with torch.no_grad():
         out = model.generate(inputs, attention_mask=torch.ones_like(inputs), **kwargs)
     return out[0, inputs.shape[1]:]
+
+
+def generate_greedy_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, pad_token_id: int,
+                          eos_token_id: int) -> list[list[int]]:
+    """Greedy continuations of several prompts in one batch: left-padded (masked, and the position ids count only
+    real tokens, so each row is what it would be alone), with a KV cache; each cut before its first EOS."""
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    inputs = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(inputs)
+    for row, ids in enumerate(prompts):
+        inputs[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+        mask[row, width - len(ids):] = 1
+    with torch.no_grad():
+        out = model.generate(inputs.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                             do_sample=False, use_cache=True, pad_token_id=pad_token_id, eos_token_id=eos_token_id)
+    continuations = []
+    for row in out[:, width:].tolist():
+        continuations.append(row[:row.index(eos_token_id)] if eos_token_id in row else row)
+    return continuations

@@ -1,0 +1,139 @@
+"""`deepseek-ds eval --task` (inference/task_eval.py): the scores against sacrebleu and a BLEU computed by hand, batched
+left-padded generation against one-prompt-at-a-time greedy generation, and 1 rank against 2 ranks."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+
+import pytest
+import sacrebleu
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from deepseek_ds.data.chat import Message, encode_prompt
+from deepseek_ds.inference.generate import generate_greedy_batch
+from deepseek_ds.inference.task_eval import scores, shard
+from deepseek_ds.models.presets import build_model_config
+from helpers import cli, deepspeed
+
+EOS = 1  # DeepSeek's <｜end▁of▁sentence｜>, also its pad token
+# Prompts of different lengths (so a batch pads them differently), in both formats, one with a system turn.
+SHOWN = [
+    [Message("user", "What is 2+2?")],
+    [Message("system", "Answer in one word."), Message("user", "The colour of the sky on a clear day?")],
+    [Message("user", "Hi")],
+    [Message("user", "Name three prime numbers below twenty, separated by commas, please.")],
+    [Message("user", "a"), Message("assistant", "b"), Message("user", "continue the alphabet")],
+    [Message("user", "Translate 'chat' from French into English.")],
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory, deepseek_tokenizer_dir):
+    """A randomly initialised tiny DeepSeek-V3 (MLA + MoE) HF directory with DeepSeek's tokenizer and vocabulary."""
+    torch.manual_seed(0)
+    config = build_model_config("tiny-v3", overrides={"vocab_size": 129280, "bos_token_id": 0, "eos_token_id": EOS})
+    model = AutoModelForCausalLM.from_config(config).eval()
+    out = tmp_path_factory.mktemp("tiny_hf")
+    model.save_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(deepseek_tokenizer_dir)
+    tok.save_pretrained(out)
+    return {"dir": str(out), "model": model, "tok": tok, "prompts": [encode_prompt(tok, m) for m in SHOWN]}
+
+
+def greedy_alone(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The reference: one prompt, no padding, cut before its first EOS."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=EOS, eos_token_id=EOS)[0, len(prompt):].tolist()
+    return out[:out.index(EOS)] if EOS in out else out
+
+
+def hand_bleu(predictions: list[str], references: list[str]) -> float:
+    """Corpus BLEU-4 (Papineni et al.): clipped n-gram precisions summed over the corpus, geometric mean, brevity
+    penalty; words split at spaces (what sacrebleu's 13a tokenizer does to text without punctuation)."""
+    matches, totals, hyp_len, ref_len = [0] * 4, [0] * 4, 0, 0
+    for p, r in zip(predictions, references):
+        hyp, ref = p.split(), r.split()
+        hyp_len, ref_len = hyp_len + len(hyp), ref_len + len(ref)
+        for n in range(1, 5):
+            h = Counter(tuple(hyp[i:i + n]) for i in range(len(hyp) - n + 1))
+            g = Counter(tuple(ref[i:i + n]) for i in range(len(ref) - n + 1))
+            matches[n - 1] += sum(min(c, g[k]) for k, c in h.items())
+            totals[n - 1] += max(len(hyp) - n + 1, 0)
+    precision = math.exp(sum(math.log(m / t) for m, t in zip(matches, totals)) / 4)
+    brevity = 1.0 if hyp_len > ref_len else math.exp(1 - ref_len / hyp_len)
+    return 100 * brevity * precision
+
+
+@pytest.mark.unit
+def test_exact_match_and_bleu_equal_hand_counts_and_sacrebleu():
+    references = ["the cat sat on the mat", "a quick brown fox jumps over the dog", "hello world", "four",
+                  "one two three four five"]
+    predictions = ["the cat sat on a mat", "a quick brown fox jumps over the lazy dog", " hello world\n", "five",
+                   "one two three four five"]
+    got = scores(predictions, references)
+    assert got["n"] == 5
+    assert got["exact_match"] == 2 / 5  # "hello world" (stripped) and the last one
+    assert got["bleu"] == pytest.approx(hand_bleu(predictions, references), abs=1e-9)
+    assert got["bleu"] == pytest.approx(sacrebleu.corpus_bleu(predictions, [references]).score, abs=1e-12)
+    assert 0 < got["bleu"] < 100
+    assert scores(references, references) == {"n": 5, "exact_match": 1.0, "bleu": pytest.approx(100.0)}
+
+
+@pytest.mark.unit
+def test_shards_are_contiguous_and_cover_every_item_once():
+    for n, world in ((6, 2), (7, 3), (2, 4), (1, 1)):
+        parts = [list(shard(n, r, world)) for r in range(world)]
+        assert [i for p in parts for i in p] == list(range(n))
+
+
+@pytest.mark.unit
+def test_batched_generation_equals_unbatched_greedy_token_for_token(tiny_hf):
+    model, prompts = tiny_hf["model"], tiny_hf["prompts"]
+    assert len({len(p) for p in prompts}) == len(prompts)  # every row of the batch is padded differently
+    alone = [greedy_alone(model, p, 6) for p in prompts]
+    assert generate_greedy_batch(model, prompts, 6, EOS, EOS) == alone
+    assert generate_greedy_batch(model, prompts[::-1], 6, EOS, EOS) == alone[::-1]
+
+
+@pytest.mark.unit
+def test_eval_task_refusals(tiny_hf, tmp_path, capsys):
+    assert cli(["eval", "--model", tiny_hf["dir"]]) == 2
+    assert "--model: only with --task FILE.jsonl" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x", "response": "y"}\n{"messages": [{"role": "user", "content": "x"}]}\n')
+    assert cli(["eval", "--task", str(bad), "--model", tiny_hf["dir"]]) == 2
+    assert f"error: {bad}:2: no assistant turn" in capsys.readouterr().err
+
+
+@pytest.mark.launch
+def test_one_rank_and_two_ranks_give_the_unbatched_greedy_answers_and_the_same_scores(tiny_hf, tmp_path):
+    model, tok, prompts = tiny_hf["model"], tiny_hf["tok"], tiny_hf["prompts"]
+    answers = [tok.decode(greedy_alone(model, p, 8), skip_special_tokens=True) for p in prompts]
+    # Half the references are the greedy answers themselves (the reference is never shown to the model).
+    references = [a if i % 2 == 0 else "not the answer" for i, a in enumerate(answers)]
+    task = tmp_path / "task.jsonl"
+    with open(task, "w") as f:
+        for i, (shown, ref) in enumerate(zip(SHOWN, references)):
+            if i == 0:
+                f.write(json.dumps({"prompt": shown[0].content, "response": ref}) + "\n")
+            else:
+                record = [{"role": m.role, "content": m.content} for m in shown] + [{"role": "assistant",
+                                                                                     "content": ref}]
+                f.write(json.dumps({"messages": record}) + "\n")
+    args = ["eval", "--task", str(task), "--model", tiny_hf["dir"], "--max-new-tokens", "8", "--batch-size", "4"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert cli(args + ["--out", str(one / "result.json"), "--predictions", str(one / "preds.jsonl")]) == 0
+    deepspeed(2, ["--module", "deepseek_ds.inference.cli"] + args
+              + ["--out", str(two / "result.json"), "--predictions", str(two / "preds.jsonl")])
+
+    preds = [json.loads(line) for line in (one / "preds.jsonl").read_text().splitlines()]
+    assert preds == [{"prediction": a, "reference": r} for a, r in zip(answers, references)]
+    assert (two / "preds.jsonl").read_text() == (one / "preds.jsonl").read_text()
+    result = json.loads((one / "result.json").read_text())
+    assert result == {"n": 6, "exact_match": 0.5,
+                      "bleu": pytest.approx(sacrebleu.corpus_bleu(answers, [references]).score, abs=1e-12)}
+    assert (two / "result.json").read_text() == (one / "result.json").read_text()
