@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from helpers import checkpoint_sets, cli, losses, train, training_loss
+
 FIXTURES = Path(__file__).parent / "fixtures"
 # tiny-v3 with 2 layers (one dense, one MoE) and sizes that are not multiples of 16: every FP8 weight has partial
 # edge blocks.
@@ -157,6 +159,27 @@ def test_fp8_weights_load_dequantized_and_export_without_quantization(block, tmp
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
     with torch.no_grad():
         assert torch.allclose(exported(input_ids=ids).logits, logits, atol=1e-5)
+
+
+@pytest.mark.launch
+def test_training_starts_from_the_dequantized_weights_and_exports_them(tmp_path, data_dir):
+    """deepseek-ds training on 2 pipeline stages, each dequantizing its own layers of an FP8 directory: the first
+    logged loss is transformers' loss of the dequantized copy on that batch; `export hf` of the step-1 checkpoint has
+    no quantization_config, loads in transformers and gives the loss logged at step 2."""
+    from transformers import AutoModelForCausalLM
+
+    dirs = write_fp8_dirs(tmp_path, [128, 128])
+    out = tmp_path / "run"
+    logged = losses(train(2, str(out), checkpoint_sets(data_dir, 2, 1, f"model.path={dirs['fp8']}", "model.preset=null",
+                                                       "parallel.pipeline_stages=2"), "ds_configs/zero1_pp.json"))
+    dequantized = AutoModelForCausalLM.from_pretrained(dirs["dequantized"]).eval()
+    assert abs(training_loss(dequantized, data_dir, 1) - logged[1]) < 1e-5
+    export = tmp_path / "hf"
+    assert cli(["export", "hf", str(out / "checkpoints" / "step00000001"), "--out", str(export), "--dtype", "fp32",
+                "--work-dir", str(tmp_path)]) == 0
+    assert "quantization_config" not in json.loads((export / "config.json").read_text())
+    exported = AutoModelForCausalLM.from_pretrained(export).eval()
+    assert abs(training_loss(exported, data_dir, 2) - logged[2]) < 1e-5
 
 
 def _edited(src: Path, dest: Path, tensors=None, config=None) -> Path:
