@@ -1,10 +1,11 @@
 """Through real launches: per-step metrics, DeepSpeed monitors, MoE expert load, the NaN policy, and
 validation numbers equal to a single-process transformers evaluation of the same weights.
 
-Three launches in all (each check shares one): a 2-rank MoE run (ZeRO-1, gradient accumulation, activation
+Four launches in all (each check shares one): a 2-rank MoE run (ZeRO-1, gradient accumulation, activation
 checkpointing, csv + tensorboard + wandb offline, a NaN loss injected on rank 1 at step 3 with
-nan_policy=skip), a 2-stage pipeline run stopped by a NaN loss (nan_policy=stop), and a 2-rank standalone
-evaluation of the first run's checkpoint.
+nan_policy=skip), a 2-stage pipeline run stopped by a NaN loss (nan_policy=stop), a 2-rank run stopped by
+train.max_consecutive_skips (NaN losses from step 2 on, nan_policy=skip), and a 2-rank standalone evaluation of
+the first run's checkpoint.
 """
 
 from __future__ import annotations
@@ -36,13 +37,15 @@ EVAL_SAMPLES = 66
 COMMON = [f"train.steps={STEPS}", "train.micro_batch_size=4", "train.global_batch_size=16", "eval.batches=5",
           "checkpoint.interval=0"]
 
-# train.py with a NaN loss on one rank at one optimizer step (the loss function is patched in the rank).
+# train.py with a NaN loss on one rank at optimizer steps POISON_STEP to POISON_LAST (default: POISON_STEP only;
+# the loss function is patched in the rank).
 INJECT = '''
 import os, sys
 from deepseek_ds.models.loss import TokenWeightedLoss
 from deepseek_ds.training.main import main
 
 STEP, RANK = int(os.environ["POISON_STEP"]), int(os.environ["POISON_RANK"])
+LAST = int(os.environ.get("POISON_LAST", STEP))
 _set, _call = TokenWeightedLoss.set_global_tokens, TokenWeightedLoss.__call__
 steps = [0]
 
@@ -52,7 +55,7 @@ def set_global_tokens(self, *args):
 
 def call(self, logits, labels):
     loss = _call(self, logits, labels)
-    return loss * float("nan") if steps[0] == STEP and int(os.environ["RANK"]) == RANK else loss
+    return loss * float("nan") if STEP <= steps[0] <= LAST and int(os.environ["RANK"]) == RANK else loss
 
 TokenWeightedLoss.set_global_tokens, TokenWeightedLoss.__call__ = set_global_tokens, call
 sys.exit(main())
@@ -101,6 +104,17 @@ def pipeline_run(tmp_path_factory, data_dir):
     out, proc = _launch(tmp, "pp", "ds_configs/zero1_pp.json", sets, {"POISON_STEP": str(POISONED), "POISON_RANK": "1"},
                         check=False)
     return {"out": out, "proc": proc, "records": read_metrics(out), "cfg": load_run_config("recipes/tiny-v3.yaml", sets)}
+
+
+@pytest.fixture(scope="module")
+def skips_run(tmp_path_factory, data_dir):
+    tmp = tmp_path_factory.mktemp("observability_skips")
+    # Every step from 2 on is poisoned on rank 1: the 3rd discarded update in a row (step 4) must end the run.
+    sets = [f"data.path={data_dir}", "train.steps=6", "train.micro_batch_size=4", "train.global_batch_size=8",
+            "train.nan_policy=skip", "train.max_consecutive_skips=3", "checkpoint.interval=1", "checkpoint.keep=10"]
+    out, proc = _launch(tmp, "skips", "ds_configs/zero1.json", sets,
+                        {"POISON_STEP": "2", "POISON_LAST": "6", "POISON_RANK": "1"}, check=False)
+    return {"out": out, "proc": proc, "records": read_metrics(out)}
 
 
 # ----------------------------------------------------------------------------------------------- reference
@@ -320,3 +334,26 @@ def test_eval_refuses_data_of_another_tokenizer(moe_run, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"deepseek-ds: error: {other} was tokenized with another tokenizer")
     assert "--tokenizer" in err and "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------------------------- consecutive skips
+def test_consecutive_skips_save_and_stop(skips_run):
+    proc, recs, out = skips_run["proc"], skips_run["records"], skips_run["out"]
+    # The exit status of every non-finite stop (training/main.py: NonFiniteLoss -> 3), passed on by the launcher.
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert ("deepseek-ds: step 4: DeepSpeed discarded the last 3 updates in a row (train.max_consecutive_skips: 3)"
+            in proc.stderr)
+    assert "Traceback" not in proc.stderr
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    assert [r["skipped"] for r in recs] == [False, True, True, True] and recs[-1]["skipped_steps"] == 3
+    ckpt = os.path.join(out, "checkpoints")
+    assert sorted(d for d in os.listdir(ckpt) if d.startswith("step")) == [f"step{s:08d}" for s in (1, 2, 3, 4)]
+    with open(os.path.join(ckpt, "latest")) as f:
+        assert f.read().strip() == "step00000004"
+    # The weights saved at the stop are those of step 1, the last applied update, bit for bit.
+    first, last = (torch.load(os.path.join(ckpt, f"step{s:08d}", "mp_rank_00_model_states.pt"),
+                              weights_only=False)["module"] for s in (1, 4))
+    assert first.keys() == last.keys() and all(torch.equal(first[k], last[k]) for k in first)
+    for rank in (0, 1):
+        with open(os.path.join(out, "logs", f"rank{rank}.log")) as f:
+            assert "train.max_consecutive_skips: 3" in f.read().split("ERROR", 1)[1], f"rank{rank}.log"

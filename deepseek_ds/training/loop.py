@@ -64,14 +64,15 @@ def mtp_loss_breakdown(run: Run) -> dict[str, float]:
 
 def train(run: Run, on_accepted=None) -> dict:
     """Train from the newest checkpoint (or from scratch) up to train.steps; returns rank 0's summary."""
-    with checkpoint_lock(run):  # held from before the resume (which removes .partial saves) to the last save
-        return _train(run, on_accepted)
+    # The lock is held from before the resume (which removes .partial saves) to the last save. SIGTERM/SIGINT: finish
+    # the step, save, exit cleanly.
+    with checkpoint_lock(run), StopOnSignal(run.engine.device) as stop:
+        return _train(run, stop, on_accepted)
 
 
-def _train(run: Run, on_accepted=None) -> dict:
+def _train(run: Run, stop: StopOnSignal, on_accepted=None) -> dict:
     cfg, engine, log = run.cfg, run.engine, run.log
     is_rank0 = run.rank == 0
-    stop = StopOnSignal(engine.device)  # SIGTERM/SIGINT: finish the step, save, exit cleanly
     state = resume(run) or {}
     if on_accepted:  # the run, and its resume if any, passed every check: e.g. record resolved_config.yaml
         on_accepted()
@@ -132,12 +133,21 @@ def _steps(run: Run, sampler: GlobalBatchSampler, metrics: MetricsWriter | None,
                if moe_layer_indices(run.model_config) else None)
     valid = PackedDataset(run.dataset_dir, cfg.data.seq_len, split="valid") if cfg.eval.interval else None
     progress = Progress(cfg.train.steps, start_step, run.rank == 0, cfg.train.log_interval, log)
+    skips = nan_policy.ConsecutiveSkips(cfg.train.max_consecutive_skips)
     last_saved, step = None, start_step
     for step in range(start_step + 1, cfg.train.steps + 1):
         lr = engine.get_lr()[0]
         skipped_before = engine.skipped_steps
         meter.start()
-        loss = train_step(run, next(batches))
+        try:
+            loss = train_step(run, next(batches))
+        except Exception as e:
+            if not nan_policy.at_min_loss_scale(e):
+                raise
+            # DeepSpeed raises on an overflowing step before any optimizer step, and the overflow flag is all-reduced,
+            # so every rank gets here at the same step holding the weights of the last applied update: worth saving.
+            saved = _save_and_close(run, step, sampler, progress, metrics)
+            raise nan_policy.NonFiniteLoss(nan_policy.min_scale_message(step, saved, run.ds.get("fp16", {}), lr)) from e
         grad_norm = engine.get_global_grad_norm()
         record = {
             "step": step, "loss": loss, "lr": lr,
@@ -163,11 +173,12 @@ def _steps(run: Run, sampler: GlobalBatchSampler, metrics: MetricsWriter | None,
         progress.update(step, record)
         if not math.isfinite(loss):
             if nan_policy.check(step, cfg.train.nan_policy, record["skipped"]):
-                saved = save(run, step, sampler.consumed_samples)
-                progress.close()
-                _close(metrics, engine)
+                saved = _save_and_close(run, step, sampler, progress, metrics)
                 raise nan_policy.NonFiniteLoss(nan_policy.stop_message(step, saved))
             log.warning("step %d: the loss is not finite; DeepSpeed discarded the update (train.nan_policy: skip)", step)
+        if skips.after_step(record["skipped"]):
+            saved = _save_and_close(run, step, sampler, progress, metrics)
+            raise nan_policy.NonFiniteLoss(nan_policy.skips_message(step, skips.count, saved, lr))
         if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
             last_saved = save(run, step, sampler.consumed_samples)
         if stop.requested():
@@ -175,6 +186,16 @@ def _steps(run: Run, sampler: GlobalBatchSampler, metrics: MetricsWriter | None,
             break
     progress.close()
     return last_saved, step
+
+
+def _save_and_close(run: Run, step: int, sampler: GlobalBatchSampler, progress: Progress,
+                    metrics: MetricsWriter | None) -> str:
+    """Before a stop on discarded updates: save `step` (the weights are those before it), close the outputs;
+    returns the checkpoint's path."""
+    saved = save(run, step, sampler.consumed_samples)
+    progress.close()
+    _close(metrics, run.engine)
+    return saved
 
 
 def _summary(run: Run, records: list[dict], start_step: int, last_saved: str | None) -> dict:
