@@ -130,22 +130,43 @@ def facts(gpus=8, ib=None, interfaces=("lo", "eth0", "ib0"), torch="2.13.0", por
             "first_address": "10.0.0.1", "checkpoint_dir": {"ok": ckpt_ok, "detail": "d"}}
 
 
-def run_with(monkeypatch, tmp_path, per_host, hostfile="a slots=8\nb slots=8\n", env_text=None, **options):
-    """run_preflight with each host's probe result replaced by per_host[host] (facts or a ProbeResult)."""
+def run_with(monkeypatch, tmp_path, per_host, hostfile="a slots=8\nb slots=8\n", env_text=None, sees=None,
+             calls=None, **options):
+    """run_preflight with each host's probe result replaced by per_host[host] (facts or a ProbeResult), and
+    whether each other host reads back the first host's checkpoint-dir token by sees[host] (default: yes); each
+    round of probes' arguments are appended to `calls`."""
     (tmp_path / "hosts").write_text(hostfile)
     if env_text is not None:
         (tmp_path / ".deepspeed_env").write_text(env_text)
+    calls = [] if calls is None else calls
 
     def fake_probe_hosts(hosts, python, args_for, timeout, ssh_port=None):
-        assert "--port" in args_for[hosts[0]] and all("--port" not in args_for[h] for h in hosts[1:])
-        return {h: per_host[h] if isinstance(per_host[h], remote.ProbeResult)
-                else remote.ProbeResult(h, 0.1, per_host[h]) for h in hosts}
+        calls.append({h: args_for[h] for h in hosts})
+        if len(calls) == 1:  # the facts
+            assert "--port" in args_for[hosts[0]] and all("--port" not in args_for[h] for h in hosts[1:])
+            return {h: per_host[h] if isinstance(per_host[h], remote.ProbeResult)
+                    else remote.ProbeResult(h, 0.1, _with_token(per_host[h], args_for[h])) for h in hosts}
+        mode, path = args_for[hosts[0]]
+        if mode == "--expect-token":  # the other hosts read it back
+            return {h: remote.ProbeResult(h, 0.1, {"token": {"seen": (sees or {}).get(h, True), "detail": "d"}})
+                    for h in hosts}
+        assert mode == "--remove-token" and hosts == list(calls[0])[:1]
+        return {hosts[0]: remote.ProbeResult(hosts[0], 0.1, {"token": {"removed": True, "detail": "d"}})}
 
     monkeypatch.setattr(remote, "probe_hosts", fake_probe_hosts)
     opts = PreflightOptions(hostfile=tmp_path / "hosts", cwd=tmp_path, environ={"HOME": str(tmp_path / "nohome")},
                             checkpoint_dir="/ckpt", **options)
     _, checks = run_preflight(opts)
     return {(c.host, c.name): c for c in checks}, checks
+
+
+def _with_token(facts: dict, args: list[str]) -> dict:
+    """The first host's facts, with the token file it was asked to write."""
+    if "--share-token" not in args or not facts["checkpoint_dir"]["ok"]:
+        return facts
+    token = args[args.index("--share-token") + 1]
+    path = f"/ckpt/{probe.TOKEN_PREFIX}{token}"
+    return {**facts, "checkpoint_dir": {**facts["checkpoint_dir"], "token": {"path": path, "detail": "wrote"}}}
 
 
 def test_healthy_gpu_cluster_passes(monkeypatch, tmp_path):
@@ -180,6 +201,52 @@ def test_each_failure_names_host_and_fix(monkeypatch, tmp_path):
     report = format_report(checks)
     assert report.splitlines()[-1] == "preflight FAILED: 6 checks on a, b"
     assert report.count("fix: ") == 6
+
+
+def test_checkpoint_dir_must_be_one_directory_all_hosts_see(monkeypatch, tmp_path):
+    hosts, calls = "a slots=8\nb slots=8\nc slots=8\n", []
+    by, checks = run_with(monkeypatch, tmp_path, {h: facts() for h in "abc"}, hostfile=hosts, calls=calls)
+    assert by[("*", "checkpoint shared")].status is Status.PASS
+    assert by[("*", "checkpoint shared")].detail == "2 other hosts read back the file a wrote in /ckpt"
+    first, readers, removal = calls
+    token = first["a"][first["a"].index("--share-token") + 1]
+    assert len(token) == 32 and all("--share-token" not in first[h] for h in "bc")  # random, first host only
+    path = f"/ckpt/{probe.TOKEN_PREFIX}{token}"
+    assert readers == {"b": ["--expect-token", path], "c": ["--expect-token", path]}
+    assert removal == {"a": ["--remove-token", path]}  # after everyone read it
+
+    by, checks = run_with(monkeypatch, tmp_path, {h: facts() for h in "abc"}, hostfile=hosts, sees={"c": False})
+    shared = by[("*", "checkpoint shared")]
+    assert shared.status is Status.FAIL and preflight.failed(checks) == [shared]  # each host alone: writable
+    assert shared.detail.startswith("1 host of 3 do not see the file a wrote in /ckpt (c: d): /ckpt is not one")
+    assert "shared filesystem" in shared.fix and "checkpoint.dir" in shared.fix
+
+    by, _ = run_with(monkeypatch, tmp_path, {"a": facts(ckpt_ok=False), "b": facts()})
+    assert ("*", "checkpoint shared") not in by and by[("a", "checkpoint dir")].status is Status.FAIL
+    calls.clear()
+    by, _ = run_with(monkeypatch, tmp_path, {"a": facts()}, hostfile="a slots=8\n", calls=calls)
+    assert ("*", "checkpoint shared") not in by and len(calls) == 1  # one host: nothing to share
+
+
+def test_token_file_round_trip_through_the_probe(tmp_path):
+    source = Path(probe.__file__).read_text()
+
+    def probe_here(*args):
+        out = subprocess.run([PYTHON, "-", *args], input=source, capture_output=True, text=True, check=True)
+        return json.loads(out.stdout.split(probe.MARKER, 1)[1])
+
+    # checkpoint.dir does not exist yet: the token goes where it would be created
+    written = probe_here("--checkpoint-dir", str(tmp_path / "ckpt"), "--share-token", "f00d")["checkpoint_dir"]
+    path = tmp_path / f"{probe.TOKEN_PREFIX}f00d"
+    assert written["token"] == {"path": str(path), "detail": f"wrote {path}"} and path.read_text() == "f00d"
+    assert probe_here("--expect-token", str(path)) == {"token": {"seen": True, "detail": f"read {path}"}}
+    elsewhere = tmp_path / "other-host-local-disk"
+    elsewhere.mkdir()
+    (elsewhere / path.name).write_text("stale")
+    assert probe_here("--expect-token", str(elsewhere / path.name))["token"]["seen"] is False  # not our token
+    assert probe_here("--remove-token", str(path))["token"]["removed"] is True and not path.exists()
+    missing = probe_here("--expect-token", str(path))["token"]
+    assert missing == {"seen": False, "detail": f"{path}: No such file or directory"}
 
 
 def test_unreachable_host_reports_only_ssh(monkeypatch, tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -74,6 +75,8 @@ def run_preflight(options: PreflightOptions) -> tuple[Job, list[Check]]:
     hosts = list(slots)
     args_for = {h: (["--checkpoint-dir", options.checkpoint_dir] if options.checkpoint_dir else []) for h in hosts}
     args_for[hosts[0]] += ["--port", str(options.master_port)]
+    if options.checkpoint_dir and len(hosts) > 1:
+        args_for[hosts[0]] += ["--share-token", uuid.uuid4().hex]
     results = remote.probe_hosts(hosts, options.python, args_for, options.timeout, options.ssh_port)
 
     checks = [Check(JOB, "hostfile", Status.PASS, f"{options.hostfile}: {_count(len(hosts), 'host')}, "
@@ -81,7 +84,38 @@ def run_preflight(options: PreflightOptions) -> tuple[Job, list[Check]]:
     reference = next((results[h] for h in hosts if results[h].facts is not None), None)
     for host in hosts:
         checks += _host_checks(job, options, results[host], reference, is_first=host == hosts[0])
+    token = ((results[hosts[0]].facts or {}).get("checkpoint_dir") or {}).get("token")
+    if token and token["path"]:
+        checks.append(_shared_checkpoint_dir(options, hosts, results, token["path"]))
     return job, checks
+
+
+def _shared_checkpoint_dir(options: PreflightOptions, hosts: list[str], results: dict[str, remote.ProbeResult],
+                           token_path: str) -> Check:
+    """Every other reachable host reads back the token file the first host wrote (a second round of probes, after
+    the first), then the first host removes it (a third)."""
+    readers = [h for h in hosts[1:] if results[h].facts is not None]
+    seen = remote.probe_hosts(readers, options.python, {h: ["--expect-token", token_path] for h in readers},
+                              options.timeout, options.ssh_port) if readers else {}
+    remote.probe_hosts(hosts[:1], options.python, {hosts[0]: ["--remove-token", token_path]}, options.timeout,
+                       options.ssh_port)
+    return judge_shared(hosts[0], options.checkpoint_dir, token_path, seen)
+
+
+def judge_shared(first: str, checkpoint_dir: str, token_path: str, seen: dict[str, remote.ProbeResult]) -> Check:
+    """PASS when every host read the first host's token file back; FAIL naming those that did not."""
+    blind = {h: (r.facts["token"]["detail"] if r.facts else r.error) for h, r in seen.items()
+             if not (r.facts and r.facts["token"]["seen"])}
+    if blind:
+        why = "; ".join(f"{h}: {detail}" for h, detail in blind.items())
+        return Check(JOB, "checkpoint shared", Status.FAIL,
+                     f"{_count(len(blind), 'host')} of {len(seen) + 1} do not see the file {first} wrote in "
+                     f"{os.path.dirname(token_path)} ({why}): {checkpoint_dir} is not one directory shared by "
+                     "every host, so a checkpoint would lack the shards of the hosts rank 0 cannot see",
+                     f"mount the same shared filesystem (NFS, Lustre, GPFS, ...) at {checkpoint_dir} on every host, "
+                     "or point checkpoint.dir at a directory on one")
+    return Check(JOB, "checkpoint shared", Status.PASS,
+                 f"{_count(len(seen), 'other host')} read back the file {first} wrote in {os.path.dirname(token_path)}")
 
 
 def _environment(options: PreflightOptions) -> tuple[Check, dict[str, str]]:

@@ -119,7 +119,53 @@ def checkpoint_dir_status(path: str) -> dict[str, object]:
     return {"ok": False, "detail": f"{path} does not exist and {parent} is not writable"}
 
 
-def collect(port: int | None, checkpoint_dir: str | None) -> dict[str, object]:
+TOKEN_PREFIX = ".preflight-shared-"
+
+
+def _existing_dir(path: str) -> str:
+    """`path`, or its nearest existing ancestor (where it would be created)."""
+    path = os.path.abspath(path)
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def write_token(checkpoint_dir: str, token: str) -> dict[str, object]:
+    """On the first host: a file named and filled with `token` in the checkpoint directory (or the directory that
+    would hold it), for the other hosts to read back; {"path": where, or None, "detail"}."""
+    path = os.path.join(_existing_dir(checkpoint_dir), TOKEN_PREFIX + token)
+    try:
+        with open(path, "w") as f:
+            f.write(token)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        return {"path": None, "detail": f"cannot write {path}: {err.strerror}"}
+    return {"path": path, "detail": f"wrote {path}"}
+
+
+def read_token(path: str) -> dict[str, object]:
+    """On every other host: does it see the first host's token file, with its content? {"seen", "detail"}."""
+    token = os.path.basename(path)[len(TOKEN_PREFIX):]
+    try:
+        with open(path) as f:
+            content = f.read()
+    except OSError as err:
+        return {"seen": False, "detail": f"{path}: {err.strerror}"}
+    if content != token:
+        return {"seen": False, "detail": f"{path} holds {content[:40]!r}, not the token written"}
+    return {"seen": True, "detail": f"read {path}"}
+
+
+def remove_token(path: str) -> dict[str, object]:
+    try:
+        os.remove(path)
+    except OSError as err:
+        return {"removed": False, "detail": f"{path}: {err.strerror}"}
+    return {"removed": True, "detail": f"removed {path}"}
+
+
+def collect(port: int | None, checkpoint_dir: str | None, share_token: str | None = None) -> dict[str, object]:
     facts: dict[str, object] = {
         "python": platform.python_version(),
         "executable": sys.executable,
@@ -133,6 +179,8 @@ def collect(port: int | None, checkpoint_dir: str | None) -> dict[str, object]:
         facts["first_address"] = first_address()
     if checkpoint_dir is not None:
         facts["checkpoint_dir"] = checkpoint_dir_status(checkpoint_dir)
+        if share_token is not None and facts["checkpoint_dir"]["ok"]:  # asked of the first host only
+            facts["checkpoint_dir"]["token"] = write_token(checkpoint_dir, share_token)
     return facts
 
 
@@ -140,8 +188,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--port", type=int, help="check that this TCP port is free")
     parser.add_argument("--checkpoint-dir", help="check that this directory is writable")
+    parser.add_argument("--share-token", help="with --checkpoint-dir: write a token file there for other hosts")
+    parser.add_argument("--expect-token", metavar="PATH", help="only: read another host's token file back")
+    parser.add_argument("--remove-token", metavar="PATH", help="only: remove this host's token file")
     args = parser.parse_args(argv)
-    print(MARKER + json.dumps(collect(args.port, args.checkpoint_dir)), flush=True)
+    if args.expect_token:
+        facts = {"token": read_token(args.expect_token)}
+    elif args.remove_token:
+        facts = {"token": remove_token(args.remove_token)}
+    else:
+        facts = collect(args.port, args.checkpoint_dir, args.share_token)
+    print(MARKER + json.dumps(facts), flush=True)
     return 0
 
 
