@@ -17,7 +17,14 @@ from pathlib import Path
 import pytest
 
 from deepseek_ds.checkpoint.format import FORMAT_VERSION, META, CheckpointError, tag_for
-from deepseek_ds.checkpoint.integrity import FILES, check_tag, newest_verified_tag, record_files
+from deepseek_ds.checkpoint.integrity import (
+    FILES,
+    check_tag,
+    merge_records,
+    newest_verified_tag,
+    record_files,
+    record_written,
+)
 from deepseek_ds.checkpoint.lock import LOCK, acquire
 from deepseek_ds.config import load_ds_config, run_config_from_dict, validate
 from helpers import ROOT, checkpoint_sets, cli, deepspeed, losses, read_metrics, refused
@@ -195,14 +202,53 @@ def test_newest_verified_tag_skips_damaged_ones_with_a_warning(tmp_path, caplog)
 
 
 @pytest.mark.unit
+def test_merged_records_equal_reading_the_tag_back(tmp_path):
+    d = _fake_tag(tmp_path, 1)
+    (d / "zero_to_fp32.py").write_text("# copied by DeepSpeed outside its checkpoint engine: nobody records it")
+    rank0 = record_written(str(d), [str(d / "mp_rank_00_model_states.pt")])
+    rank1 = record_written(str(d), [str(d / "rng" / "rank_00000.pt")])
+    merged = merge_records(str(d), [{"host": "a", "files": rank0}, {"host": "b", "files": rank1}])
+    assert merged == record_files(str(d))  # the independent reference: every file read back by one process
+    assert list(merged) == ["mp_rank_00_model_states.pt", "rng/rank_00000.pt", "zero_to_fp32.py"]
+
+
+@pytest.mark.unit
+def test_unshared_checkpoint_dir_is_refused_naming_the_hosts(tmp_path):
+    # What rank 0 sees when checkpoint.dir is a local directory on each host: host-b's ranks wrote their files into
+    # their own copy of the directory, which is not this one.
+    here, there = _fake_tag(tmp_path / "host-a", 1), _fake_tag(tmp_path / "host-b", 1)
+    (there / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"x" * 100)
+    records = [{"host": "host-a", "files": record_written(str(here), [str(here / "mp_rank_00_model_states.pt")])},
+               {"host": "host-b", "files": record_written(str(there), [str(there / "rng" / "rank_00000.pt")])},
+               {"host": "host-b", "files": record_written(
+                   str(there), [str(there / "zero_pp_rank_1_mp_rank_00_optim_states.pt")])}]
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointError) as err:
+        merge_records(str(here), records, wait_s=1.0)
+    assert time.monotonic() - t0 < 5
+    message = str(err.value)
+    assert "\n" not in message and f"checkpoint.dir {tmp_path / 'host-a'} is not shared between hosts" in message
+    assert "rank 0 on host host-a does not see what ranks [2] on host(s) host-b wrote" in message
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt (missing, 100 written)" in message
+    assert "filesystem every host mounts" in message  # the fix
+    # rank 1's file exists here too, but with another size than it wrote: also not its file
+    (here / "rng" / "rank_00000.pt").write_bytes(b"short")
+    with pytest.raises(CheckpointError, match=r"ranks \[1, 2\] .*rank 1: rng/rank_00000.pt \(5 bytes, 30 written\)"):
+        merge_records(str(here), records, wait_s=0.0)
+
+
+@pytest.mark.unit
 def test_retention_never_deletes_the_newest_intact_tag(tmp_path):
     from deepseek_ds.checkpoint.saving import _prune  # imports deepspeed: only here
 
     for step in (1, 2, 3, 4):
         _fake_tag(tmp_path, step)
     _truncate(tmp_path / tag_for(4) / "mp_rank_00_model_states.pt")
-    _prune(str(tmp_path), keep=1)
-    assert sorted(os.listdir(tmp_path)) == [tag_for(3), tag_for(4)]  # the damaged step 4 does not count
+    doomed = _prune(str(tmp_path), keep=1)
+    # set aside under .partial names first (a kill mid-deletion leaves no half-deleted tag), deleted later
+    assert sorted(os.listdir(tmp_path)) == [f".{tag_for(1)}.deleted.partial", f".{tag_for(2)}.deleted.partial",
+                                            tag_for(3), tag_for(4)]  # the damaged step 4 does not count
+    assert sorted(os.path.basename(d) for d in doomed) == sorted(os.listdir(tmp_path))[:2]
 
 
 @pytest.mark.unit
@@ -219,6 +265,43 @@ def test_verify_command_prints_a_table_and_fails_on_a_damaged_newest(tmp_path, c
     last = capsys.readouterr().out.splitlines()[-1]
     assert last.startswith(tag_for(2)) and "DAMAGED: mp_rank_00_model_states.pt (5120 bytes, 10240 written)" in last
     assert cli(["checkpoint", "verify", str(tmp_path / "nowhere")]) == 2  # a UserError: one line, status 2
+
+
+# ----------------------------------------------------------------------------------------------- universal conversion
+@pytest.mark.unit
+def test_waiting_for_rank_0s_conversion_is_bounded_by_its_progress_not_a_timeout(tmp_path):
+    import threading
+
+    from deepseek_ds.checkpoint.format import UNIVERSAL_DONE
+    from deepseek_ds.checkpoint.universal import wait_for_conversion
+
+    out, status = tmp_path / "step00000002.universal-sequential", tmp_path / ".status"
+    status.write_text(json.dumps({"state": "converting"}))
+
+    def rank0(renewals: int) -> None:  # converts for a while, renewing its status, then publishes
+        for _ in range(renewals):
+            time.sleep(0.2)
+            os.utime(status, ns=(time.time_ns(), time.time_ns()))
+        out.mkdir()
+        (out / UNIVERSAL_DONE).write_text("{}")
+        status.unlink()
+
+    worker = threading.Thread(target=rank0, args=(10,))
+    t0 = time.monotonic()
+    worker.start()
+    wait_for_conversion(str(out), str(status), silent_s=0.6, poll_s=0.05)  # 2 s of work, never 0.6 s silent
+    worker.join()
+    assert 1.9 < time.monotonic() - t0 < 10
+
+    status.write_text(json.dumps({"state": "converting"}))
+    (out / UNIVERSAL_DONE).unlink()
+    t0 = time.monotonic()  # rank 0 died: nobody renews the file
+    with pytest.raises(CheckpointError, match="rank 0 stopped converting .* not been renewed for 1 s"):
+        wait_for_conversion(str(out), str(status), silent_s=0.6, poll_s=0.05)
+    assert time.monotonic() - t0 < 5
+    status.write_text(json.dumps({"state": "failed", "error": "boom: no optimizer shards"}))
+    with pytest.raises(CheckpointError, match="rank 0 could not convert .*: boom: no optimizer shards"):
+        wait_for_conversion(str(out), str(status), silent_s=60, poll_s=0.05)
 
 
 # ----------------------------------------------------------------------------------------------- through the launcher

@@ -2,22 +2,31 @@
 relative to it, size, zlib.crc32 of its bytes). Resume verifies the tag it chooses and falls back to the newest one
 that verifies; retention counts only intact tags; `deepseek-ds checkpoint verify` checks a whole directory.
 
-Cost: rank 0 reads the whole tag back once when publishing it and once when resuming from it. zlib.crc32 runs at
-about 1 GB/s on one core (0.85 GB/s measured on a busy 2-core CI machine) and the bytes just written are usually
-still in the page cache, so this is about a second per GB of checkpoint on rank 0's host; the size checks that
-retention and the pre-launch check use cost one stat() per file."""
+Saving: every rank flushes (fsync) and checksums the files it wrote itself (record_written), in parallel, before
+any collective; rank 0 merges those records (merge_records), checking that it sees every rank's files with their
+sizes (a checkpoint.dir that is not one shared filesystem is refused there, before the tag is published) and
+checksumming only what no rank claimed (DeepSpeed's copied recovery scripts).
+
+Cost: zlib.crc32 runs at about 1 GB/s on one core (0.85 GB/s measured on a busy 2-core CI machine) and the bytes
+just written are usually still in the page cache, so a save costs each rank about a second per GB it wrote, and a
+resume costs rank 0 about a second per GB of the whole tag; the size checks that retention and the pre-launch
+check use cost one stat() per file."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
+import time
 import zlib
 
-from .format import META, complete_tags, read_meta
+from .format import META, CheckpointError, complete_tags, read_meta
 
 FILES = "files"
 _CHUNK = 16 << 20
+# How long rank 0 keeps looking for another host's files before calling the storage unshared: a network
+# filesystem's attribute and lookup caches can lag a few seconds behind another client's writes.
+VISIBLE_WAIT_S = 10.0
 
 
 def crc32_of(path: str) -> int:
@@ -28,16 +37,75 @@ def crc32_of(path: str) -> int:
     return crc
 
 
-def record_files(tag_dir: str) -> dict[str, dict]:
-    """{relative path: {"size", "crc32"}} of every file under `tag_dir` but checkpoint.json (which holds the record)."""
+def record_files(tag_dir: str, skip: set[str] = frozenset()) -> dict[str, dict]:
+    """{relative path: {"size", "crc32"}} of every file under `tag_dir` but checkpoint.json (which holds the record)
+    and those in `skip`."""
     out = {}
     for d, _, names in os.walk(tag_dir):
         for name in names:
             path = os.path.join(d, name)
             rel = os.path.relpath(path, tag_dir)
-            if rel != META:
+            if rel != META and rel not in skip:
                 out[rel] = {"size": os.path.getsize(path), "crc32": crc32_of(path)}
     return dict(sorted(out.items()))
+
+
+def record_written(tag_dir: str, paths: list[str]) -> dict[str, dict]:
+    """{path relative to `tag_dir`: {"size", "crc32"}} of files this process wrote, each flushed to stable storage
+    first (a rename publishes the tag later: it must not reach the disk before the data)."""
+    out = {}
+    for path in paths:
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+        out[os.path.relpath(path, tag_dir)] = {"size": os.path.getsize(path), "crc32": crc32_of(path)}
+    return out
+
+
+def _visible_size(path: str) -> int | None:
+    """The size this host sees, None when it sees no file. Opened, not just stat()ed: NFS revalidates a file's
+    attributes on open (close-to-open consistency), so another client's finished writes show."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+def _unseen(tag_dir: str, records: list[dict]) -> dict[int, str]:
+    """{rank: its first file this host does not see with the size it wrote}."""
+    out = {}
+    for rank, record in enumerate(records):
+        for rel, rec in record["files"].items():
+            size = _visible_size(os.path.join(tag_dir, rel))
+            if size != rec["size"]:
+                out[rank] = f"{rel} ({'missing' if size is None else f'{size} bytes'}, {rec['size']} written)"
+                break
+    return out
+
+
+def merge_records(tag_dir: str, records: list[dict], wait_s: float = VISIBLE_WAIT_S) -> dict[str, dict]:
+    """checkpoint.json's "files" from every rank's record_written ({"host", "files"}, index = rank), on rank 0:
+    CheckpointError when this host does not see another rank's files (storage not shared between hosts); files
+    nobody recorded (written by DeepSpeed outside its checkpoint engine) are checksummed here."""
+    deadline = time.monotonic() + wait_s
+    while (unseen := _unseen(tag_dir, records)) and time.monotonic() < deadline:
+        time.sleep(1.0)
+    if unseen:
+        hosts = sorted({records[r]["host"] for r in unseen})
+        example = next(iter(unseen.items()))
+        raise CheckpointError(
+            f"checkpoint.dir {os.path.dirname(tag_dir)} is not shared between hosts: rank 0 on host "
+            f"{records[0]['host']} does not see what ranks {sorted(unseen)} on host(s) {', '.join(hosts)} wrote into "
+            f"{tag_dir} (rank {example[0]}: {example[1]}), so the checkpoint is not published",
+            hint="put checkpoint.dir (or train.output_dir) on a filesystem every host mounts at the same path "
+                 "(NFS, Lustre, GPFS, ...); `deepseek-ds preflight --checkpoint-dir DIR` checks it")
+    files = {rel: rec for record in records for rel, rec in record["files"].items()}
+    for rel, rec in record_files(tag_dir, skip=set(files)).items():
+        files[rel] = rec
+    return dict(sorted(files.items()))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,13 +20,12 @@ from .format import (
     current_layout,
     read_meta,
     saved_layout,
-    universal_dir,
 )
 from .integrity import newest_verified_tag
 from .run import TrainingRun
 from .safe_load import trusted_types_only
 from .state import restore_buffers, restore_rng
-from .universal import to_universal
+from .universal import convert_on_rank0
 
 
 def resume(run: TrainingRun) -> dict | None:
@@ -116,11 +115,7 @@ def _remove_partials(ckpt_dir: str, log: logging.Logger) -> None:
 
 
 def _load_universal(run: TrainingRun, tag_dir: str) -> None:
-    scheme = current_layout(run).scheme
-    if run.rank == 0:
-        to_universal(tag_dir, scheme, run.model_config)
-    dist.barrier()
-    universal = universal_dir(tag_dir, scheme)
+    universal = convert_on_rank0(tag_dir, current_layout(run).scheme, run.model_config, run.rank)
     engine = run.engine
     # DeepSpeed reads its `load_universal` config flag only while loading; setting it here (rather than in the
     # DeepSpeed JSON) lets a run decide after start-up, from the checkpoint found, which loader to use.

@@ -17,7 +17,8 @@ from .tensor_names import layout_names
 
 
 # ----------------------------------------------------------------------------------------------- RNG
-def save_rng(tag_dir: str, rank: int) -> None:
+def save_rng(tag_dir: str, rank: int) -> str:
+    """Write this rank's RNG states; returns the file's path."""
     name, keys, pos, gauss, cached = np.random.get_state()
     state = {"python": random.getstate(), "torch": torch.get_rng_state(),
              # as tensors and numbers: the weights-only unpickler that reads it back rejects numpy arrays
@@ -25,8 +26,10 @@ def save_rng(tag_dir: str, rank: int) -> None:
     acc = get_accelerator()
     if acc.device_name() != "cpu":
         state["accelerator"] = acc.get_rng_state()
-    os.makedirs(os.path.join(tag_dir, "rng"), exist_ok=True)
-    torch.save(state, os.path.join(tag_dir, "rng", f"rank_{rank:05d}.pt"))
+    path = os.path.join(tag_dir, "rng", f"rank_{rank:05d}.pt")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save(state, path)
+    return path
 
 
 def restore_rng(tag_dir: str, rank: int) -> bool:
@@ -61,12 +64,15 @@ def _hf_names(run: TrainingRun) -> dict[str, str]:
     return layout_names(run.model_config, layout.scheme, layout.autoep)
 
 
-def save_buffers(tag_dir: str, run: TrainingRun) -> None:
+def save_buffers(tag_dir: str, run: TrainingRun) -> str:
+    """Write this pipeline stage's persistent buffers; returns the file's path."""
     names = _hf_names(run)
     tensors = {names[k]: v.detach().cpu().contiguous() for k, v in _local_buffers(run).items() if k in names}
     stage = run.engine.stage_id if run.pipeline else 0
-    os.makedirs(os.path.join(tag_dir, "buffers"), exist_ok=True)
-    save_file(tensors, os.path.join(tag_dir, "buffers", f"stage_{stage:02d}.safetensors"))
+    path = os.path.join(tag_dir, "buffers", f"stage_{stage:02d}.safetensors")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    save_file(tensors, path)
+    return path
 
 
 def read_buffers(tag_dir: str) -> dict[str, torch.Tensor]:

@@ -9,8 +9,12 @@ import io
 import json
 import os
 import shutil
+import socket
 import sys
+import threading
+import time
 
+import torch.distributed as dist
 from deepspeed.checkpoint import ds_to_universal
 from transformers import PretrainedConfig
 
@@ -56,6 +60,82 @@ def to_universal(tag_dir: str, scheme: str, config: PretrainedConfig, out: str |
         shutil.rmtree(out)
     os.rename(tmp, out)
     return out
+
+
+# Rank 0 renews its status file this often while converting; the other ranks give up when it has not changed for
+# CONVERTER_SILENT_S (its process died: on another host nothing else tells them). Changes are timed on the waiting
+# host's clock, so clock skew between hosts does not matter.
+CONVERTING_HEARTBEAT_S = 5.0
+CONVERTER_SILENT_S = 120.0
+
+
+def convert_on_rank0(tag_dir: str, scheme: str, config: PretrainedConfig, rank: int) -> str:
+    """Every rank calls this. Rank 0 converts (to_universal) while the others wait for the result by polling, not
+    in a collective: a collective would fail after train.dist_timeout_s, and converting a large model can take
+    longer. They fail only when rank 0 reports an error or stops renewing its status file. Returns the output."""
+    out = universal_dir(tag_dir, scheme)
+    status = _status_path(out)
+    if rank == 0:
+        _write_status(status, {"state": "converting", "host": socket.gethostname(), "pid": os.getpid()})
+    dist.barrier()  # the status file is this run's before anyone reads it
+    if rank == 0:
+        stop = threading.Event()
+        beat = threading.Thread(target=_renew, args=(status, stop), name="universal-heartbeat", daemon=True)
+        beat.start()
+        try:
+            to_universal(tag_dir, scheme, config)
+        except BaseException as e:
+            _write_status(status, {"state": "failed", "error": str(e) or type(e).__name__})
+            raise
+        finally:
+            stop.set()
+            beat.join()
+        os.remove(status)
+    else:
+        wait_for_conversion(out, status)
+    dist.barrier()  # cheap: everyone is here once the conversion is published
+    return out
+
+
+def _status_path(out: str) -> str:
+    parent, name = os.path.split(os.path.normpath(out))
+    return os.path.join(parent, f".{name}.converting")
+
+
+def _write_status(path: str, status: dict) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(status, f)
+    os.replace(tmp, path)
+
+
+def _renew(path: str, stop: threading.Event) -> None:
+    while not stop.wait(CONVERTING_HEARTBEAT_S):
+        with contextlib.suppress(OSError):
+            os.utime(path)
+
+
+def wait_for_conversion(out: str, status: str, silent_s: float = CONVERTER_SILENT_S, poll_s: float = 1.0) -> None:
+    """Return once `out` is a complete conversion; CheckpointError when rank 0 reports a failure or its status
+    file has not changed for `silent_s`."""
+    seen, changed = None, time.monotonic()
+    while not is_converted(out):
+        try:
+            mtime = os.stat(status).st_mtime_ns
+            with open(status) as f:
+                state = json.load(f)
+        except (FileNotFoundError, ValueError):  # removed once done (published just before), or being replaced
+            mtime, state = seen, {}
+        if state.get("state") == "failed":
+            raise CheckpointError(f"rank 0 could not convert {out}: {state.get('error')}",
+                                  hint="rank 0's log (logs/rank0.log) has the details")
+        if mtime != seen:
+            seen, changed = mtime, time.monotonic()
+        elif time.monotonic() - changed > silent_s:
+            raise CheckpointError(f"rank 0 stopped converting {out}: its status file {status} has not been renewed "
+                                  f"for {silent_s:.0f} s (its process died?)",
+                                  hint="see rank 0's log (logs/rank0.log); the next resume converts again")
+        time.sleep(poll_s)
 
 
 def _rename_params(zero_dir: str, config: PretrainedConfig, src: str, dst: str, autoep: bool) -> None:

@@ -1,0 +1,95 @@
+"""Checkpoints survive the whole job being killed: SIGKILL to the launcher's process group at seeded random moments
+while it saves every step, three times in a row, each relaunch resuming; after every kill each complete tag
+verifies (sizes and checksums), and the final resume to the end gives the straight run's losses bitwise."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from deepseek_ds.checkpoint.format import complete_tags
+from deepseek_ds.checkpoint.integrity import check_tag
+from deepseek_ds.utils.net import free_port
+from helpers import BIN, ROOT, checkpoint_sets, cli, deepspeed, launch_env, losses, read_metrics
+
+STEPS = 14
+KILLS = 3
+SEED = 14  # the random moments, reproducible
+
+
+def _args(out: Path, data_dir: str, interval: int) -> list[str]:
+    args = ["train.py", "--config", "recipes/tiny-v3.yaml", "--set", f"train.output_dir={out}"]
+    for s in checkpoint_sets(data_dir, STEPS, interval, "data.seq_len=32", "checkpoint.keep=2"):
+        args += ["--set", s]
+    return args
+
+
+def _newest_checkpoint(ckpt: Path) -> int:
+    return max((int(t[4:]) for t in complete_tags(str(ckpt))), default=0)
+
+
+def _kill_while_saving(out: Path, data_dir: str, rng: random.Random) -> None:
+    """Launch (resuming whatever is there), let it train past its resume point, then SIGKILL the launcher and every
+    rank at once (their process group) after a random delay."""
+    ckpt = out / "checkpoints"
+    resumed_at = _newest_checkpoint(ckpt)
+    cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
+    proc = subprocess.Popen(cmd + _args(out, data_dir, 1), cwd=ROOT, env=launch_env(), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    # Wait for this run's first checkpoint (so every relaunch gets further), then kill at a random moment of the
+    # steps and saves that follow.
+    while _newest_checkpoint(ckpt) <= resumed_at:
+        assert proc.poll() is None, f"the job ended (status {proc.returncode}) before it could be killed"
+        assert time.monotonic() < deadline, "no training step within 300 s"
+        time.sleep(0.05)
+    time.sleep(rng.uniform(0.0, 1.5))
+    assert proc.poll() is None, "the job finished before the kill: raise STEPS"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    gone = time.monotonic() + 30  # the orphaned ranks are reaped by init a moment later
+    while _group_alive(proc.pid):
+        assert time.monotonic() < gone, "a rank outlived the kill of its process group"
+        time.sleep(0.1)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.launch
+def test_sigkill_at_random_moments_while_saving_every_step(tmp_path, data_dir):
+    deepspeed(2, _args(tmp_path / "straight", data_dir, 0))
+    straight = losses(read_metrics(str(tmp_path / "straight")))
+    assert sorted(straight) == list(range(1, STEPS + 1))
+
+    out, rng = tmp_path / "killed", random.Random(SEED)
+    ckpt = out / "checkpoints"
+    newest = []
+    for _ in range(KILLS):
+        _kill_while_saving(out, data_dir, rng)
+        tags = complete_tags(str(ckpt))
+        assert tags, "killed before the first checkpoint"
+        for tag in tags:  # every complete tag verifies, checksums included
+            check = check_tag(str(ckpt / tag))
+            assert check.ok and check.recorded, f"{tag} after a kill: {check.problem}"
+        assert cli(["checkpoint", "verify", str(ckpt)]) == 0
+        newest.append(int(tags[-1][4:]))
+    assert newest == sorted(newest) and newest[-1] < STEPS  # each relaunch got further, none finished
+
+    final = deepspeed(2, _args(out, data_dir, 1))
+    log = final.stdout + final.stderr
+    assert f"resumed from step{newest[-1]:08d} at step {newest[-1]}" in log
+    assert "taking over the stale lock" in log  # the killed job's lock: its pid is dead on this host
+    assert losses(read_metrics(str(out))) == straight  # bitwise, the steps after every resume included
+    assert cli(["checkpoint", "verify", str(ckpt)]) == 0
