@@ -25,7 +25,6 @@ from deepseek_ds.checkpoint import is_converted, universal_dir
 from deepseek_ds.checkpoint.resuming import resume
 from deepseek_ds.checkpoint.safe_load import trusted_types_only
 from deepseek_ds.checkpoint.state import read_buffers
-from deepseek_ds.training.signals import StopOnSignal
 from helpers import (
     BIN,
     ROOT,
@@ -261,19 +260,6 @@ def test_tampered_checkpoint_is_never_unpickled(zero1, tmp_path):
         torch.load(ckpt / "step00000002" / "mp_rank_00_model_states.pt", weights_only=False)
     assert not marker.exists()
     assert "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ  # restored on the way out
-
-
-@pytest.mark.unit
-def test_signal_only_sets_a_flag():
-    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        stop = StopOnSignal(torch.device("cpu"))
-        os.kill(os.getpid(), signal.SIGINT)
-        os.kill(os.getpid(), signal.SIGTERM)  # a second signal does not escalate: the process is still here
-        assert stop.received == "SIGTERM"
-    finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
 
 
 @pytest.mark.launch

@@ -64,14 +64,15 @@ def mtp_loss_breakdown(run: Run) -> dict[str, float]:
 
 def train(run: Run, on_accepted=None) -> dict:
     """Train from the newest checkpoint (or from scratch) up to train.steps; returns rank 0's summary."""
-    with checkpoint_lock(run):  # held from before the resume (which removes .partial saves) to the last save
-        return _train(run, on_accepted)
+    # The lock is held from before the resume (which removes .partial saves) to the last save. SIGTERM/SIGINT: finish
+    # the step, save, exit cleanly.
+    with checkpoint_lock(run), StopOnSignal(run.engine.device) as stop:
+        return _train(run, stop, on_accepted)
 
 
-def _train(run: Run, on_accepted=None) -> dict:
+def _train(run: Run, stop: StopOnSignal, on_accepted=None) -> dict:
     cfg, engine, log = run.cfg, run.engine, run.log
     is_rank0 = run.rank == 0
-    stop = StopOnSignal(engine.device)  # SIGTERM/SIGINT: finish the step, save, exit cleanly
     state = resume(run) or {}
     if on_accepted:  # the run, and its resume if any, passed every check: e.g. record resolved_config.yaml
         on_accepted()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import time
@@ -18,7 +17,7 @@ from ..utils.cli_args import add_run_args
 from ..utils.errors import UserError, format_user_error
 from .loop import train
 from .nan_policy import NonFiniteLoss
-from .setup import build_run
+from .setup import build_run, log_failure_to_file
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -39,15 +38,6 @@ def report_failure(line: str) -> None:
     if int(os.environ.get("LOCAL_RANK", 0)) != 0:
         time.sleep(REPORT_GRACE_S)
     print(line, file=sys.stderr, flush=True)
-
-
-def log_failure_to_file(message: str) -> None:
-    """Put what ended this rank into its own logs/rankN.log (the console has it already), for post-mortems."""
-    log = logging.getLogger("deepseek_ds")
-    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "%s", (message,), None)
-    for handler in log.handlers:
-        if isinstance(handler, logging.FileHandler):
-            handler.handle(record)
 
 
 def main(argv=None) -> int:
@@ -74,9 +64,15 @@ def main(argv=None) -> int:
         log_failure_to_file(line)
         report_failure(line)
         status = 2 if isinstance(e, UserError) else 3
-    except BaseException:  # a bug, or a signal: the traceback goes to the console as usual and to the rank's log
+    except BaseException as e:  # a bug, or a signal: the traceback goes to the console as usual and to the rank's log
         log_failure_to_file(f"this rank failed:\n{traceback.format_exc()}")
-        raise
+        if not (isinstance(e, SystemExit) and not e.code):
+            raise
+        # Something called sys.exit(0) mid-training: status 0 would tell the launcher this rank is done, and it would
+        # leave the others waiting on it (for train.dist_timeout_s on NCCL) instead of ending the job.
+        print(f"deepseek-ds: rank {rank} was made to exit with status 0 before the end of training (traceback in its "
+              "log): exiting 1", file=sys.stderr, flush=True)
+        status = 1
     else:
         dist.barrier()
     finally:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
-from torch.distributed import ProcessGroup
+from torch.distributed import ProcessGroup, distributed_c10d
 from transformers import PretrainedConfig
 
 from ..config import RunConfig
@@ -55,6 +55,10 @@ class Run:
 
 
 def init_distributed(timeout_s: int = 1800) -> tuple[int, int]:
+    if get_accelerator().communication_backend_name() == "nccl":
+        # A failed or timed-out NCCL collective then aborts its communicator and ends the rank (so the launcher ends
+        # the job) instead of leaving it blocked; a user's own setting wins.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     # DeepSpeed's CPU backend prints "... shm_comm_op built successfully" on every rank, also when the op was
     # cached: drop that line, pass anything else through.
     printed = io.StringIO()
@@ -64,6 +68,22 @@ def init_distributed(timeout_s: int = 1800) -> tuple[int, int]:
                              if not line.endswith("built successfully\n")))
     release_shm_buffers()
     return dist.get_rank(), dist.get_world_size()
+
+
+def apply_timeout_to_all_groups(timeout_s: int) -> list[float]:
+    """Give every process group of this rank the world group's timeout; returns each group's timeout (s), read back.
+    torch gives a group made by new_group(timeout=None) its backend's default (30 min gloo, 10 min NCCL), and
+    DeepSpeed makes its data-parallel, pipeline and expert groups that way (deepspeed.comm.new_group takes no
+    timeout), so a hung peer held them that long. Call it once the engine (and so every group) exists."""
+    timeout = timedelta(seconds=timeout_s)
+    groups = list(distributed_c10d._world.pg_map)
+    for group in groups:
+        distributed_c10d._set_pg_timeout(timeout, group)
+    return [_group_timeout_s(g) for g in groups]
+
+
+def _group_timeout_s(group: ProcessGroup) -> float:
+    return group._get_backend(group._device_types[0]).options._timeout.total_seconds()
 
 
 def release_shm_buffers() -> None:
@@ -124,6 +144,15 @@ def setup_logging(output_dir: str, rank: int) -> logging.Logger:
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
                             category=FutureWarning)
     return log
+
+
+def log_failure_to_file(message: str) -> None:
+    """Put what ended this rank into its own logs/rankN.log (the console has it already), for post-mortems."""
+    log = logging.getLogger("deepseek_ds")
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "%s", (message,), None)
+    for handler in log.handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 # DeepSpeed warnings that say nothing to a user of this toolkit: the engine reads the rate once before
@@ -195,6 +224,9 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                            config=ds)
     restore_fp32_biases(engine.module, biases)
+    timeouts = apply_timeout_to_all_groups(cfg.train.dist_timeout_s)
+    log.info("%d process groups, each with a %s s timeout (train.dist_timeout_s)", len(timeouts),
+             "/".join(f"{t:g}" for t in sorted(set(timeouts))))
     engine.config = redact(engine.config)  # the dict DeepSpeed saves into every checkpoint's .pt files
     if pp > 1:
         dp_rank, dp_size, dp_group = engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size(), \

@@ -1,29 +1,112 @@
-"""Stopping on a signal at a step boundary, on every rank at once."""
+"""Stopping on a signal at a step boundary, on every rank at once; ending a rank at once when it cannot get there."""
 
 from __future__ import annotations
 
+import os
+import select
 import signal
+import socket
+import sys
+import threading
+import time
 
 import torch
 import torch.distributed as dist
 
+from .setup import log_failure_to_file
+
+# Signals this close to the first are the same request: the deepspeed runner sends SIGINT then SIGTERM, launch.py's
+# handler re-enters on the second and signals every rank again, and a terminal's Ctrl-C reaches every process too.
+REPEAT_GRACE_S = 2.0
+# The launcher SIGKILLs a rank 30 s after its SIGTERM and only then signals the next one: a rank that has not
+# reached a step boundary well before that, nor within STEP_FACTOR of its slowest step so far, is blocked in a
+# collective that will not return (a peer hung or died).
+STOP_DEADLINE_S = 20.0
+STEP_FACTOR = 2.0
+ABORT_STATUS = 1
+
 
 class StopOnSignal:
-    """SIGTERM (a scheduler's preemption; the deepspeed launcher forwards it, then kills after 30 s) and SIGINT
-    (Ctrl-C) only set a flag. The training loop asks `requested()` after every step; it is a collective, so all
-    ranks stop after the same step, save, and exit normally. A repeated signal changes nothing: the launcher
-    sends SIGTERM right after a Ctrl-C's SIGINT, and dying mid-save would waste the stop."""
+    """SIGTERM (a scheduler's preemption; the deepspeed launcher forwards it) and SIGINT (Ctrl-C) set a flag. The
+    training loop asks `requested()` after every step; it is a collective, so all ranks stop after the same step,
+    save, and exit normally.
 
-    def __init__(self, device: torch.device):
+    Python runs signal handlers only between bytecodes of the main thread, never while it waits in a collective, so
+    a watcher thread reads the signals from the wakeup fd and ends the rank at once (one line, ABORT_STATUS, no save)
+    on a second signal more than REPEAT_GRACE_S after the first, or when no step boundary is reached within
+    `deadline_s` (or STEP_FACTOR x the slowest step) of the first. A context manager: the previous handlers come
+    back on exit."""
+
+    def __init__(self, device: torch.device, deadline_s: float = STOP_DEADLINE_S):
         self.device = device
+        self.deadline_s = deadline_s
         self.received: str | None = None
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
+        self._first_at: float | None = None  # when the watcher saw the first signal, and its name
+        self._first_name = ""
+        self._last_boundary: float | None = None
+        self._slowest_step = 0.0
+        self._at_boundary = threading.Event()  # requested() answered yes: the stop is under way
+        self._done = threading.Event()
+
+    def __enter__(self) -> StopOnSignal:
+        self._reader, self._writer = socket.socketpair()
+        self._reader.setblocking(False)
+        self._writer.setblocking(False)  # set_wakeup_fd requires it
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        self._previous_fd = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
+        self._watcher = threading.Thread(target=self._watch, name="stop-on-signal", daemon=True)
+        self._watcher.start()
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        signal.set_wakeup_fd(self._previous_fd)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._done.set()
+        self._writer.send(b"\0")  # wakes the watcher, which sees _done
+        self._watcher.join()
+        self._reader.close()
+        self._writer.close()
 
     def _handle(self, signum, _frame) -> None:
         self.received = signal.Signals(signum).name
 
     def requested(self) -> bool:
+        now = time.monotonic()
+        if self._last_boundary is not None:
+            self._slowest_step = max(self._slowest_step, now - self._last_boundary)
+        self._last_boundary = now
         flag = torch.tensor([1.0 if self.received else 0.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            self._at_boundary.set()
         return bool(flag.item())
+
+    def _watch(self) -> None:
+        while not self._done.is_set():
+            bound = max(self.deadline_s, STEP_FACTOR * self._slowest_step)
+            wait = None if self._first_at is None else self._first_at + bound - time.monotonic()
+            if wait is not None and wait <= 0:
+                if not self._at_boundary.is_set():
+                    _abort(f"no step boundary within {bound:.0f} s of {self._first_name} (a collective is hung: "
+                           "has another rank stopped or died?)")
+                wait = None  # saving: the launcher's own kill bounds it
+            if not select.select([self._reader], [], [], wait)[0]:
+                continue
+            for signum in self._reader.recv(64):
+                if signum not in (signal.SIGTERM, signal.SIGINT):
+                    continue
+                now = time.monotonic()
+                if self._first_at is None:
+                    self._first_at, self._first_name = now, signal.Signals(signum).name
+                elif now - self._first_at > REPEAT_GRACE_S:
+                    _abort(f"{signal.Signals(signum).name} {now - self._first_at:.0f} s after {self._first_name}")
+
+
+def _abort(reason: str) -> None:
+    """End this rank now, from the watcher thread: the main thread may be stuck in a collective for good."""
+    line = f"deepseek-ds: rank {os.environ.get('RANK', 0)} exits at once, without saving: {reason}"
+    print(line, file=sys.stderr, flush=True)
+    log_failure_to_file(line)
+    sys.stdout.flush()
+    os._exit(ABORT_STATUS)

@@ -1,0 +1,286 @@
+"""A dead, hung or failing rank ends the whole job fast, and a stop request that cannot reach a step boundary ends
+the rank at once: the ranks' signal watcher and the process groups' timeouts in-process, then each failure through
+the real `deepspeed` launcher on 2 CPU ranks, timed."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from deepseek_ds import checkpoint
+from deepseek_ds.training import main as training_main
+from deepseek_ds.training import signals
+from deepseek_ds.training.setup import apply_timeout_to_all_groups
+from deepseek_ds.training.signals import StopOnSignal
+from deepseek_ds.utils.net import free_port
+from helpers import BIN, ROOT, launch_env, read_metrics
+
+
+# ----------------------------------------------------------------------------------------------- in-process
+@pytest.mark.unit
+def test_every_process_group_gets_the_configured_timeout(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1,
+                            timeout=timedelta(seconds=42))
+    try:
+        made_like_deepspeed = dist.new_group([0])  # deepspeed.comm.new_group(ranks) passes no timeout
+
+        def timeout_s(group):
+            return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+        assert timeout_s(made_like_deepspeed) == 1800  # torch's gloo default, not the world group's 42 s
+        reported = apply_timeout_to_all_groups(42)
+        assert timeout_s(made_like_deepspeed) == 42 and timeout_s(dist.group.WORLD) == 42
+        assert reported == [42.0, 42.0]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.unit
+def test_signals_set_a_flag_and_the_handlers_come_back():
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    with StopOnSignal(torch.device("cpu")) as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)  # at once after the first: the same request, the process is still here
+        assert stop.received == "SIGTERM"
+    assert {s: signal.getsignal(s) for s in before} == before
+    assert signal.set_wakeup_fd(-1) == -1  # no wakeup fd left installed
+
+
+@pytest.mark.unit
+def test_an_exit_0_in_the_middle_of_training_is_a_failure(tmp_path, monkeypatch, capsys):
+    """Status 0 would tell the launcher that the rank is done, and leave the other ranks waiting on it."""
+    def exits_early(_cfg, _ds):
+        sys.exit(0)
+
+    monkeypatch.setattr(training_main, "build_run", exits_early)
+    assert training_main.main(["--config", os.path.join(ROOT, "recipes", "tiny-v3.yaml"),
+                               "--set", f"train.output_dir={tmp_path}"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "deepseek-ds: rank 0 was made to exit with status 0 before the end of training (traceback in its log): "
+        "exiting 1")
+
+
+# A process that uses StopOnSignal as a rank does (one-rank gloo group), signalling itself.
+WATCHER = """
+import os, signal, sys, time, torch, torch.distributed as dist
+from deepseek_ds.training.signals import StopOnSignal
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+with StopOnSignal(torch.device("cpu"), deadline_s=1.0) as stop:
+    if sys.argv[2] == "stuck":  # two step boundaries 1.2 s apart: a slow step, so the bound becomes 2 x 1.2 s
+        assert not stop.requested()
+        time.sleep(1.2)
+        assert not stop.requested()
+    os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), signal.SIGTERM)  # what the runner sends after a Ctrl-C's SIGINT: not a second request
+    if sys.argv[2] == "boundary":
+        assert stop.requested()  # the step boundary is reached: the deadline no longer applies
+    print("waiting", flush=True)
+    time.sleep(3)  # stuck (or, after the boundary, saving) past the deadline
+    print("alive after the deadline", flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)  # a second request, 3 s after the first
+    time.sleep(30)
+"""
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("case", ["stuck", "boundary"])
+def test_a_stuck_stop_or_a_second_signal_ends_the_rank_at_once(case, tmp_path):
+    script = tmp_path / "watcher.py"
+    script.write_text(WATCHER)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "rendezvous"), case], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "RANK": "3"})
+    assert proc.returncode == signals.ABORT_STATUS, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("waiting")
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("deepseek-ds: rank 3 exits at once, without saving: ")
+    if case == "stuck":
+        assert "alive" not in proc.stdout
+        assert line.endswith("no step boundary within 2 s of SIGINT (a collective is hung: has another rank "
+                             "stopped or died?)")
+    else:
+        assert "alive after the deadline" in proc.stdout
+        assert re.search(r"SIGTERM [34] s after SIGINT$", line)
+
+
+# ----------------------------------------------------------------------------------------------- launched
+class Job:
+    """recipes/tiny-v3.yaml on 2 ranks under the real launcher, far from its last step; its output directory (unique
+    per test) is in every process's argv, so what is left of the job can be found."""
+
+    def __init__(self, tmp_path: Path, data_dir: str, *sets: str, script: str = "train.py"):
+        self.out = tmp_path / "run"
+        self.log = tmp_path / "launcher.log"
+        cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), script,
+               "--config", "recipes/tiny-v3.yaml", "--set", f"train.output_dir={self.out}"]
+        for s in (f"data.path={data_dir}", "train.steps=100000", "checkpoint.interval=0", "eval.interval=0", *sets):
+            cmd += ["--set", s]
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=log, stderr=subprocess.STDOUT)
+        self.started = time.monotonic()
+
+    def processes(self) -> list[psutil.Process]:
+        found = []
+        for p in psutil.process_iter(["cmdline", "status"]):
+            if str(self.out) in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        return found
+
+    def launcher(self) -> psutil.Process:
+        """The per-node launcher (deepspeed.launcher.launch), which the runner starts and the ranks' parent."""
+        return next(p for p in self.processes() if "deepspeed.launcher.launch" in " ".join(p.cmdline()))
+
+    def ranks(self) -> list[psutil.Process]:
+        return sorted(self.launcher().children(), key=lambda p: int(p.environ()["RANK"]))
+
+    def wait_for_steps(self, n: int = 2) -> None:
+        metrics = self.out / "metrics.jsonl"
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= n):
+            assert self.proc.poll() is None, self.text()[-3000:]
+            assert time.monotonic() - self.started < 300, "no steps in 300 s"
+            time.sleep(0.1)
+
+    def wait(self, timeout: float) -> tuple[int, float]:
+        """The launcher's exit status and when it ended (s since `timeout` was given); kills the job on timeout."""
+        start = time.monotonic()
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"the job still ran {timeout} s later\n{self.text()[-3000:]}") from None
+        return rc, time.monotonic() - start
+
+    def kill(self) -> None:
+        for p in self.processes():
+            p.kill()
+        self.proc.wait()
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def rank_log(self, rank: int) -> str:
+        return (self.out / "logs" / f"rank{rank}.log").read_text()
+
+
+@pytest.fixture
+def job_cleanup():
+    jobs = []
+    yield jobs.append
+    for job in jobs:  # whatever a failed assert left running (a SIGSTOPped rank above all)
+        job.kill()
+
+
+@pytest.mark.launch
+def test_a_killed_rank_ends_the_job_and_leaves_no_process(tmp_path, data_dir, job_cleanup):
+    job = Job(tmp_path, data_dir)
+    job_cleanup(job)
+    job.wait_for_steps()
+    job.ranks()[1].send_signal(signal.SIGKILL)
+    rc, took = job.wait(timeout=120)
+    print(f"kill -9 of rank 1: job ended in {took:.1f} s")
+    assert rc != 0 and took < 30
+    assert job.processes() == []
+
+
+@pytest.mark.launch
+def test_a_hung_rank_ends_the_job_after_the_dist_timeout(tmp_path, data_dir, job_cleanup):
+    """Rank 1 is SIGSTOPped: rank 0's next collective times out after train.dist_timeout_s, then the launcher
+    SIGTERMs the stopped rank and SIGKILLs it 30 s later (DeepSpeed's launch.py). Every process group, DeepSpeed's
+    included, has the configured timeout."""
+    timeout_s = 20
+    job = Job(tmp_path, data_dir, f"train.dist_timeout_s={timeout_s}")
+    job_cleanup(job)
+    job.wait_for_steps()
+    job.ranks()[1].send_signal(signal.SIGSTOP)
+    rc, took = job.wait(timeout=timeout_s + 90)
+    print(f"SIGSTOP of rank 1, train.dist_timeout_s={timeout_s}: job ended in {took:.1f} s")
+    # The rest: the step in flight, the ranks' and launchers' exits (seconds each on this shared CPU), launch.py's 30 s.
+    assert rc != 0 and timeout_s <= took < timeout_s + 30 + 30
+    assert job.processes() == []
+    assert f"Timed out waiting {timeout_s * 1000}ms" in job.rank_log(0)  # gloo's own timeout ended rank 0
+    for rank in (0, 1):  # DeepSpeed's ZeRO group (a copy of the world group) among them
+        count, timeouts = re.search(r"(\d+) process groups, each with a (\S+) s timeout", job.rank_log(rank)).groups()
+        assert int(count) >= 2 and timeouts == str(timeout_s)
+
+
+@pytest.mark.launch
+def test_sigterm_of_the_launcher_saves_the_current_step(tmp_path, data_dir, job_cleanup):
+    """launch.py passes a SIGTERM to rank 0 only (then waits for it): rank 1 learns of it at the step boundary's
+    collective; both save the step and end. (launch.py itself then exits 1 after any signal: DeepSpeed's choice.)"""
+    job = Job(tmp_path, data_dir)
+    job_cleanup(job)
+    job.wait_for_steps()
+    job.launcher().send_signal(signal.SIGTERM)
+    rc, took = job.wait(timeout=120)
+    print(f"SIGTERM of launch.py: job ended in {took:.1f} s")
+    assert took < 20, job.text()[-3000:]
+    assert job.processes() == []
+    ckpt = str(job.out / "checkpoints")
+    last = max(r["step"] for r in read_metrics(str(job.out)))
+    assert checkpoint.latest_tag(ckpt) == checkpoint.tag_for(last)
+    assert checkpoint.read_meta(os.path.join(ckpt, checkpoint.tag_for(last)))["step"] == last
+    for rank in (0, 1):
+        log = job.rank_log(rank)
+        assert f"saving step {last} and exiting" in log and "this rank failed" not in log
+
+
+@pytest.mark.launch
+def test_a_second_sigterm_ends_a_rank_stuck_in_a_collective(tmp_path, data_dir, job_cleanup):
+    """Rank 1 is SIGSTOPped, so rank 0 cannot reach the step boundary after the launcher's SIGTERM; a second SIGTERM
+    3 s later ends rank 0 at once with one line. The stopped rank still costs launch.py's 30 s before its SIGKILL."""
+    job = Job(tmp_path, data_dir)
+    job_cleanup(job)
+    job.wait_for_steps()
+    rank0, rank1 = job.ranks()
+    rank1.send_signal(signal.SIGSTOP)
+    launcher = job.launcher()
+    launcher.send_signal(signal.SIGTERM)
+    time.sleep(3)
+    assert rank0.is_running()  # one SIGTERM: waiting for the step boundary that the stopped rank 1 holds up
+    launcher.send_signal(signal.SIGTERM)
+    second = time.monotonic()
+    rank0.wait(timeout=10)
+    rank0_took = time.monotonic() - second
+    rc, took = job.wait(timeout=90)
+    took += rank0_took
+    print(f"second SIGTERM: rank 0 ended in {rank0_took:.1f} s, the job in {took:.1f} s")
+    assert rank0_took < 5
+    assert rc != 0 and took < 30 + 15
+    assert job.processes() == []
+    line = r"deepseek-ds: rank 0 exits at once, without saving: SIGTERM [34] s after SIGTERM\n"
+    assert re.search(line, job.text()) and re.search(line, job.rank_log(0))
+
+
+# Only rank 1 is given a data.path that does not exist (as on a host that lacks the dataset).
+ONE_BAD_HOST = """
+import os, sys
+from deepseek_ds.training.main import main
+if os.environ["RANK"] == "1":
+    sys.argv += ["--set", "data.path=/nonexistent/dataset"]
+sys.exit(main())
+"""
+
+
+@pytest.mark.launch
+def test_a_rank_that_fails_at_start_up_ends_the_job(tmp_path, data_dir, job_cleanup):
+    script = tmp_path / "one_bad_host.py"
+    script.write_text(ONE_BAD_HOST)
+    job = Job(tmp_path, data_dir, script=str(script))
+    job_cleanup(job)
+    rc, took = job.wait(timeout=300)
+    print(f"rank 1 refused at start-up: job ended {took:.1f} s after the launch")
+    assert rc == 2 and took < 60  # rank 0 would otherwise wait at the rendezvous for train.dist_timeout_s (1800 s)
+    assert job.processes() == []
+    text = job.text()
+    assert text.count("deepseek-ds: error: invalid configuration:\n  - data.path '/nonexistent/dataset' does not "
+                      "exist") == 1, text[-3000:]
