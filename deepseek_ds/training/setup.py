@@ -28,7 +28,7 @@ from ..models.loss import TokenWeightedLoss
 from ..models.moe import LoadBalancer, autoep_section, resolve_settings, restore_fp32_biases, snapshot_biases
 from ..models.names import hf_layer_prefix
 from ..models.pipeline import build_model, local_layers, partition, partition_table, prepare_config
-from ..models.presets import build_model_config, num_routed_experts
+from ..models.presets import build_model_config
 from ..utils.redact import redact
 from ..utils.system import usable_cpus
 
@@ -215,7 +215,7 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
         for layer in absent:  # adding MTP to a model trained without it (transformers' V3 config defaults to depth 1)
             log.info("%s has no MTP module %d (%s*): it starts from its seeded initialisation", cfg.model.path,
                      layer.depth, hf_layer_prefix(layer))
-        read = load_hf_weights(layers, cfg.model.path, num_routed_experts(mcfg))
+        read = load_hf_weights(layers, cfg.model.path, mcfg)
         log.info("loaded %.1f MB of weights for this rank's layers from %s", read / 2**20, cfg.model.path)
     if cfg.parallel.expert_parallel > 1:
         ds = {**ds, "expert_parallel": autoep_section(mcfg, cfg.parallel.expert_parallel)}
