@@ -14,6 +14,7 @@ from ..utils.errors import UserError
 NAN_POLICIES = ("skip", "stop")
 RESUME_SCHEDULES = ("keep", "replan")
 BUILTIN_CORPORA = ("stdlib",)
+TRUNCATIONS = ("drop", "truncate_left", "truncate_right")
 
 
 class ConfigError(UserError):
@@ -64,9 +65,21 @@ class DataSection:
     """Where the built-in corpus is built (relative: to the current directory)."""
     seq_len: int = 128
     """Tokens per training sample."""
+    packing: bool = False
+    """Chat (instruction) datasets: pack whole samples into each sequence of seq_len (first fit, in order; the rest
+    padded with label -100), attention never crossing samples; false: one sample per sequence. Raw text is always
+    packed into a continuous stream (see document_mask)."""
+    truncation: str = "drop"
+    """A chat sample longer than seq_len: "drop" it, "truncate_left" or "truncate_right" it; counted and reported,
+    never split across two sequences."""
+    document_mask: bool = False
+    """Raw text: attention and position_ids restart at each document boundary (EOS) inside a sequence, as packing does
+    for chat samples; false: one causal stream."""
 
     def __post_init__(self):
         problems = _at_least("data", 2, seq_len=self.seq_len)
+        if self.truncation not in TRUNCATIONS:
+            problems.append(f"data.truncation = {self.truncation!r}: use 'drop', 'truncate_left' or 'truncate_right'")
         if self.path is None and self.builtin not in BUILTIN_CORPORA:
             problems.append(f"data.builtin = {self.builtin!r}: the only built-in corpus is 'stdlib'; or set data.path")
         _refuse(problems)
