@@ -24,7 +24,7 @@ from .format import (
 from .integrity import newest_verified_tag
 from .run import TrainingRun
 from .safe_load import trusted_types_only
-from .state import restore_buffers, restore_rng
+from .state import replay_cpu_adam_steps, restore_buffers, restore_rng
 from .universal import convert_on_rank0
 
 
@@ -59,6 +59,7 @@ def resume(run: TrainingRun) -> dict | None:
                 run.log.info("layout changed (%s -> %s): resuming %s through a universal checkpoint",
                              saved.describe(), now.describe(), tag)
             _load_universal(run, tag_dir)
+    replay_cpu_adam_steps(run.engine.basic_optimizer)
     if not restore_rng(tag_dir, run.rank):  # a rank the saving layout did not have
         run.log.info("rank %d: no RNG state in %s; keeping this run's seeded state", run.rank, tag_dir)
     sched = meta["deepspeed_config"].get("scheduler", {}).get("params", {})

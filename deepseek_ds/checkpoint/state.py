@@ -1,5 +1,6 @@
-"""What DeepSpeed's checkpoint files do not hold: every rank's RNG states, and the persistent buffers (the MoE
-routers' e_score_correction_bias) by HF name, which a universal checkpoint (parameters only) lacks."""
+"""What DeepSpeed's checkpoint files do not hold: every rank's RNG states, the persistent buffers (the MoE
+routers' e_score_correction_bias) by HF name, which a universal checkpoint (parameters only) lacks, and the CPU Adam
+kernel's running beta powers (rebuilt by replaying the steps)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import random
 import numpy as np
 import torch
 from deepspeed.accelerator import get_accelerator
+from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+from deepspeed.ops.adam.fused_adam import multi_tensor_applier
 from safetensors.torch import load_file, save_file
 
 from .format import CheckpointError, current_layout
@@ -96,3 +99,44 @@ def restore_buffers(run: TrainingRun, tag_dir: str) -> None:
                 raise CheckpointError(f"{tag_dir}/buffers has no {hf}: the checkpoint is incomplete; resume from "
                                       "an earlier step directory")
             buf.copy_(saved[hf])
+
+
+# ----------------------------------------------------------------------------------------------- CPU Adam kernel
+def replay_cpu_adam_steps(opt: torch.optim.Optimizer) -> None:
+    """DeepSpeed's CPU Adam kernel (FusedAdam on the CPU accelerator; DeepSpeedCPUAdam, ZeRO-Offload's optimizer on
+    any machine) keeps beta1^t and beta2^t as float32 running products, which no checkpoint holds: a fresh run
+    multiplies them once per step, a resumed one recomputes them with pow(), and the two differ in the last bit
+    from 0.95^6 on, so every update after such a resume was off by an ulp. Replaying the optimizer's steps on a
+    one-element tensor, in the order step() makes its calls, rebuilds the very products a straight run has.
+    opt: the engine's basic optimizer (inside any ZeRO or fp16 wrapper), its state loaded."""
+    kernel = _cpu_adam_kernel(opt)
+    if kernel is None:
+        return
+    steps = [_group_step(opt, group) for group in opt.param_groups]
+    scratch = [torch.zeros(1) for _ in range(4)]  # param, grad, exp_avg, exp_avg_sq: only the kernel's state matters
+    for step in range(1, max(steps, default=0) + 1):
+        for group, done in zip(opt.param_groups, steps):
+            if step <= done:
+                kernel(group, step, *scratch)
+
+
+def _cpu_adam_kernel(opt):
+    """A call of `opt`'s kernel on (group, step, param, grad, exp_avg, exp_avg_sq); None when `opt` does not use
+    the CPU kernel (CUDA's FusedAdam computes the powers afresh each step)."""
+    if isinstance(opt, DeepSpeedCPUAdam):
+        return lambda g, step, p, grad, m, v: opt.ds_opt_adam.adam_update(
+            opt.opt_id, step, g["lr"], *g["betas"], g["eps"], g["weight_decay"], g["bias_correction"], p, grad, m, v)
+    if isinstance(opt, FusedAdam) and get_accelerator().device_name() == "cpu":
+        return lambda g, step, p, grad, m, v: multi_tensor_applier(
+            opt.multi_tensor_adam, opt._dummy_overflow_buf, [[grad], [p], [m], [v]], g["lr"], *g["betas"], g["eps"],
+            step, opt.adam_w_mode, int(g["bias_correction"]), g["weight_decay"])
+    return None
+
+
+def _group_step(opt, group: dict) -> int:
+    """The optimizer steps a param group has taken (its parameters' `step` state; 0 before the first)."""
+    for p in group["params"]:
+        step = opt.state.get(p, {}).get("step")
+        if step is not None:
+            return int(step)
+    return 0
