@@ -9,16 +9,18 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from .bench import checkpoint_bench, data_bench, pipeline_bench, zero_bench
 from .checkpoint import cli as checkpoint_cli
 from .checkpoint.existing import check_existing_checkpoint
-from .config import filled_sections, load_and_validate, load_ds_config
+from .config import RunConfig, filled_sections, load_and_validate, load_ds_config
 from .data import cli as data_cli
 from .inference import cli as inference_cli
 from .launcher import cli as launcher_cli
 from .launcher.hostfile import read_hostfile, select_slots
 from .launcher.remote import LOCAL_HOSTS
+from .launcher.supervise import read_stop_record, run_launcher
 from .launcher.world import world_size
 from .models.pipeline import partition, partition_table, prepare_config
 from .models.presets import PRESETS, build_model_config
@@ -34,7 +36,18 @@ def _world_size(args: argparse.Namespace) -> int:
     return world_size(args.num_gpus, args.hostfile, args.include, args.exclude)
 
 
+def _hosts(args: argparse.Namespace) -> dict:
+    """The hostfile's hosts this launch uses ({} without a hostfile: this host)."""
+    return select_slots(read_hostfile(args.hostfile), args.include or "", args.exclude or "") if args.hostfile else {}
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
+    validated(args)
+    return 0
+
+
+def validated(args: argparse.Namespace) -> RunConfig:
+    """The run's config, checked as a launch would check it; prints what the launch will do."""
     world = _world_size(args)
     cfg, ds = load_and_validate(args.config, args.deepspeed_config, args.set, world)
     tag = check_existing_checkpoint(cfg)
@@ -44,7 +57,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
           + (f"resumes from {os.path.join(cfg.checkpoint_dir, tag)}" if tag else
              f"a new run in {cfg.train.output_dir}"))
     print("".join(f"note: {line}\n" for line in filled_sections(load_ds_config(cfg.deepspeed_config))), end="")
-    return 0
+    return cfg
 
 
 def train_command(args: argparse.Namespace) -> list[str]:
@@ -55,8 +68,7 @@ def train_command(args: argparse.Namespace) -> list[str]:
         argv += ["--hostfile", args.hostfile]
         argv += ["--include", args.include] if args.include else []
         argv += ["--exclude", args.exclude] if args.exclude else []
-        hosts = select_slots(read_hostfile(args.hostfile), args.include or "", args.exclude or "")
-        if set(hosts) <= set(LOCAL_HOSTS):
+        if set(_hosts(args)) <= set(LOCAL_HOSTS):
             # One local host runs without pdsh, but DeepSpeed would still ssh to it first (its reachability check
             # and `hostname -I` for the master address): a machine without sshd needs neither.
             argv += ["--no_ssh_check", "--master_addr", "127.0.0.1"]
@@ -73,12 +85,21 @@ def train_command(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    """Validate, then hand over to the DeepSpeed launcher (the same command a user would type)."""
-    cmd_validate(args)
+    """Validate, then run the DeepSpeed launcher (the same command a user would type), passing signals on to it
+    (launcher/supervise.py says why); a stop on a signal that the ranks saved is status 0."""
+    cfg = validated(args)
     argv = train_command(args)
     print(" ".join(argv), flush=True)
-    os.execv(argv[0], argv)
-    return 0  # not reached
+    started = time.time()
+    status, signal_name = run_launcher(argv, multi_host=not set(_hosts(args)) <= set(LOCAL_HOSTS))
+    if signal_name is None or status == 0:
+        return status
+    stopped = read_stop_record(cfg.train.output_dir, since=started)
+    if stopped is None:
+        return status
+    print(f"stopped on {signal_name}: step {stopped['step']} saved to {stopped['checkpoint']}; re-run the same "
+          "command to resume", flush=True)
+    return 0
 
 
 def cmd_models_list(args: argparse.Namespace) -> int:

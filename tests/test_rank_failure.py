@@ -118,10 +118,12 @@ class Job:
     """recipes/tiny-v3.yaml on 2 ranks under the real launcher, far from its last step; its output directory (unique
     per test) is in every process's argv, so what is left of the job can be found."""
 
-    def __init__(self, tmp_path: Path, data_dir: str, *sets: str, script: str = "train.py"):
+    def __init__(self, tmp_path: Path, data_dir: str, *sets: str, script: str = "train.py", cli: bool = False):
         self.out = tmp_path / "run"
         self.log = tmp_path / "launcher.log"
-        cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), script,
+        # cli: `deepseek-ds train` (which runs the deepspeed launcher under it), else `deepspeed script`
+        launcher = [os.path.join(BIN, "deepseek-ds"), "train"] if cli else [os.path.join(BIN, "deepspeed")]
+        cmd = [*launcher, "--num_gpus", "2", "--master_port", str(free_port()), *([] if cli else [script]),
                "--config", "recipes/tiny-v3.yaml", "--set", f"train.output_dir={self.out}"]
         for s in (f"data.path={data_dir}", "train.steps=100000", "checkpoint.interval=0", "eval.interval=0", *sets):
             cmd += ["--set", s]
@@ -214,21 +216,23 @@ def test_a_hung_rank_ends_the_job_after_the_dist_timeout(tmp_path, data_dir, job
 
 
 @pytest.mark.launch
-def test_sigterm_of_the_launcher_saves_the_current_step(tmp_path, data_dir, job_cleanup):
-    """launch.py passes a SIGTERM to rank 0 only (then waits for it): rank 1 learns of it at the step boundary's
-    collective; both save the step and end. (launch.py itself then exits 1 after any signal: DeepSpeed's choice.)"""
-    job = Job(tmp_path, data_dir)
+def test_sigterm_of_the_job_saves_the_current_step_and_exits_0(tmp_path, data_dir, job_cleanup):
+    """A scheduler's SIGTERM to `deepseek-ds train`: passed on to launch.py (DeepSpeed's single-host runner would die
+    of it and orphan the ranks), which passes it to the ranks; they save the step and end, and the job exits 0 although
+    launch.py exits 1 after any signal (DeepSpeed's choice): the ranks' stop record says the stop was clean."""
+    job = Job(tmp_path, data_dir, cli=True)
     job_cleanup(job)
     job.wait_for_steps()
-    job.launcher().send_signal(signal.SIGTERM)
+    job.proc.send_signal(signal.SIGTERM)
     rc, took = job.wait(timeout=120)
-    print(f"SIGTERM of launch.py: job ended in {took:.1f} s")
-    assert took < 20, job.text()[-3000:]
+    print(f"SIGTERM of deepseek-ds train: job ended in {took:.1f} s")
+    assert rc == 0 and took < 20, job.text()[-3000:]
     assert job.processes() == []
     ckpt = str(job.out / "checkpoints")
     last = max(r["step"] for r in read_metrics(str(job.out)))
     assert checkpoint.latest_tag(ckpt) == checkpoint.tag_for(last)
     assert checkpoint.read_meta(os.path.join(ckpt, checkpoint.tag_for(last)))["step"] == last
+    assert f"stopped on SIGTERM: step {last} saved to {ckpt}/{checkpoint.tag_for(last)}" in job.text()
     for rank in (0, 1):
         log = job.rank_log(rank)
         assert f"saving step {last} and exiting" in log and "this rank failed" not in log

@@ -68,6 +68,11 @@ class StopOnSignal:
         self._reader.close()
         self._writer.close()
 
+    @property
+    def stopping(self) -> bool:
+        """All ranks agreed to stop at a step boundary (requested() said yes)."""
+        return self._at_boundary.is_set()
+
     def _handle(self, signum, _frame) -> None:
         self.received = signal.Signals(signum).name
 

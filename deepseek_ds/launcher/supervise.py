@@ -1,0 +1,75 @@
+"""Running the deepspeed launcher as a child that a scheduler's SIGTERM (or a Ctrl-C) really reaches.
+
+On one host DeepSpeed's runner (`deepspeed ...`) installs no signal handler: SIGTERM kills it and leaves its
+`launch.py` and every rank training on, orphaned. So `deepseek-ds train` does not exec it: it starts the runner in
+a session of its own and passes TERM/INT/HUP on to what handles them: the runner's children (`launch.py`, which
+signals every rank and SIGKILLs the ones still alive 30 s later) on one host, the runner itself across hosts (it then
+stops the remote ranks through pdsh). The ranks finish their step, save it and write STOP_RECORD; launch.py still
+exits 1 after any signal, so a fresh STOP_RECORD is what says that the job stopped cleanly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+
+STOP_RECORD = "stopped.json"  # in train.output_dir: {"step", "signal", "checkpoint"}, written by rank 0 after the save
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def run_launcher(argv: list[str], multi_host: bool) -> tuple[int, str | None]:
+    """Run the deepspeed runner `argv` to its end; returns (its exit status, the first signal passed on or None)."""
+    proc = subprocess.Popen(argv, start_new_session=True)  # a terminal's Ctrl-C reaches us only, once
+    received: list[str] = []
+
+    def forward(signum, _frame) -> None:
+        received.append(signal.Signals(signum).name)
+        targets = [psutil.Process(proc.pid)] if multi_host else _children(proc.pid)
+        for target in targets:
+            with contextlib.suppress(psutil.Error):
+                target.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    try:
+        status = proc.wait()
+        _wait_for_session(proc.pid)  # the runner can end before launch.py has stopped the ranks
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return status, (received[0] if received else None)
+
+
+def _children(pid: int) -> list[psutil.Process]:
+    with contextlib.suppress(psutil.Error):
+        return psutil.Process(pid).children()
+    return []
+
+
+def _wait_for_session(sid: int, poll_s: float = 0.2) -> None:
+    """Until no process of the runner's session is left (launch.py bounds it: SIGKILL 30 s after SIGTERM)."""
+    def members() -> list[psutil.Process]:
+        found = []
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                if os.getsid(p.pid) == sid:
+                    found.append(p)
+        return found
+
+    while members():
+        time.sleep(poll_s)
+
+
+def read_stop_record(output_dir: str, since: float) -> dict | None:
+    """The ranks' record of a clean stop on a signal, if written after `since` (time.time())."""
+    path = os.path.join(output_dir, STOP_RECORD)
+    with contextlib.suppress(OSError, ValueError):
+        if os.path.getmtime(path) >= since:
+            with open(path) as f:
+                return json.load(f)
+    return None
