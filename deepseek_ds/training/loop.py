@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -13,7 +14,9 @@ from ..checkpoint.lock import checkpoint_lock
 from ..checkpoint.resuming import resume
 from ..checkpoint.saving import save
 from ..data import GlobalBatchSampler, PackedDataset, micro_batches
+from ..launcher.supervise import STOP_RECORD
 from ..models.loss import count_valid_tokens
+from ..utils.fs import write_json_atomic
 from . import monitors, nan_policy
 from .evaluation import evaluate_run
 from .metrics import MetricsWriter, StepMeter, flops_per_token, peak_tflops, plot_loss
@@ -101,6 +104,9 @@ def _train(run: Run, stop: StopOnSignal, on_accepted=None) -> dict:
         last_saved = save(run, step, sampler.consumed_samples)
     if not is_rank0:
         return {}
+    if stop.stopping:  # saved: tells `deepseek-ds train` (launcher/supervise.py) that the job stopped cleanly
+        write_json_atomic(Path(cfg.train.output_dir) / STOP_RECORD,
+                          {"step": step, "signal": stop.received or "signal on another rank", "checkpoint": last_saved})
     _close(metrics, engine)
     return _summary(run, metrics.records, start_step, last_saved)
 
