@@ -12,6 +12,7 @@ import torch
 
 from deepseek_ds.config import ConfigError, load_ds_config, resolve_ds_config, run_config_from_dict, validate
 from deepseek_ds.training import metrics, monitors, nan_policy
+from deepseek_ds.utils.errors import UserError
 
 pytestmark = pytest.mark.unit
 
@@ -112,3 +113,20 @@ def test_router_hooks_count_training_forwards_once():
         assert out[f"moe/layer{layer}/load_mean"] == 2 * 16 * mcfg.num_experts_per_tok / mcfg.n_routed_experts
         assert out[f"moe/layer{layer}/bias_max"] == 0.0
     assert stats.collect()["moe/layer1/load_max"] == 0.0  # collect() resets the counts
+
+
+def test_a_metrics_line_torn_by_a_kill_is_dropped_at_resume_and_other_damage_is_an_error(tmp_path):
+    path = str(tmp_path / "metrics.jsonl")
+    records = [{"step": s, "loss": 10.0 - s} for s in (1, 2, 3)]
+    whole = "".join(json.dumps(r) + "\n" for r in records)
+    with open(path, "w") as f:
+        f.write(whole + json.dumps({"step": 4, "loss": 6.0})[:9])  # killed halfway through step 4's line
+    writer = metrics.MetricsWriter(path, resume_step=3)
+    writer.close()
+    assert writer.records == records
+    with open(path) as f:
+        assert f.read() == whole  # the torn tail is gone from the file too
+    with open(path, "w") as f:
+        f.write(json.dumps(records[0])[:9] + "\n" + whole)  # a torn line before others: not a kill's
+    with pytest.raises(UserError, match=r"metrics.jsonl line 1 is not JSON"):
+        metrics.MetricsWriter(path, resume_step=3)

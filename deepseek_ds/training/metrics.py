@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..models import flops
 from ..models.pipeline import layer_costs
+from ..utils.errors import UserError
 from ..utils.fs import write_bytes_atomic
 
 # Dense bf16 tensor-core peak of one device in TFLOP/s (vendor data sheets), matched in order against
@@ -106,7 +107,7 @@ class MetricsWriter:
         self.records: list[dict] = []
         if resume_step and os.path.exists(path):
             with open(path) as f:
-                self.records = [r for r in map(json.loads, filter(str.strip, f)) if r["step"] <= resume_step]
+                self.records = [r for r in _read_records(f, path) if r["step"] <= resume_step]
         write_bytes_atomic(Path(path), "".join(json.dumps(r) + "\n" for r in self.records).encode())
         self._file = open(path, "a")
 
@@ -118,6 +119,22 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _read_records(lines, path: str) -> list[dict]:
+    """The records of a metrics.jsonl. A last line that does not parse was torn by a kill while it was written: it is
+    dropped, and loses nothing, because a step's record is written before that step's checkpoint, so its step is
+    after the one resumed from. A torn line anywhere else is damage, and an error."""
+    lines = [line for line in lines if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i < len(lines) - 1:
+                raise UserError(f"{path} line {i + 1} is not JSON ({e.msg})", "repair or delete that line (the "
+                                "checkpoints do not depend on it) and resume again") from None
+    return records
 
 
 def plot_loss(records: list[dict], path: str, title: str) -> None:
