@@ -111,7 +111,7 @@ def test_a_live_lock_is_refused_before_start_up_and_in_the_job(tmp_path):
     from deepseek_ds.checkpoint.resuming import resume
 
     ckpt = tmp_path / "ckpt"
-    run = types.SimpleNamespace(cfg=run_config_from_dict({"checkpoint": {"dir": str(ckpt)}}), rank=0,
+    run = types.SimpleNamespace(cfg=run_config_from_dict({"checkpoint": {"dir": str(ckpt)}}), rank=0, world=1,
                                 log=logging.getLogger("test"))
     check_free(str(ckpt), STALE_S)  # no lock: free
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
@@ -187,6 +187,25 @@ def test_check_tag_finds_truncation_flipped_bytes_and_missing_files(tmp_path):
     assert "mp_rank_00_model_states.pt (checksum" in check_tag(str(d)).problem
     (d / "mp_rank_00_model_states.pt").unlink()
     assert check_tag(str(d)).problem == "mp_rank_00_model_states.pt (missing)"
+
+
+@pytest.mark.unit
+def test_ranks_split_a_tags_checksums_and_together_find_any_flipped_byte(tmp_path):
+    """Resume: rank k of n checksums files k, k+n, ... (sizes all), so the damage is found by exactly one rank."""
+    d = _fake_tag(tmp_path, 1)
+    files = sorted(json.loads((d / META).read_text())[FILES])  # the recorded order: sorted paths
+    for damaged in files:
+        path = d / damaged
+        data = bytearray(path.read_bytes())
+        data[0] ^= 1
+        path.write_bytes(bytes(data))
+        found = [check_tag(str(d), part=(k, 2)).problem for k in (0, 1)]
+        owner = files.index(damaged) % 2
+        assert found[owner] == f"{damaged} (checksum differs from the one written)" and found[1 - owner] is None
+        data[0] ^= 1
+        path.write_bytes(bytes(data))
+    _truncate(d / files[1])
+    assert all(check_tag(str(d), part=(k, 2)).problem for k in (0, 1))  # sizes: every rank sees a truncation
 
 
 @pytest.mark.unit

@@ -21,7 +21,7 @@ from .format import (
     read_meta,
     saved_layout,
 )
-from .integrity import newest_verified_tag
+from .integrity import check_tag, damaged_warning
 from .run import TrainingRun
 from .safe_load import trusted_types_only
 from .state import replay_cpu_adam_steps, restore_buffers, restore_rng
@@ -33,11 +33,7 @@ def resume(run: TrainingRun) -> dict | None:
     (resharding it when the layout changed) and returns {"step", "consumed_samples", "schedule_steps"} (the length
     of the checkpoint's LR schedule), "tag"; None for a fresh run."""
     ckpt_dir = run.cfg.checkpoint_dir
-    # Rank 0 verifies (checksums: see integrity.py) and skips damaged tags with a warning naming the bad file; one
-    # decision, whatever each rank's view of a network filesystem.
-    choice = [_choose(ckpt_dir, run.log) if run.rank == 0 else None]
-    dist.broadcast_object_list(choice, src=0)
-    tag, refusal = choice[0]
+    tag, refusal = _choose(run)
     if refusal:
         raise CheckpointError(refusal)
     if run.rank == 0:
@@ -67,14 +63,27 @@ def resume(run: TrainingRun) -> dict | None:
             "schedule_steps": sched.get("total_num_steps"), "tag": tag}
 
 
-def _choose(ckpt_dir: str, log: logging.Logger) -> tuple[str | None, str | None]:
-    """(the tag to resume from, None) or (None, why not): checkpoints that are all damaged are refused rather than
-    silently replaced by a fresh run."""
-    tag = newest_verified_tag(ckpt_dir, log)
-    if tag is None and complete_tags(ckpt_dir):
+def _choose(run: TrainingRun) -> tuple[str | None, str | None]:
+    """(the tag to resume from, None) or (None, why not), the same on every rank: the newest complete tag that
+    verifies on every rank, skipping damaged ones with a warning naming the bad file. Every rank checks the sizes
+    and checksums its share of the files (integrity.py), so a large tag costs each rank 1/world of its bytes inside
+    these collectives, not rank 0 all of them. Checkpoints that are all damaged are refused rather than silently
+    replaced by a fresh run."""
+    ckpt_dir = run.cfg.checkpoint_dir
+    listed = [complete_tags(ckpt_dir) if run.rank == 0 else None]  # one list, whatever each host's cache shows
+    dist.broadcast_object_list(listed, src=0)
+    for tag in reversed(listed[0]):
+        problems = [None] * run.world
+        dist.all_gather_object(problems, check_tag(os.path.join(ckpt_dir, tag), part=(run.rank, run.world)).problem)
+        problem = next((p for p in problems if p), None)
+        if problem is None:
+            return tag, None
+        if run.rank == 0:
+            run.log.warning(damaged_warning(os.path.join(ckpt_dir, tag), problem))
+    if listed[0]:
         return None, (f"no checkpoint in {ckpt_dir} verifies (`deepseek-ds checkpoint verify {ckpt_dir}` lists what "
                       "is damaged); restore one from a copy, or move the directory away to start a fresh run")
-    return tag, None
+    return None, None
 
 
 def _loads_natively(saved: Layout, now: Layout) -> bool:
