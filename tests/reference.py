@@ -173,6 +173,17 @@ class Balancing:
         return log
 
 
+def reference_optimizer(params: list, t) -> tuple:
+    """torch AdamW and the run's learning-rate schedule (train section `t`), stepped once as training starts."""
+    opt = torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
+    # The learning-rate schedule is an input here, not what is tested: use the same schedule class.
+    sched = WarmupCosineLR(opt, total_num_steps=t.steps, warmup_num_steps=max(t.warmup_steps, 1),
+                           warmup_min_ratio=1.0 / t.warmup_steps if t.warmup_steps else 1.0,
+                           cos_min_ratio=t.min_lr / t.lr, warmup_type="linear")
+    sched.step()
+    return opt, sched
+
+
 def reference_losses(cfg: RunConfig, data_dir: str, moe_log: list | None = None, mtp_log: list | None = None,
                      label_mask: Callable | None = None) -> list[float]:
     """moe_log: if given, gets each step's aux_loss (and its terms) and router biases (by block name); mtp_log: each
@@ -186,12 +197,7 @@ def reference_losses(cfg: RunConfig, data_dir: str, moe_log: list | None = None,
     balancing = Balancing(whole, cfg.moe, mcfg, t.global_batch_size) if mcfg.model_type in PUBLISHED else None
     balancing = balancing.attach() if balancing and balancing.active else None
     params = list({id(p): p for p in whole.parameters()}.values())  # the shared embedding and head once
-    opt = torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
-    # The learning-rate schedule is an input here, not what is tested: use the same schedule class.
-    sched = WarmupCosineLR(opt, total_num_steps=t.steps, warmup_num_steps=max(t.warmup_steps, 1),
-                           warmup_min_ratio=1.0 / t.warmup_steps if t.warmup_steps else 1.0,
-                           cos_min_ratio=t.min_lr / t.lr, warmup_type="linear")
-    sched.step()
+    opt, sched = reference_optimizer(params, t)
     dataset = PackedDataset(data_dir, cfg.data.seq_len)
     sampler = GlobalBatchSampler(len(dataset), t.global_batch_size, t.global_batch_size, 0, 1, t.seed, shuffle=t.shuffle)
     losses = []
@@ -213,6 +219,85 @@ def reference_losses(cfg: RunConfig, data_dir: str, moe_log: list | None = None,
             logged = balancing.after_step()
             if moe_log is not None:
                 moe_log.append(logged)
+        sched.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+# ----------------------------------------------------------------------------------------------- packed sequences
+IGNORE_INDEX = -100
+
+
+def random_samples(n: int, vocab_size: int, max_len: int, gen: torch.Generator, min_len: int = 2) -> list[tuple]:
+    """n (input_ids, labels) samples of min_len..max_len tokens, labels shifted, each with a -100 prompt prefix of up
+    to half its length (as chat data has), the last label -100 (nothing follows the sample)."""
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(min_len, max_len + 1, (), generator=gen))
+        tokens = torch.randint(1, vocab_size, (length + 1,), generator=gen)
+        labels = tokens[1:].clone()
+        labels[:int(torch.randint(0, length // 2 + 1, (), generator=gen))] = IGNORE_INDEX
+        labels[-1] = IGNORE_INDEX
+        out.append((tokens[:-1], labels))
+    return out
+
+
+def pack(samples: list[tuple], rows: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
+    """First fit in order: whole samples into `rows` sequences of seq_len until either runs out, each rest padded
+    (id 0, label -100, positions from 0 as a document of its own); positions restart at 0 at every sample. Returns
+    (input_ids, labels, position_ids, the samples that were packed)."""
+    ids = torch.zeros(rows, seq_len, dtype=torch.long)
+    labels = torch.full((rows, seq_len), IGNORE_INDEX, dtype=torch.long)
+    positions = torch.zeros(rows, seq_len, dtype=torch.long)
+    packed, queue, row, col = [], list(samples), 0, 0
+    while queue and row < rows:
+        x, y = queue[0]
+        if col + len(x) > seq_len:
+            positions[row, col:] = torch.arange(seq_len - col)
+            row, col = row + 1, 0
+            continue
+        ids[row, col:col + len(x)], labels[row, col:col + len(x)] = x, y
+        positions[row, col:col + len(x)] = torch.arange(len(x))
+        packed.append(queue.pop(0))
+        col += len(x)
+    for r in range(row, rows):  # the rest of the last row used, and any row no sample reached, are padding
+        positions[r, col if r == row else 0:] = torch.arange(seq_len - (col if r == row else 0))
+    return ids, labels, positions, packed
+
+
+def packed_global_batch(step: int, rows: int, seq_len: int, vocab_size: int, seed: int) -> tuple:
+    """pack() of fresh random samples for training step `step` (1-based): the same on every rank and process."""
+    gen = torch.Generator().manual_seed(seed * 1000 + step)
+    return pack(random_samples(rows * seq_len // 2, vocab_size, seq_len // 2, gen), rows, seq_len)
+
+
+def alone_token_loss(model, samples: list[tuple]) -> torch.Tensor:
+    """The token-weighted causal-LM loss of the samples, each run alone (unpadded) through `model`."""
+    total, tokens = 0.0, 0
+    for x, y in samples:
+        logits = model(input_ids=x.unsqueeze(0)).logits[0]
+        total = total + F.cross_entropy(logits.float(), y, ignore_index=IGNORE_INDEX, reduction="sum")
+        tokens += int((y != IGNORE_INDEX).sum())
+    return total / tokens
+
+
+def packed_reference_losses(cfg: RunConfig) -> list[float]:
+    """transformers + AdamW on the packed global batches of packed_global_batch, each step's loss the samples'
+    token-weighted loss with every sample run alone: what training on the packed rows must reproduce."""
+    torch.manual_seed(cfg.train.seed)
+    model, mcfg = reference_model(cfg)
+    model.train()
+    t = cfg.train
+    params = list({id(p): p for p in model.parameters()}.values())
+    opt, sched = reference_optimizer(params, t)
+    losses = []
+    for step in range(1, t.steps + 1):
+        *_, samples = packed_global_batch(step, t.global_batch_size, cfg.data.seq_len, mcfg.vocab_size, t.seed)
+        loss = alone_token_loss(model, samples)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+        opt.step()
         sched.step()
         opt.zero_grad()
         losses.append(loss.item())

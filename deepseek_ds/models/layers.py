@@ -2,16 +2,18 @@
 
 Only `(hidden_states, position_ids)` travels between stages (plus `input_ids` when the model has multi-token
 prediction modules, which embed future tokens on the last stage); every decoder layer rebuilds its rotary
-embedding locally (it has no parameters). The HF names of each layer's tensors are in names.py, which is what lets
+embedding locally (it has no parameters), and each stage its document mask (see `document_attention`). The HF names of each layer's tensors are in names.py, which is what lets
 a stage read and write exactly its own tensors of an HF directory.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.masking_utils import create_causal_mask
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
 from transformers.models.llama import modeling_llama as llama
@@ -70,9 +72,13 @@ class EmbeddingPipe(nn.Module):
         if seed is not None:
             init_weights_(self, config.initializer_range, seed)
 
-    def forward(self, input_ids: torch.Tensor):
+    def forward(self, inputs):
+        """inputs: input_ids, or (input_ids, position_ids) for packed sequences (positions restart at 0 at each
+        document); without position ids every sequence is one document."""
+        input_ids, position_ids = inputs if isinstance(inputs, tuple) else (inputs, None)
         hidden = self.embed_tokens(input_ids)
-        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
         if self.carry_ids:
             return hidden, position_ids.contiguous(), input_ids
         return hidden, position_ids.contiguous()
@@ -87,6 +93,7 @@ class DecoderLayerPipe(nn.Module):
         super().__init__()
         fam = family_of(config)
         self.layer_idx = layer_idx
+        self.config = config
         self.layer = fam.decoder_layer(config, layer_idx)
         self.rotary = fam.rotary(config)
         if seed is not None:
@@ -94,12 +101,49 @@ class DecoderLayerPipe(nn.Module):
 
     def run_layer(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         position_embeddings = self.rotary(hidden, position_ids)
-        # attention_mask=None: SDPA/flash take their causal path, identical to transformers' own mask-free path.
-        return self.layer(hidden, attention_mask=None, position_ids=position_ids, position_embeddings=position_embeddings)
+        return self.layer(hidden, position_ids=position_ids, position_embeddings=position_embeddings,
+                          **document_attention(self.config, hidden, position_ids))
 
     def forward(self, inputs):
         hidden, position_ids, *ids = inputs
         return self.run_layer(hidden, position_ids), position_ids, *ids
+
+
+# (position_ids it was built for, (attention implementation, dtype), attention kwargs): every layer of a stage gets
+# the same position_ids tensor in one forward, so the mask is built once per stage and micro-batch.
+_last_attention: tuple = (lambda: None, None, None)
+
+
+def document_attention(config, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict:
+    """The attention keyword arguments for causal attention within each document of a sequence (a document starts
+    wherever position_ids is 0). Sequences without a restart get attention_mask=None: SDPA/flash take their
+    mask-free causal path, exactly as before packing existed. Otherwise: flash_attention_2 gets the varlen
+    boundaries (the batch flattened, one segment per document); the other implementations get transformers' own
+    block-diagonal causal mask from the position ids, in the layout each expects (SDPA boolean, eager additive)."""
+    global _last_attention
+    built_for, key, kwargs = _last_attention
+    if built_for() is position_ids and key == (config._attn_implementation, hidden.dtype):
+        return kwargs
+    if config._attn_implementation.startswith("flash_attention"):
+        kwargs = _varlen_kwargs(position_ids)
+    else:
+        kwargs = {"attention_mask": create_causal_mask(config, hidden, None, None, position_ids=position_ids)}
+    _last_attention = (weakref.ref(position_ids), (config._attn_implementation, hidden.dtype), kwargs)
+    return kwargs
+
+
+def _varlen_kwargs(position_ids: torch.Tensor) -> dict:
+    """flash-attention's varlen arguments: cumulative document lengths over the flattened batch (each row starts
+    a document too), which transformers' flash path takes as cu_seq_lens_* / max_length_*."""
+    starts = position_ids == 0
+    if not starts[:, 1:].any():
+        return {"attention_mask": None}
+    starts[:, 0] = True
+    flat = starts.reshape(-1).nonzero().view(-1)
+    cu = torch.cat([flat, flat.new_tensor([starts.numel()])]).to(torch.int32)
+    longest = int(cu.diff().max())
+    return {"attention_mask": None, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest,
+            "max_length_k": longest}
 
 
 class FinalNormPipe(nn.Module):

@@ -8,7 +8,9 @@ valid (non -100) tokens.
 
 With D MTP modules the model returns (main logits, depth-1 logits, ..., depth-D logits); depth k covers the
 first T-k positions and at position i predicts token i+k+1, i.e. its targets are labels[:, k:]. Each depth's loss is its own token mean over the global
-batch and the total is L_main + weight / D * sum_k L_k (DeepSeek-V3 tech report eq. 24-25).
+batch and the total is L_main + weight / D * sum_k L_k (DeepSeek-V3 tech report eq. 24-25). In packed sequences
+(labels come with position_ids) a depth-k target that lies in a later document than its position is not one:
+it is ignored, so each document's MTP loss is the one it has alone.
 """
 
 from __future__ import annotations
@@ -19,9 +21,15 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 
 
-def shift_labels(labels: torch.Tensor, k: int) -> torch.Tensor:
-    """Targets of MTP depth k (k = 0: the main model's)."""
-    return labels[:, k:]
+def shift_labels(labels: torch.Tensor, k: int, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Targets of MTP depth k (k = 0: the main model's). With position_ids (documents start where they are 0),
+    position i's target labels[i + k] is ignored when a document starts in (i, i + k]."""
+    targets = labels[:, k:]
+    if position_ids is None or k == 0:
+        return targets
+    starts = (position_ids == 0).cumsum(1)
+    crosses = starts[:, k:] != starts[:, :starts.shape[1] - k]
+    return targets.masked_fill(crosses, IGNORE_INDEX)
 
 
 class TokenWeightedLoss:
@@ -40,12 +48,14 @@ class TokenWeightedLoss:
             raise ValueError(f"expected valid-token counts for the main loss and {self.mtp_depth} MTP depths, got {counts}")
         self.scales = [dp_size * grad_accum / max(int(c), 1) for c in counts]
 
-    def __call__(self, logits, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, logits, labels) -> torch.Tensor:
+        """labels: a tensor, or (labels, position_ids) for packed sequences (models.pipeline.split_micro_batch)."""
         if self.scales is None:
             raise RuntimeError("TokenWeightedLoss.set_global_tokens must be called before each global batch")
+        labels, position_ids = labels if isinstance(labels, tuple) else (labels, None)
         outputs = logits if isinstance(logits, tuple) else (logits,)
         parts = torch.stack([
-            F.cross_entropy(out.float().reshape(-1, out.shape[-1]), shift_labels(labels, k).reshape(-1),
+            F.cross_entropy(out.float().reshape(-1, out.shape[-1]), shift_labels(labels, k, position_ids).reshape(-1),
                             ignore_index=IGNORE_INDEX, reduction="sum") * self.scales[k]
             for k, out in enumerate(outputs)])
         detached = parts.detach().double()
@@ -66,6 +76,8 @@ class TokenWeightedLoss:
 
 
 def count_valid_tokens(micro_batches, depth: int = 0) -> list[int]:
-    """Valid targets of the main loss and of each MTP depth 1..depth over the given micro-batches."""
-    return [sum(int((shift_labels(labels, k) != IGNORE_INDEX).sum()) for _, labels in micro_batches)
+    """Valid targets of the main loss and of each MTP depth 1..depth over the given micro-batches
+    ((input_ids, labels[, position_ids]) each)."""
+    return [sum(int((shift_labels(mb[1], k, mb[2] if len(mb) == 3 else None) != IGNORE_INDEX).sum())
+                for mb in micro_batches)
             for k in range(depth + 1)]

@@ -208,8 +208,9 @@ class SequentialLM(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.ckpt_interval = activation_checkpoint_interval
 
-    def forward(self, input_ids: torch.Tensor):
-        x = input_ids
+    def forward(self, inputs):
+        """inputs: input_ids, or (input_ids, position_ids) (see split_micro_batch)."""
+        x = inputs
         for i, (layer, call) in enumerate(zip(self.layers, self._calls)):
             if call is not None:
                 x = call(x)
@@ -219,6 +220,22 @@ class SequentialLM(nn.Module):
             else:
                 x = layer(x)
         return x
+
+
+def split_micro_batch(micro_batch: tuple, mtp: bool = False) -> tuple:
+    """(model inputs, labels) of a micro-batch (input_ids, labels[, position_ids]): the inputs are input_ids, or
+    (input_ids, position_ids) for packed sequences, which both containers' first layer takes (DeepSpeed's pipeline
+    hands the first element to the first stage, the second to the loss). With MTP depths (`mtp`) the loss also
+    gets the position ids, as (labels, position_ids), to keep each depth's targets inside a document."""
+    if len(micro_batch) == 2:
+        return micro_batch
+    input_ids, labels, position_ids = micro_batch
+    return (input_ids, position_ids), ((labels, position_ids) if mtp else labels)
+
+
+def to_device(inputs, device):
+    """A tensor or tuple of tensors (split_micro_batch's inputs or labels) on `device`."""
+    return tuple(t.to(device) for t in inputs) if isinstance(inputs, tuple) else inputs.to(device)
 
 
 def build_model(config, num_stages: int, seed: int, parts: list[int] | None = None, topology=None,

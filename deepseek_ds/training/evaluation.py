@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from ..data import PackedDataset
 from ..models.loss import IGNORE_INDEX
+from ..models.pipeline import split_micro_batch, to_device
 from .setup import Run
 
 
@@ -95,6 +96,7 @@ def evaluate(model, batches: list[tuple], device, pipeline: bool = False) -> Eva
     """Evaluate `model` (a module, a DeepSpeed engine, or a PipelineEngine with pipeline=True) on this rank's
     batches and combine all ranks. Every rank must call it, with the same number of batches."""
     sums = TokenSums()
+    batches = [split_micro_batch(mb) for mb in batches]  # packed sequences: the model takes their position ids
     if pipeline:
         with _pipeline_eval_loss(model, sums):
             model.eval_batch(iter(batches), compute_loss=True, bcast_loss=False, num_micro_batches=len(batches))
@@ -103,7 +105,7 @@ def evaluate(model, batches: list[tuple], device, pipeline: bool = False) -> Eva
         model.eval()
         with torch.no_grad():
             for inputs, labels in batches:
-                sums(model(inputs.to(device)), labels.to(device))
+                sums(model(to_device(inputs, device)), labels.to(device))
         model.train(was_training)
     total = sums.sums(device)
     if dist.is_initialized():

@@ -16,6 +16,7 @@ from ..checkpoint.saving import save
 from ..data import GlobalBatchSampler, PackedDataset, micro_batches
 from ..launcher.supervise import STOP_RECORD
 from ..models.loss import count_valid_tokens
+from ..models.pipeline import split_micro_batch, to_device
 from ..utils.fs import write_json_atomic
 from . import monitors, nan_policy
 from .evaluation import evaluate_run
@@ -40,12 +41,14 @@ def train_step(run: Run, micro_batches: list) -> float:
                            device=engine.device)
     n_global = [int(c) for c in _all_reduce(n_valid, run.dp_group).tolist()]
     run.loss_fn.set_global_tokens(n_global, run.dp_size, run.grad_accum)
+    # Micro-batches with position ids (packed sequences) give the model (input_ids, position_ids).
+    split = [split_micro_batch(mb, mtp=run.loss_fn.mtp_depth > 0) for mb in micro_batches]
     if run.pipeline:
-        return float(engine.train_batch(iter(micro_batches)))
+        return float(engine.train_batch(iter(split)))
     total = torch.zeros((), dtype=torch.float64, device=engine.device)
-    for input_ids, labels in micro_batches:
-        logits = engine(input_ids.to(engine.device))
-        loss = run.loss_fn(logits, labels.to(engine.device))
+    for inputs, labels in split:
+        logits = engine(to_device(inputs, engine.device))
+        loss = run.loss_fn(logits, to_device(labels, engine.device))
         engine.backward(loss)
         engine.step()
         total += loss.detach().double()
