@@ -9,6 +9,8 @@ import os
 import torch
 
 from ..data import DataError, dataset_info
+from ..data.layout import CHAT_FORMAT, dataset_format
+from ..data.sft import dataset_option_errors
 from ..models.hf_io import has_weights, pickled_weights
 from ..models.layers import mtp_depth
 from ..models.moe import resolve_settings
@@ -134,6 +136,12 @@ def _data_errors(cfg: RunConfig) -> list[str]:
         info = dataset_info(cfg.data.path)
     except DataError as e:
         return [str(e)]
+    options = dataset_option_errors(cfg.data.path, info, cfg.data)
+    if dataset_format(info) == CHAT_FORMAT:
+        # Chat samples need not fill a sequence (they are padded); the training side's evaluation reads text only.
+        chat = [f"eval.interval is {cfg.eval.interval} but the validation loss reads raw-text datasets only and "
+                f"{cfg.data.path!r} is chat data: set eval.interval: 0"] if cfg.eval.interval else []
+        return options + chat + _vocab_errors(cfg, info)
     splits = info["splits"]
     # A split of n tokens holds (n - 1) // seq_len samples (each needs seq_len + 1 tokens for its labels).
     need = cfg.data.seq_len + 1
@@ -147,7 +155,7 @@ def _data_errors(cfg: RunConfig) -> list[str]:
                       f"{splits['valid']['num_docs']} documents / {splits['valid']['num_tokens']} tokens, fewer "
                       f"than one sample of data.seq_len {cfg.data.seq_len} + 1; prepare it with a larger "
                       "--valid-fraction (or more documents), or set eval.interval: 0")
-    return errors + _vocab_errors(cfg, info)
+    return options + errors + _vocab_errors(cfg, info)
 
 
 def _vocab_errors(cfg: RunConfig, info: dict) -> list[str]:

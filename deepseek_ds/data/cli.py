@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import argparse
 import json
+from types import SimpleNamespace
 
 from ..utils.cli_args import spellings
 from .builtin import stdlib_files
-from .layout import dataset_info
-from .packed import PackedDataset
+from .chat import TRAIN_ON
+from .layout import CHAT_FORMAT, FORMATS, TEXT_FORMAT, dataset_format, dataset_info
 from .prepare import prepare_dataset
 from .sampler import GlobalBatchSampler
+from .sft import DROP, TRUNCATE_LEFT, TRUNCATE_RIGHT, open_dataset
 from .sources import DEFAULT_EXTENSIONS
 
 
@@ -38,6 +40,9 @@ def summary(out: str) -> list[str]:
         vocab += (f" (requested {requested:,}: the corpus holds too little text to learn more merges; "
                   "pass more text or a smaller --vocab-size)")
     lines.append(vocab)
+    if dataset_format(meta) == CHAT_FORMAT:
+        lines.append(f"  chat samples trained on {meta['train_on']} assistant turns; {meta['bad_lines']:,} bad lines "
+                     "skipped" + "".join(f"\n    {e}" for e in meta["bad_line_errors"]))
     skipped = meta.get("skipped_inputs", [])
     if skipped:
         shown = ", ".join(skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
@@ -50,17 +55,24 @@ def _prepare(args: argparse.Namespace) -> int:
     out = prepare_dataset(inputs, args.out, tokenizer_dir=args.tokenizer, vocab_size=args.vocab_size,
                           workers=args.workers, jsonl_field=args.jsonl_field, valid_fraction=args.valid_fraction,
                           seed=args.seed, shard_mb=args.shard_mb, progress=not args.no_progress,
-                          extensions=_extensions(args.extensions))
+                          extensions=_extensions(args.extensions), data_format=args.format,
+                          train_on=args.train_on, skip_bad=args.skip_bad)
     print("\n".join(summary(out)))
     return 0
 
 
 def _dump(args: argparse.Namespace) -> int:
-    ds = PackedDataset(args.data, args.seq_len, args.split)
+    options = SimpleNamespace(seq_len=args.seq_len, packing=args.packing, truncation=args.truncation,
+                              document_mask=args.document_mask)
+    ds = open_dataset(args.data, options, args.split)
     # The training order itself (a one-sample global batch on one rank), so dumps match what is trained on.
     order = GlobalBatchSampler(len(ds), 1, 1, 0, 1, args.seed, shuffle=args.shuffle).positions(args.start, args.count)
     for i in order:
-        print(json.dumps(ds[int(i)].tolist()))
+        sample = ds[int(i)]
+        if getattr(ds, "gives_position_ids", False):
+            print(json.dumps(dict(zip(("input_ids", "labels", "position_ids"), sample.tolist()))))
+        else:
+            print(json.dumps(sample.tolist()))
     return 0
 
 
@@ -89,9 +101,17 @@ def register(subparsers) -> None:
     p.add_argument("--extensions", default=",".join(DEFAULT_EXTENSIONS),
                    help="comma-separated file extensions read from directory inputs, or 'all' (default: prose and "
                         "source code: %(default)s); the others are listed as skipped")
+    p.add_argument("--format", choices=FORMATS, default=TEXT_FORMAT,
+                   help="text: documents (default); chat: .jsonl conversations, {\"messages\": [...]} or "
+                        "{\"prompt\", \"response\"}, trained on assistant turns only")
+    p.add_argument(*spellings("--train-on"), choices=TRAIN_ON, default="all",
+                   help="chat: the loss on all assistant turns (default) or the last one only")
+    p.add_argument(*spellings("--skip-bad"), action="store_true",
+                   help="chat: skip and count bad lines instead of stopping at the first")
     p.set_defaults(func=_prepare)
 
-    d = subparsers.add_parser("dump", help="print samples as JSON lists of token ids, in training order")
+    d = subparsers.add_parser("dump", help="print samples in training order: JSON lists of token ids, or for chat data "
+                          "and --document-mask one object of input_ids, labels and position_ids each")
     d.add_argument("--data", required=True, help="prepared dataset directory")
     d.add_argument(*spellings("--seq-len"), type=int, required=True, help="tokens per sample")
     d.add_argument("--start", type=int, default=0, help="first global sample position (default 0)")
@@ -99,4 +119,9 @@ def register(subparsers) -> None:
     d.add_argument("--split", default="train", choices=["train", "valid"], help="which split (default: train)")
     d.add_argument("--shuffle", action="store_true", help="the shuffled order of --seed (epoch 0 onwards)")
     d.add_argument("--seed", type=int, default=0, help="seed of the shuffled order (default 0)")
+    d.add_argument("--packing", action="store_true", help="chat: pack samples as data.packing: true does")
+    d.add_argument("--truncation", choices=[DROP, TRUNCATE_LEFT, TRUNCATE_RIGHT], default=DROP,
+                   help="chat: samples longer than --seq-len, as data.truncation (default drop)")
+    d.add_argument(*spellings("--document-mask"), action="store_true",
+                   help="raw text: position ids restarting per document, as data.document_mask: true")
     d.set_defaults(func=_dump)

@@ -6,7 +6,11 @@
   tokenizer/           AutoTokenizer directory the ids belong to
   {split}-NNNNN.bin    flat token ids (uint16 or uint32 by vocabulary), EOS after every document
   {split}-NNNNN.idx    int64 document boundaries within the shard (num_docs + 1 offsets, from 0)
-  {split}-NNNNN.json   the shard's record (counts, checksums), written after its .bin and .idx
+  {split}-NNNNN.mask   chat datasets only: uint8 per token, 1 where the loss is computed (assistant content + EOS)
+  {split}-NNNNN.json   the shard's record (counts, checksums), written after its .bin, .idx (and .mask)
+
+A text dataset's .bin puts an EOS after every document; a chat dataset's .bin holds each rendered conversation as
+it is (its own BOS, markers and EOS) and .idx bounds one sample (conversation) each. meta.json's "format" says which.
 """
 
 from __future__ import annotations
@@ -23,10 +27,21 @@ from .errors import DataError
 FORMAT_VERSION = 1
 META, PLAN, TOKENIZER_DIR = "meta.json", "plan.json", "tokenizer"
 SPLITS = ("train", "valid")
+TEXT_FORMAT, CHAT_FORMAT = "text", "chat"
+FORMATS = (TEXT_FORMAT, CHAT_FORMAT)
 
 
 def shard_files(dataset_dir: Path, name: str) -> tuple[Path, Path, Path]:
     return dataset_dir / f"{name}.bin", dataset_dir / f"{name}.idx", dataset_dir / f"{name}.json"
+
+
+def mask_file(dataset_dir: Path, name: str) -> Path:
+    return dataset_dir / f"{name}.mask"
+
+
+def dataset_format(meta: dict) -> str:
+    # Datasets prepared before chat data existed have no "format" key, and they are all text.
+    return meta.get("format", TEXT_FORMAT)
 
 
 def file_sha256(path: Path) -> str:
@@ -75,6 +90,8 @@ def check_shard_sizes(dataset_dir: Path, record: dict, dtype: str) -> None:
     """DataError when a shard's files are missing or not the size `record` says (cheap: two stat calls)."""
     bin_path, idx_path, _ = shard_files(dataset_dir, record["name"])
     expected = {bin_path: record["num_tokens"] * np.dtype(dtype).itemsize, idx_path: (record["num_docs"] + 1) * 8}
+    if "mask_sha256" in record:
+        expected[mask_file(dataset_dir, record["name"])] = record["num_tokens"]
     for path, size in expected.items():
         if not path.is_file():
             raise DataError(f"{path} is missing: {_rebuild_fix(dataset_dir)}")
@@ -87,7 +104,10 @@ def check_shard_sizes(dataset_dir: Path, record: dict, dtype: str) -> None:
 def check_shard_checksums(dataset_dir: Path, record: dict) -> None:
     """DataError when a shard's bytes do not hash to `record`'s sha256 (reads the whole shard)."""
     bin_path, idx_path, _ = shard_files(dataset_dir, record["name"])
-    for path, sha in ((bin_path, record["bin_sha256"]), (idx_path, record["idx_sha256"])):
+    checks = [(bin_path, record["bin_sha256"]), (idx_path, record["idx_sha256"])]
+    if "mask_sha256" in record:
+        checks.append((mask_file(dataset_dir, record["name"]), record["mask_sha256"]))
+    for path, sha in checks:
         if file_sha256(path) != sha:
             raise DataError(f"{path} does not match its sha256 checksum in {META} (corrupted): "
                             f"{_rebuild_fix(dataset_dir)}")

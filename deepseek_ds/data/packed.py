@@ -4,6 +4,11 @@ Sample i is tokens[i*seq_len : i*seq_len + seq_len + 1] of the split's token str
 samples cross document boundaries (EOS separates documents) and consecutive samples share one token,
 so every token is a training label exactly once.
 
+With document_mask a sample is an int64 array [3, seq_len] instead: input_ids, labels and position_ids, where a
+document ends with its EOS (the EOS is its last input token) and position_ids restart at 0 at the token after each
+EOS and at the first token of the sample (a document cut by the sample start counts from 0 there too). The label of
+an EOS position, the next document's first token, is -100: that document is invisible to it.
+
 Checksums are verified lazily: a shard's sha256 is computed the first time one of its samples is read, so
 opening a dataset of any size costs a few stat calls, a rank hashes only the shards it reads, and no corrupted
 byte reaches a sample (the read that would return it raises DataError instead).
@@ -16,22 +21,34 @@ from pathlib import Path
 import numpy as np
 
 from .errors import DataError
-from .layout import check_shard_checksums, check_shard_sizes, read_meta, shard_files
+from .layout import TEXT_FORMAT, check_shard_checksums, check_shard_sizes, dataset_format, read_meta, shard_files
+
+IGNORE_INDEX = -100  # the label the loss skips
+
+
+def restarting_positions(starts: np.ndarray) -> np.ndarray:
+    """Position ids counting from 0 at every True of `starts` (starts[0] must be True)."""
+    index = np.arange(len(starts), dtype=np.int64)
+    return index - np.maximum.accumulate(np.where(starts, index, 0))
 
 
 class PackedDataset:
     """Samples of one split of a prepared dataset. Sizes are checked on open; each shard's sha256 checksums on
     the first read from it (unless verify_checksums=False). Files are memory-mapped, so RSS stays small for any
-    data size."""
+    data size. `gives_position_ids` (document_mask) says samples are [3, seq_len] arrays (see the module doc)."""
 
-    def __init__(self, dataset_dir: str, seq_len: int, split: str = "train", *, verify_checksums: bool = True):
+    def __init__(self, dataset_dir: str, seq_len: int, split: str = "train", *, verify_checksums: bool = True,
+                 document_mask: bool = False):
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         meta = read_meta(dataset_dir)
+        if dataset_format(meta) != TEXT_FORMAT:
+            raise DataError(f"{dataset_dir} is a {dataset_format(meta)} dataset, not a token stream: open it with "
+                            f"deepseek_ds.data.open_dataset")
         if split not in meta["splits"]:
             raise DataError(f"{dataset_dir} has no split {split!r} (splits: {sorted(meta['splits'])})")
         self.dataset_dir, self.seq_len, self.split = str(dataset_dir), seq_len, split
-        self._dtype = meta["dtype"]
+        self._dtype, self._eos, self.gives_position_ids = meta["dtype"], meta["eos_id"], document_mask
         shards = [s for s in meta["splits"][split]["shards"] if s["num_tokens"] > 0]
         for record in shards:
             check_shard_sizes(Path(dataset_dir), record, self._dtype)
@@ -62,6 +79,16 @@ class PackedDataset:
         return self._len
 
     def __getitem__(self, i: int) -> np.ndarray:
+        tokens = self.tokens(i)
+        if not self.gives_position_ids:
+            return tokens
+        inputs, labels = tokens[:-1], tokens[1:].copy()
+        ends = inputs == self._eos
+        labels[ends] = IGNORE_INDEX
+        return np.stack([inputs, labels, restarting_positions(np.concatenate([[True], ends[:-1]]))])
+
+    def tokens(self, i: int) -> np.ndarray:
+        """The seq_len + 1 tokens of sample i."""
         if not 0 <= i < self._len:
             raise IndexError(f"sample {i} out of range [0, {self._len})")
         start, end = int(i) * self.seq_len, int(i) * self.seq_len + self.seq_len + 1

@@ -11,7 +11,7 @@ import json
 import multiprocessing
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
@@ -19,10 +19,30 @@ import numpy as np
 from tqdm import tqdm
 
 from ..utils.fs import publish_dir, temp_dir_for, write_json_atomic
+from .chat import ASSISTANT_MARKER, TRAIN_ON, USER_MARKER, encode
 from .errors import DataError
-from .layout import FORMAT_VERSION, META, PLAN, SPLITS, TOKENIZER_DIR, read_json, shard_files
+from .layout import (
+    CHAT_FORMAT,
+    FORMAT_VERSION,
+    FORMATS,
+    META,
+    PLAN,
+    SPLITS,
+    TEXT_FORMAT,
+    TOKENIZER_DIR,
+    read_json,
+    shard_files,
+)
 from .shards import ShardTask, group_by_size, init_worker, is_done, shard_key, write_shard
-from .sources import DEFAULT_EXTENSIONS, DocTable, read_docs, scan_inputs, split_text_tail
+from .sources import (
+    DEFAULT_EXTENSIONS,
+    DocTable,
+    read_conversation_rows,
+    read_docs,
+    scan_chat,
+    scan_inputs,
+    split_text_tail,
+)
 from .tokenizer import (
     backend_json,
     import_tokenizer,
@@ -35,6 +55,9 @@ from .tokenizer import (
 
 # Documents read at a time while streaming text into the BPE trainer.
 _TRAIN_CHUNK = 1000
+# What a BPE trained for chat data gets on top of its merges, so DeepSeek-V3's chat format renders with it.
+CHAT_BOS = "<｜begin▁of▁sentence｜>"
+_CHAT_SPECIAL = (USER_MARKER, ASSISTANT_MARKER)
 
 
 def split_rows(num_docs: int, valid_fraction: float, seed: int) -> dict[str, np.ndarray]:
@@ -75,8 +98,25 @@ def _iter_texts(table: DocTable, field: str) -> Iterator[str]:
         yield from read_docs(table.subset(np.arange(start, min(start + _TRAIN_CHUNK, len(table)))), field)
 
 
-def _ensure_tokenizer(out: Path, src_tok, train_docs: DocTable, field: str, vocab_size: int, progress: bool):
-    """The dataset's tokenizer directory, created once; racers adopt whichever copy was published first."""
+def _iter_chat_texts(table: DocTable) -> Iterator[str]:
+    for start in range(0, len(table), _TRAIN_CHUNK):
+        rows = table.subset(np.arange(start, min(start + _TRAIN_CHUNK, len(table))))
+        yield from (m.content for messages in read_conversation_rows(rows) for m in messages)
+
+
+def _train_chat_bpe(texts: Iterator[str], vocab_size: int, out_dir: Path, progress: bool) -> None:
+    """A byte-level BPE of `vocab_size` tokens in all: merges plus EOS, BOS and DeepSeek's two chat markers."""
+    from transformers import AutoTokenizer  # not at the top: see tokenizer.train_bpe
+
+    train_bpe(texts, vocab_size - 1 - len(_CHAT_SPECIAL), out_dir, progress)
+    tok = AutoTokenizer.from_pretrained(str(out_dir))
+    tok.add_special_tokens({"bos_token": CHAT_BOS, "additional_special_tokens": list(_CHAT_SPECIAL)})
+    tok.save_pretrained(str(out_dir))
+
+
+def _ensure_tokenizer(out: Path, src_tok, train: Callable[[Path], None]):
+    """The dataset's tokenizer directory, created once (`train(dir)` makes it when no tokenizer was given); racers
+    adopt whichever copy was published first."""
     tok_dir = out / TOKENIZER_DIR
     if not tok_dir.is_dir():
         tmp = temp_dir_for(tok_dir)
@@ -84,7 +124,7 @@ def _ensure_tokenizer(out: Path, src_tok, train_docs: DocTable, field: str, voca
             if src_tok is not None:
                 src_tok.save_pretrained(str(tmp))
             else:
-                train_bpe(_iter_texts(train_docs, field), vocab_size, tmp, progress)
+                train(tmp)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -120,16 +160,19 @@ def _records(tasks: list[ShardTask], workers: int) -> Iterator[dict]:
 
 
 def _plan_tasks(out: Path, table: DocTable, rows: dict[str, np.ndarray], field: str, shard_bytes: int,
-                tok) -> list[ShardTask]:
+                tok, train_on: str | None) -> list[ShardTask]:
     backend = backend_json(tok)
     tok_hash, dtype = tokenizer_hash(backend), token_dtype(vocab_size_of(tok))
+    # Chat shards also depend on how conversations render: the template and the special ids it inserts.
+    chat = None if train_on is None else [train_on, getattr(tok, "chat_template", None) or "", tok.bos_token_id,
+                                          tok.convert_tokens_to_ids(list(_CHAT_SPECIAL))]
     tasks = []
     for split in SPLITS:
         docs = table.subset(rows[split])
         for k, (a, b) in enumerate(group_by_size(docs.size, shard_bytes)):
             part = docs.subset(np.arange(a, b))
             tasks.append(ShardTask(f"{split}-{k:05d}", str(out), part, field, backend, tok.eos_token_id, dtype,
-                                   shard_key(part, field, tok_hash, tok.eos_token_id, dtype)))
+                                   shard_key(part, field, tok_hash, tok.eos_token_id, dtype, chat), train_on))
     return tasks
 
 
@@ -138,7 +181,8 @@ def _meta(out: Path, tasks: list[ShardTask], plan_hash: str, tok) -> dict:
     for task in tasks:
         record = read_json(shard_files(out, task.name)[2])
         split = splits[task.name.split("-")[0]]
-        split["shards"].append({k: record[k] for k in ("name", "num_docs", "num_tokens", "bin_sha256", "idx_sha256")})
+        keys = ("name", "num_docs", "num_tokens", "bin_sha256", "idx_sha256", "mask_sha256")
+        split["shards"].append({k: record[k] for k in keys if k in record})  # mask_sha256: chat shards only
         split["num_docs"] += record["num_docs"]
         split["num_tokens"] += record["num_tokens"]
     vocab = vocab_size_of(tok)
@@ -151,32 +195,60 @@ def _meta(out: Path, tasks: list[ShardTask], plan_hash: str, tok) -> dict:
 def prepare_dataset(inputs: list[str], out_dir: str, tokenizer_dir: str | None = None, vocab_size: int = 2048,
                     workers: int = 1, jsonl_field: str = "text", valid_fraction: float = 0.01, seed: int = 0,
                     *, shard_mb: float = 16.0, progress: bool = True,
-                    extensions: tuple[str, ...] | None = DEFAULT_EXTENSIONS) -> str:
+                    extensions: tuple[str, ...] | None = DEFAULT_EXTENSIONS, data_format: str = TEXT_FORMAT,
+                    train_on: str = "all", skip_bad: bool = False) -> str:
     """Tokenize `inputs` into a packed, checksummed dataset at `out_dir` and return `out_dir`.
 
     With `tokenizer_dir` the dataset uses that HF tokenizer; otherwise a byte-level BPE of `vocab_size`
     is trained on the training documents. Shards hold about `shard_mb` of text each; the output does not
     depend on `workers`. Re-running continues an interrupted run and verifies a finished one. Directory inputs
     contribute files with one of `extensions` (None: all); meta.json lists the files skipped.
+
+    `data_format` "chat": the inputs are .jsonl conversations (data/chat.py), each stored as one sample with a
+    trained mask (assistant turns: all, or the last with `train_on` "last"); a bad line is an error naming its
+    file:line, or skipped and counted in meta.json with `skip_bad`. Whole conversations are held out for validation.
     """
     if workers < 1:
         raise DataError(f"workers must be >= 1, got {workers}")
+    if data_format not in FORMATS:
+        raise DataError(f"format {data_format!r}: use one of {', '.join(FORMATS)}")
+    if train_on not in TRAIN_ON:
+        raise DataError(f"train_on {train_on!r}: use one of {', '.join(TRAIN_ON)}")
+    chat = data_format == CHAT_FORMAT
     out = Path(out_dir)
-    table, rows = _split(scan_inputs(inputs, jsonl_field, extensions), valid_fraction, seed)
+    bad: list[str] = []
+    if chat:
+        table, bad = scan_chat(inputs, skip_bad)
+        rows = split_rows(len(table), valid_fraction, seed)
+    else:
+        table, rows = _split(scan_inputs(inputs, jsonl_field, extensions), valid_fraction, seed)
     src_tok = None if tokenizer_dir is None else import_tokenizer(tokenizer_dir)
     plan = {"format_version": FORMAT_VERSION, "inputs": [str(Path(p).resolve()) for p in inputs],
             "docs_sha256": hashlib.sha256(json.dumps(table.refs()).encode()).hexdigest(), "num_docs": len(table),
             "jsonl_field": jsonl_field, "valid_fraction": valid_fraction, "seed": seed, "shard_mb": shard_mb,
             "tokenizer": ({"bpe_vocab_size": vocab_size} if src_tok is None
                           else {"imported_hash": tokenizer_hash(backend_json(src_tok))})}
+    if chat:  # text plans keep their old keys, so datasets prepared before chat data existed still re-run
+        plan.update(format=CHAT_FORMAT, train_on=train_on)
     plan_hash = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
     out.mkdir(parents=True, exist_ok=True)
     _check_plan(out, plan)
-    tok = _ensure_tokenizer(out, src_tok, table.subset(rows["train"]), jsonl_field, vocab_size, progress)
-    tasks = _plan_tasks(out, table, rows, jsonl_field, int(shard_mb * 2**20), tok)
+    train_docs = table.subset(rows["train"])
+    if chat:
+        tok = _ensure_tokenizer(out, src_tok, lambda d: _train_chat_bpe(_iter_chat_texts(train_docs), vocab_size, d,
+                                                                        progress))
+        # Rendered here once, so a tokenizer that cannot render conversations fails before any worker starts.
+        encode(tok, read_conversation_rows(table.subset(np.arange(1)))[0], train_on)
+    else:
+        tok = _ensure_tokenizer(out, src_tok, lambda d: train_bpe(_iter_texts(train_docs, jsonl_field), vocab_size, d,
+                                                                  progress))
+    tasks = _plan_tasks(out, table, rows, jsonl_field, int(shard_mb * 2**20), tok, train_on if chat else None)
     _run([t for t in tasks if not is_done(t)], workers, progress)
     meta = _meta(out, tasks, plan_hash, tok)
     meta["skipped_inputs"] = list(table.skipped)
+    if chat:
+        # The first few errors are kept for the summary; the count is of all lines skipped.
+        meta.update(format=CHAT_FORMAT, train_on=train_on, bad_lines=len(bad), bad_line_errors=bad[:5])
     if src_tok is None:
         meta["requested_vocab_size"] = vocab_size
     if meta["splits"]["train"]["num_tokens"] == 0:

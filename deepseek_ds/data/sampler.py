@@ -81,14 +81,20 @@ class GlobalBatchSampler:
 
 def micro_batches(dataset, sampler: GlobalBatchSampler) -> Iterator[list[tuple]]:
     """Per global batch, this rank's micro-batches as (input_ids, labels) LongTensor pairs of shape
-    [micro_batch_size, seq_len]: labels are the inputs shifted by one token."""
+    [micro_batch_size, seq_len]: labels are the inputs shifted by one token. A dataset that `gives_position_ids`
+    (chat data, raw text with document_mask) gives (input_ids, labels, position_ids) triples instead, its labels
+    already shifted and -100 where there is no loss."""
     # torch here, not at the top: every `data prepare` worker imports this package and never needs it (~8x the
     # package's import time).
     import torch
 
+    triples = getattr(dataset, "gives_position_ids", False)
     for micro in sampler:
-        pairs = []
+        batches = []
         for indices in micro:
             x = torch.from_numpy(np.stack([dataset[i] for i in indices]).astype(np.int64))
-            pairs.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
-        yield pairs
+            if triples:
+                batches.append((x[:, 0].contiguous(), x[:, 1].contiguous(), x[:, 2].contiguous()))
+            else:
+                batches.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
+        yield batches

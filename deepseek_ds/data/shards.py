@@ -10,15 +10,17 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from ..utils.fs import write_bytes_atomic, write_json_atomic
+from .chat import encode
 from .errors import DataError
-from .layout import check_shard, read_json, shard_files
-from .sources import DocTable, read_docs
+from .layout import TOKENIZER_DIR, check_shard, mask_file, read_json, shard_files
+from .sources import DocTable, read_conversation_rows, read_docs
 
 # Documents per encode_batch call: bounds worker memory on shards of many small documents.
 _ENCODE_BATCH = 512
@@ -34,10 +36,12 @@ class ShardTask:
     eos_id: int
     dtype: str
     key: str  # hash of everything the shard's bytes depend on
+    train_on: str | None = None  # chat datasets: which assistant turns are trained (chat.TRAIN_ON); None: text
 
 
-def shard_key(docs: DocTable, field: str, tok_hash: str, eos_id: int, dtype: str) -> str:
-    desc = [tok_hash, field, eos_id, dtype, docs.refs()]
+def shard_key(docs: DocTable, field: str, tok_hash: str, eos_id: int, dtype: str, chat: list | None = None) -> str:
+    """`chat`: for chat shards, everything else their bytes depend on (train_on, the chat_template, special ids)."""
+    desc = [tok_hash, field, eos_id, dtype, docs.refs()] + ([chat] if chat is not None else [])
     return hashlib.sha256(json.dumps(desc).encode()).hexdigest()
 
 
@@ -80,10 +84,30 @@ def _tokenize(task: ShardTask, texts: list[str]) -> tuple[np.ndarray, np.ndarray
     return tokens, np.asarray(bounds, np.int64)
 
 
+@lru_cache(maxsize=1)
+def _dataset_tokenizer(out_dir: str):
+    from .tokenizer import load_hf_tokenizer  # transformers: only chat shards need it
+
+    return load_hf_tokenizer(Path(out_dir) / TOKENIZER_DIR)
+
+
+def _encode_chat(task: ShardTask) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, sample bounds, trained mask) of the shard's conversations, rendered by chat.encode."""
+    tok = _dataset_tokenizer(task.out_dir)
+    encoded = [encode(tok, messages, task.train_on) for messages in read_conversation_rows(task.docs)]
+    tokens = np.array([i for e in encoded for i in e.ids], task.dtype)
+    mask = np.array([t for e in encoded for t in e.trained], np.uint8)
+    bounds = np.concatenate([[0], np.cumsum([len(e.ids) for e in encoded])]).astype(np.int64)
+    return tokens, bounds, mask
+
+
 def write_shard(task: ShardTask) -> dict:
-    """Tokenize one shard and publish its .bin, .idx and then its record. Returns the record."""
-    texts = read_docs(task.docs, task.field)
-    tokens, bounds = _tokenize(task, texts)
+    """Tokenize one shard and publish its .bin, .idx (, .mask) and then its record. Returns the record."""
+    if task.train_on is None:
+        tokens, bounds = _tokenize(task, read_docs(task.docs, task.field))
+        mask = None
+    else:
+        tokens, bounds, mask = _encode_chat(task)
     bin_path, idx_path, record_path = shard_files(Path(task.out_dir), task.name)
     token_bytes, bound_bytes = tokens.astype(f"<{tokens.dtype.str[1:]}").tobytes(), bounds.astype("<i8").tobytes()
     write_bytes_atomic(bin_path, token_bytes)
@@ -91,6 +115,10 @@ def write_shard(task: ShardTask) -> dict:
     record = {"name": task.name, "key": task.key, "num_docs": len(bounds) - 1, "num_tokens": len(tokens),
               "bin_sha256": hashlib.sha256(token_bytes).hexdigest(),
               "idx_sha256": hashlib.sha256(bound_bytes).hexdigest()}
+    if mask is not None:
+        mask_bytes = mask.tobytes()
+        write_bytes_atomic(mask_file(Path(task.out_dir), task.name), mask_bytes)
+        record["mask_sha256"] = hashlib.sha256(mask_bytes).hexdigest()
     write_json_atomic(record_path, record)
     return record
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .chat import ChatFormatError, Message, parse_line
 from .errors import DataError
 
 TEXT, JSONL, HF = "text", "jsonl", "hf"
@@ -143,6 +144,52 @@ def scan_inputs(inputs: list[str], field: str, extensions: tuple[str, ...] | Non
         raise DataError(f"no text found in inputs {inputs}{also}: pass non-empty UTF-8 text files, directories of "
                         f"them, .jsonl files or saved HF datasets")
     return table
+
+
+def scan_chat(inputs: list[str], skip_bad: bool) -> tuple[DocTable, list[str]]:
+    """One row per conversation line of the .jsonl inputs (directories: their .jsonl files), each line parsed here so a
+    bad one is reported with its file:line before any tokenizing; (table, one error line per bad line skipped)."""
+    sources, _ = _expand(inputs, (".jsonl",))
+    other = next((s.path for s in sources if s.kind != JSONL), None)
+    if other is not None:
+        raise DataError(f"--format chat reads JSON Lines (.jsonl) files of conversations; {other} is not one: "
+                        f"convert it to one {{\"messages\": [...]}} or {{\"prompt\", \"response\"}} object a line")
+    source, offset, size, bad = [], [], [], []
+    for i, src in enumerate(sources):
+        with open(src.path, "rb") as f:
+            pos = 0
+            for number, raw in enumerate(f, 1):
+                if raw.strip():
+                    try:
+                        parse_line(_decode(raw, f"{src.path}:{number}"), f"{src.path}:{number}")
+                        source.append(i)
+                        offset.append(pos)
+                        size.append(len(raw))
+                    except DataError as e:
+                        if not skip_bad:
+                            raise ChatFormatError(str(e), hint="fix the line, or pass --skip-bad to skip bad "
+                                                  "lines") from e
+                        bad.append(str(e))
+                pos += len(raw)
+    if not source:
+        raise DataError(f"no conversation found in inputs {inputs}" + (f" ({len(bad)} bad lines skipped)" if bad else "")
+                        + ": pass .jsonl files with one conversation a line")
+    return DocTable(tuple(sources), np.array(source, np.int64), np.array(offset, np.int64),
+                    np.array(size, np.int64)), bad
+
+
+def read_conversation_rows(table: DocTable) -> list[tuple[Message, ...]]:
+    """The conversations of the rows of a table made by scan_chat, in order."""
+    out = []
+    for s in np.unique(table.source):  # rows of one source are contiguous (scan order): one open per file
+        path = table.sources[int(s)].path
+        rows = np.flatnonzero(table.source == s)
+        with open(path, "rb") as f:
+            for o, n in zip(table.offset[rows], table.size[rows]):
+                f.seek(int(o))
+                where = f"{path} (line starting at byte {int(o)})"
+                out.append(parse_line(_decode(f.read(int(n)), where), where))
+    return out
 
 
 def split_text_tail(table: DocTable, fraction: float) -> DocTable | None:

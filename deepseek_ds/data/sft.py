@@ -1,0 +1,187 @@
+"""Chat (SFT) samples as fixed-length training sequences, and `open_dataset`: the one way a run opens a split.
+
+A chat dataset stores each conversation as one sample: its tokens and, per token, whether the loss is computed on
+it (layout.py). A sequence of seq_len positions is an int64 array [3, seq_len]: input_ids, labels (already shifted:
+labels[i] is the target of position i, -100 = no loss) and position_ids. Each sample of n tokens takes n positions;
+labels[i] is token i + 1 when that token is trained, and its last position predicts nothing (-100). position_ids
+count 0..n-1 within each sample, so a mask built from them (a new sample wherever position_ids == 0) keeps samples
+apart. The padding after the last sample is EOS ids with label -100 and its own run of positions from 0.
+
+With packing, whole samples are placed first-fit in order: each goes into the first sequence with room for it,
+else opens a new one. Without, each sample is one sequence. A sample longer than seq_len is dropped, or cut to its
+first (truncate_right) or last (truncate_left) seq_len tokens, never split across sequences; `counts` and
+`report()` say how many.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .errors import DataError
+from .layout import (
+    CHAT_FORMAT,
+    TEXT_FORMAT,
+    check_shard_checksums,
+    check_shard_sizes,
+    dataset_format,
+    mask_file,
+    read_meta,
+    shard_files,
+)
+from .packed import IGNORE_INDEX, PackedDataset
+
+TRUNCATE_LEFT, TRUNCATE_RIGHT, DROP = "truncate_left", "truncate_right", "drop"
+
+
+def chat_sample_lengths(dataset_dir: str, split: str) -> np.ndarray:
+    """Tokens of every sample of a chat dataset's split, in order (reads only the .idx files)."""
+    meta = read_meta(dataset_dir)
+    lengths = [np.diff(np.fromfile(shard_files(Path(dataset_dir), s["name"])[1], dtype="<i8"))
+               for s in meta["splits"][split]["shards"] if s["num_docs"] > 0]
+    return np.concatenate(lengths) if lengths else np.empty(0, np.int64)
+
+
+def first_fit(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+    """Sample indices per sequence: each sample, in order, goes into the first sequence with room for it."""
+    sequences: list[list[int]] = []
+    room = np.empty(0, np.int64)
+    for j, n in enumerate(lengths.tolist()):
+        fits = np.flatnonzero(room >= n)
+        if len(fits):
+            sequences[fits[0]].append(j)
+            room[fits[0]] -= n
+        else:
+            sequences.append([j])
+            room = np.append(room, capacity - n)
+    return sequences
+
+
+class ChatDataset:
+    """Sequences of one split of a chat dataset (module doc). Sizes are checked on open; each shard's checksums on
+    the first read from it. Files are memory-mapped."""
+
+    gives_position_ids = True
+
+    def __init__(self, dataset_dir: str, seq_len: int, split: str = "train", *, packing: bool = False,
+                 truncation: str = DROP, verify_checksums: bool = True):
+        if truncation not in (DROP, TRUNCATE_LEFT, TRUNCATE_RIGHT):
+            raise DataError(f"truncation {truncation!r}: use {DROP}, {TRUNCATE_LEFT} or {TRUNCATE_RIGHT}")
+        meta = read_meta(dataset_dir)
+        if dataset_format(meta) != CHAT_FORMAT:
+            raise DataError(f"{dataset_dir} is not a chat dataset: prepare it with `deepseek-ds data prepare "
+                            f"--format chat`")
+        self.dataset_dir, self.seq_len, self.split = str(dataset_dir), seq_len, split
+        self.packing, self.truncation = packing, truncation
+        self._dtype, self._pad = meta["dtype"], meta["eos_id"]
+        self._records = [s for s in meta["splits"][split]["shards"] if s["num_docs"] > 0]
+        root = Path(dataset_dir)
+        for record in self._records:
+            check_shard_sizes(root, record, self._dtype)
+        self._unverified = set(range(len(self._records))) if verify_checksums else set()
+        self._maps = self._open()
+        # Every sample: (shard, first token, tokens) before truncation.
+        shard, start, length = [], [], []
+        for k, record in enumerate(self._records):
+            bounds = np.fromfile(shard_files(root, record["name"])[1], dtype="<i8")
+            shard.append(np.full(len(bounds) - 1, k, np.int64))
+            start.append(bounds[:-1])
+            length.append(np.diff(bounds))
+        shard, start, length = (np.concatenate(a) if a else np.empty(0, np.int64) for a in (shard, start, length))
+        long = length > seq_len
+        if truncation == TRUNCATE_LEFT:
+            start = np.where(long, start + length - seq_len, start)
+        keep = ~long if truncation == DROP else np.ones(len(length), bool)
+        self._shard, self._start, self._length = shard[keep], start[keep], np.minimum(length, seq_len)[keep]
+        sequences = (first_fit(self._length, seq_len) if packing else [[j] for j in range(len(self._length))])
+        self._members = np.array([j for seq in sequences for j in seq], np.int64)
+        self._offsets = np.concatenate([[0], np.cumsum([len(seq) for seq in sequences])]).astype(np.int64)
+        self.counts = {"samples": len(length), "truncated": 0 if truncation == DROP else int(long.sum()),
+                       "dropped": int(long.sum()) if truncation == DROP else 0, "sequences": len(sequences)}
+        if not sequences:
+            raise DataError(f"split {split!r} of {dataset_dir}: all {len(length)} chat samples are longer than "
+                            f"seq_len {seq_len} and truncation is drop: raise data.seq_len (longest sample: "
+                            f"{int(length.max()) if len(length) else 0} tokens) or set data.truncation")
+
+    def report(self) -> str:
+        """One line: samples, sequences, truncated and dropped counts."""
+        c = self.counts
+        how = "packed" if self.packing else "one sample each"
+        return (f"chat data ({self.split}): {c['samples']:,} samples -> {c['sequences']:,} sequences of {self.seq_len}"
+                f" tokens ({how}); {c['truncated']:,} truncated, {c['dropped']:,} dropped as longer than seq_len "
+                f"(data.truncation: {self.truncation})")
+
+    def _open(self) -> list[tuple[np.memmap, np.memmap]]:
+        root = Path(self.dataset_dir)
+        return [(np.memmap(shard_files(root, r["name"])[0], dtype=self._dtype, mode="r"),
+                 np.memmap(mask_file(root, r["name"]), dtype=np.uint8, mode="r")) for r in self._records]
+
+    # Pickling (DataLoader workers) must not copy the mapped data: reopen the maps instead.
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_maps"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._maps = self._open()
+
+    def __len__(self) -> int:
+        return len(self._offsets) - 1
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if not 0 <= i < len(self):
+            raise IndexError(f"sequence {i} out of range [0, {len(self)})")
+        out = np.empty((3, self.seq_len), np.int64)
+        inputs, labels, positions = out
+        labels[:] = IGNORE_INDEX
+        at = 0
+        for j in self._members[self._offsets[i]:self._offsets[i + 1]]:
+            k, a, n = int(self._shard[j]), int(self._start[j]), int(self._length[j])
+            tokens, trained = self._verified_maps(k)
+            ids = tokens[a:a + n].astype(np.int64)
+            inputs[at:at + n] = ids
+            labels[at:at + n - 1] = np.where(trained[a + 1:a + n] == 1, ids[1:], IGNORE_INDEX)
+            positions[at:at + n] = np.arange(n)
+            at += n
+        inputs[at:] = self._pad
+        positions[at:] = np.arange(self.seq_len - at)
+        return out
+
+    def _verified_maps(self, k: int) -> tuple[np.memmap, np.memmap]:
+        if k in self._unverified:
+            check_shard_checksums(Path(self.dataset_dir), self._records[k])
+            self._unverified.discard(k)
+        return self._maps[k]
+
+
+def dataset_option_errors(dataset_dir: str, meta: dict, options) -> list[str]:
+    """What `options` (data.seq_len / packing / truncation) cannot do with this dataset, one line each."""
+    if dataset_format(meta) == TEXT_FORMAT:
+        errors = []
+        if options.packing:
+            errors.append(f"data.packing is for chat datasets; {dataset_dir} is raw text, always one packed stream: "
+                          "remove data.packing (data.document_mask keeps its documents apart)")
+        if options.truncation != DROP:
+            errors.append(f"data.truncation = {options.truncation} is for chat datasets; {dataset_dir} is raw text, "
+                          "whose documents are never truncated: remove data.truncation")
+        return errors
+    lengths = chat_sample_lengths(dataset_dir, "train")
+    if options.truncation == DROP and len(lengths) and lengths.min() > options.seq_len:
+        return [f"data.path {dataset_dir!r}: all {len(lengths):,} chat samples are longer than data.seq_len "
+                f"{options.seq_len} (shortest: {int(lengths.min())} tokens), so data.truncation: drop leaves nothing: "
+                f"raise data.seq_len or set data.truncation: truncate_right"]
+    return []
+
+
+def open_dataset(dataset_dir: str, options, split: str = "train"):
+    """A split as training sequences, chosen by the dataset's format: PackedDataset for raw text (with
+    options.document_mask), ChatDataset for chat data (options.packing, options.truncation). `options` is a
+    DataSection, or anything with its seq_len, packing, truncation and document_mask fields."""
+    meta = read_meta(dataset_dir)
+    errors = dataset_option_errors(dataset_dir, meta, options)
+    if errors:
+        raise DataError(errors[0])
+    if dataset_format(meta) == CHAT_FORMAT:
+        return ChatDataset(dataset_dir, options.seq_len, split, packing=options.packing,
+                           truncation=options.truncation)
+    return PackedDataset(dataset_dir, options.seq_len, split, document_mask=options.document_mask)
