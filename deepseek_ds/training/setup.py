@@ -21,7 +21,7 @@ from torch.distributed import ProcessGroup, distributed_c10d
 from transformers import PretrainedConfig
 
 from ..config import RunConfig
-from ..data import DataError, PackedDataset, dataset_info, ensure_builtin_dataset
+from ..data import ChatDataset, DataError, PackedDataset, dataset_info, ensure_builtin_dataset, open_dataset
 from ..models.hf_io import has_weights, load_hf_weights, mtp_layers_absent
 from ..models.layers import mtp_depth
 from ..models.loss import TokenWeightedLoss
@@ -41,7 +41,7 @@ class Run:
     engine: DeepSpeedEngine          # a PipelineEngine when `pipeline`
     model_config: PretrainedConfig
     loss_fn: TokenWeightedLoss
-    dataset: PackedDataset           # the training split
+    dataset: PackedDataset | ChatDataset  # the training split (data.open_dataset)
     dataset_dir: str
     rank: int
     world: int
@@ -195,7 +195,7 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
     if info["vocab_size"] > mcfg.vocab_size:
         raise DataError(f"dataset {dataset_dir} uses a tokenizer with {info['vocab_size']} tokens but the model's "
                         f"vocab_size is {mcfg.vocab_size}; use a matching tokenizer or set model.overrides.vocab_size")
-    dataset = PackedDataset(dataset_dir, cfg.data.seq_len)
+    dataset = open_dataset(dataset_dir, cfg.data)
 
     pp = cfg.parallel.pipeline_stages
     dp = cfg.data_parallel_size(world)
