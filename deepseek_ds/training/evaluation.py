@@ -7,20 +7,31 @@ contiguous shares of it; every rank runs the same number of micro-batches (short
 ignored labels), because ZeRO-3 and pipeline forwards are collectives. Each rank sums token losses, valid
 tokens and correct predictions; one all_reduce of the three sums gives exactly the token-weighted result of
 a single process.
+
+Task scores (eval.task, `deepseek-ds eval --task`): greedy answers to held-out conversations, generated in
+left-padded batches with a KV cache (padding does not change a row's tokens), the items in contiguous shares per
+data-parallel rank, gathered with all_gather_object; exact match and sacrebleu's corpus BLEU of the whole set.
 """
 
 from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
 
+import deepspeed
 import numpy as np
+import sacrebleu
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
-from ..data import PackedDataset
+from ..config import ConfigError
+from ..data import PackedDataset, load_tokenizer
+from ..data.chat import TaskItem, task_items
+from ..models.hf_io import to_hf_model
 from ..models.loss import IGNORE_INDEX
 from ..models.pipeline import split_micro_batch, to_device
 from .setup import Run
@@ -32,10 +43,11 @@ class EvalResult:
     perplexity: float
     accuracy: float    # fraction of valid tokens whose argmax prediction is the label
     tokens: int
+    task: dict = field(default_factory=dict)  # eval.task's scores (see `scores`), when the run has a task
 
     def as_record(self) -> dict:
         return {"eval_loss": self.loss, "eval_ppl": self.perplexity, "eval_accuracy": self.accuracy,
-                "eval_tokens": self.tokens}
+                "eval_tokens": self.tokens, **{f"task_{k}": v for k, v in self.task.items()}}
 
 
 class TokenSums:
@@ -116,8 +128,88 @@ def evaluate(model, batches: list[tuple], device, pipeline: bool = False) -> Eva
 
 
 def evaluate_run(run: Run, dataset: PackedDataset) -> EvalResult:
-    """The periodic evaluation of a training run on its validation split."""
+    """The periodic evaluation of a training run on its validation split, and on eval.task when it has one."""
     cfg = run.cfg
     n = eval_sample_count(len(dataset), cfg.eval.batches, cfg.train.global_batch_size)
     batches = rank_batches(dataset, n, cfg.train.micro_batch_size, run.dp_rank, run.dp_size)
-    return evaluate(run.engine, batches, run.engine.device, pipeline=run.pipeline)
+    result = evaluate(run.engine, batches, run.engine.device, pipeline=run.pipeline)
+    if cfg.eval.task:
+        result = EvalResult(result.loss, result.perplexity, result.accuracy, result.tokens, task_scores_run(run))
+    return result
+
+
+# ----------------------------------------------------------------------------------------------- task scores
+def generate_greedy_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, pad_token_id: int,
+                          eos_token_id: int) -> list[list[int]]:
+    """Greedy continuations of several prompts in one batch: left-padded (masked, and generate() counts the position
+    ids over real tokens only, so each row is what it would be alone), with a KV cache; each cut before its first
+    EOS."""
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    inputs = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(inputs)
+    for row, ids in enumerate(prompts):
+        inputs[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+        mask[row, width - len(ids):] = 1
+    with torch.no_grad():
+        out = model.generate(inputs.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                             do_sample=False, use_cache=True, pad_token_id=pad_token_id, eos_token_id=eos_token_id)
+    return [row[:row.index(eos_token_id)] if eos_token_id in row else row for row in out[:, width:].tolist()]
+
+
+def scores(predictions: list[str], references: list[str]) -> dict:
+    """n; exact_match: the fraction of predictions equal to their reference once both are stripped of surrounding
+    whitespace; bleu: sacrebleu's corpus BLEU (0-100, its default 13a tokenization)."""
+    exact = sum(p.strip() == r.strip() for p, r in zip(predictions, references, strict=True))
+    return {"n": len(predictions), "exact_match": exact / len(predictions),
+            "bleu": sacrebleu.corpus_bleu(predictions, [references]).score}
+
+
+def shard(n: int, rank: int, world: int) -> range:
+    """This rank's contiguous share of n items (the last ranks may hold fewer, or none)."""
+    per_rank = math.ceil(n / world)
+    return range(min(rank * per_rank, n), min((rank + 1) * per_rank, n))
+
+
+def predict(model, tokenizer, items: list[TaskItem], max_new_tokens: int, batch_size: int, rank: int = 0,
+            world: int = 1) -> list[str]:
+    """Every item's decoded greedy answer, in input order, on every rank; rank r generates only its shard. With
+    world > 1 every rank must call it (one all_gather_object)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    mine = list(shard(len(items), rank, world))
+    answers = []
+    for start in range(0, len(mine), batch_size):
+        batch = [items[i].prompt_ids for i in mine[start:start + batch_size]]
+        for ids in generate_greedy_batch(model, batch, max_new_tokens, pad, tokenizer.eos_token_id):
+            answers.append(tokenizer.decode(ids, skip_special_tokens=True))
+    if world == 1:
+        return answers
+    gathered = [None] * world
+    dist.all_gather_object(gathered, answers)  # rank order = input order: the shards are contiguous
+    return [answer for part in gathered for answer in part]
+
+
+@lru_cache(maxsize=1)
+def _run_task(path: str, dataset_dir: str, items: int) -> tuple:
+    """(tokenizer, items) of eval.task, rendered with the tokenizer of the run's dataset; read once per run."""
+    tokenizer = load_tokenizer(dataset_dir)
+    return tokenizer, task_items(path, tokenizer, items)[0]
+
+
+_TASK_BATCH = 8  # items generated together per rank during training
+
+
+def task_scores_run(run: Run) -> dict:
+    """eval.task's scores for the training model: every rank generates its share from a transformers view that
+    shares the engine's weights (under ZeRO-3 gathered whole for the duration). Pipeline and expert-parallel layouts
+    split the model itself and cannot generate this way."""
+    cfg = run.cfg
+    if run.pipeline or cfg.parallel.expert_parallel > 1:
+        raise ConfigError("eval.task needs the whole model on every rank: use parallel.pipeline_stages=1 and "
+                          "parallel.expert_parallel=1, or score the checkpoints with `deepseek-ds eval --task`")
+    tokenizer, items = _run_task(cfg.eval.task, run.dataset_dir, cfg.eval.task_items)
+    module = run.engine.module
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=run.engine.zero_optimization_stage() == 3):
+        model = to_hf_model(module.layers, run.model_config).to(run.engine.device)
+        predictions = predict(model, tokenizer, items, cfg.eval.task_max_new_tokens, _TASK_BATCH, run.rank, run.world)
+    return scores(predictions, [item.reference for item in items])
