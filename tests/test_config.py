@@ -237,9 +237,11 @@ def test_recipe_paths_do_not_depend_on_the_current_directory(tmp_path, monkeypat
     own = tmp_path / "elsewhere"
     (own / "corpus").mkdir(parents=True)
     (own / "mine.json").write_text(json.dumps(ds("zero1.json")))
-    (own / "run.yaml").write_text("deepspeed_config: mine.json\ndata:\n  path: corpus\ntrain:\n  output_dir: out\n")
+    (own / "run.yaml").write_text("deepspeed_config: mine.json\ndata:\n  path: corpus\ntrain:\n  output_dir: out\n"
+                                  "eval:\n  task: heldout.jsonl\n")
     c = load_run_config(str(own / "run.yaml"))
-    assert (c.deepspeed_config, c.data.path) == (str(own / "mine.json"), str(own / "corpus"))
+    assert (c.deepspeed_config, c.data.path, c.eval.task) == (str(own / "mine.json"), str(own / "corpus"),
+                                                              str(own / "heldout.jsonl"))
     assert c.train.output_dir == "out"  # outputs: relative to the current directory
     assert load_run_config(str(own / "run.yaml"), ["data.path=here"]).data.path == "here"
 

@@ -1,9 +1,9 @@
 """Reading a run config: the YAML file, `--set section.key=value` overrides, and each value checked against the
 type of its dataclass field (the real types, from `typing.get_type_hints`).
 
-Relative paths. The inputs a recipe names (`deepspeed_config`, `model.path`, `data.path`) resolve against the project
-root (the directory holding the `deepseek_ds` package) when the recipe lives inside the project, and against the
-recipe's own directory when it lives elsewhere; so a recipe means the same files from any current directory. The
+Relative paths. The inputs a recipe names (`deepspeed_config`, `model.path`, `data.path`, `eval.task`) resolve
+against the project root (the directory holding the `deepseek_ds` package) when the recipe lives inside the project,
+and against the recipe's own directory when it lives elsewhere; so a recipe means the same files from any current directory. The
 default `deepspeed_config` (ds_configs/zero1.json) is the project's. Paths given on the command line (`--set`,
 `--deepspeed_config`) are relative to the current directory, as for any command, and so are the outputs
 (`train.output_dir`, `checkpoint.dir`, `data.cache_dir`)."""
@@ -24,7 +24,7 @@ import yaml
 from .schema import ConfigError, RunConfig
 
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
-RECIPE_PATHS = (("deepspeed_config",), ("model", "path"), ("data", "path"))
+RECIPE_PATHS = (("deepspeed_config",), ("model", "path"), ("data", "path"), ("eval", "task"))
 
 
 def _unknown_key(where: str, key: str, known: list[str]) -> ConfigError:
