@@ -61,7 +61,7 @@ def validated(args: argparse.Namespace) -> RunConfig:
 
 
 def train_command(args: argparse.Namespace) -> list[str]:
-    """The `deepspeed` command `deepseek-ds train` hands over to: the launcher options, then the training module
+    """The `deepspeed` command `deepseek-ds train` runs: the launcher options, then the training module
     with the run's own arguments."""
     argv = [deepspeed_executable()]
     if args.hostfile:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job: set up, then train the tiny DeepSeek-V3 on 2 ranks with the DeepSpeed launcher
 # (CPU here, the first two GPUs where present). Extra arguments go to the run (e.g. --set train.steps=50).
-# `deepseek-ds train` validates the run first, then execs `deepspeed --num_gpus N --module deepseek_ds.training.main`.
+# `deepseek-ds train` validates the run first, then runs `deepspeed --num_gpus N --module deepseek_ds.training.main`
+# under it (passing signals on: Ctrl-C saves the current step).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/setup.sh
