@@ -26,6 +26,7 @@ from deepseek_ds.data import (
     prepare_dataset,
 )
 from deepseek_ds.data.chat import ChatFormatError, encode, parse_line
+from deepseek_ds.data.layout import META
 from deepseek_ds.data.prepare import split_rows
 from helpers import IGNORE_INDEX, cli, refused
 
@@ -247,7 +248,7 @@ def test_bad_lines_name_file_and_line_or_are_skipped_and_counted(tmp_path, deeps
     assert dataset_info(str(tmp_path / "b"))["splits"]["train"]["num_docs"] == 2
 
 
-def test_validate_refuses_packing_on_text_and_a_chat_dataset_all_dropped(deepseek_chat, data_dir):
+def test_validate_refuses_packing_on_text_and_a_chat_dataset_all_dropped(deepseek_chat, data_dir, tmp_path):
     def config(*sets):
         cfg = load_run_config("recipes/tiny-v3.yaml", list(sets))
         return cfg, load_ds_config(cfg.deepspeed_config)
@@ -258,8 +259,14 @@ def test_validate_refuses_packing_on_text_and_a_chat_dataset_all_dropped(deepsee
     refused(*config(f"data.path={deepseek_chat}", "data.seq_len=4", "model.overrides.vocab_size=129280",
                    "eval.interval=0"), world=2,
             match=r"all 36 chat samples are longer than data.seq_len 4 .* set data.truncation: truncate_right")
-    refused(*config(f"data.path={deepseek_chat}", "eval.interval=5", "model.overrides.vocab_size=129280"), world=2,
-            match=r"validation loss reads raw-text datasets only .* set eval.interval: 0")
+    validate(*config(f"data.path={deepseek_chat}", "eval.interval=5", "model.overrides.vocab_size=129280"), 2,
+             cuda_available=False)  # the validation loss reads chat data too
+    no_valid = shutil.copytree(deepseek_chat, tmp_path / "no_valid")
+    meta = json.loads((no_valid / META).read_text())
+    meta["splits"]["valid"] = {**meta["splits"]["valid"], "num_docs": 0, "num_tokens": 0, "shards": []}
+    (no_valid / META).write_text(json.dumps(meta))
+    refused(*config(f"data.path={no_valid}", "eval.interval=5", "model.overrides.vocab_size=129280"), world=2,
+            match=r"validation split of .* holds no conversation: prepare it with a --valid-fraction > 0")
     cfg, ds = config(f"data.path={deepseek_chat}", "data.seq_len=64", "data.packing=true",
                      "model.overrides.vocab_size=129280", "eval.interval=0")
     validate(cfg, ds, 2, cuda_available=False)  # packing a chat dataset that fits is fine

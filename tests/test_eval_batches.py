@@ -30,6 +30,20 @@ def test_ranks_cover_the_evaluation_set_exactly_once(data_dir, dp, mb):
         assert torch.equal(x, s[:-1]) and torch.equal(y, s[1:])
 
 
+def test_evaluation_batches_of_a_dataset_with_position_ids_are_training_triples(data_dir):
+    """Chat data and document_mask give (input_ids, labels, position_ids) rows: evaluation takes them as training
+    does; a padding row is one document of ignored labels."""
+    valid = PackedDataset(data_dir, 32, split="valid", document_mask=True)
+    n = min(len(valid), 7)
+    batches = rank_batches(valid, n, 4, 0, 1)
+    rows = [tuple(t[i] for t in batch) for batch in batches for i in range(4)]
+    for (x, y, pos), i in zip(rows, range(n)):
+        expected = torch.from_numpy(valid[i].astype(np.int64))
+        assert torch.equal(x, expected[0]) and torch.equal(y, expected[1]) and torch.equal(pos, expected[2])
+    for x, y, pos in rows[n:]:
+        assert (y == IGNORE_INDEX).all() and torch.equal(pos, torch.arange(32))
+
+
 def test_token_sums_are_loss_tokens_and_hits():
     torch.manual_seed(0)
     logits = torch.randn(2, 5, 11)

@@ -138,9 +138,11 @@ def _data_errors(cfg: RunConfig) -> list[str]:
         return [str(e)]
     options = dataset_option_errors(cfg.data.path, info, cfg.data)
     if dataset_format(info) == CHAT_FORMAT:
-        # Chat samples need not fill a sequence (they are padded); the training side's evaluation reads text only.
-        chat = [f"eval.interval is {cfg.eval.interval} but the validation loss reads raw-text datasets only and "
-                f"{cfg.data.path!r} is chat data: set eval.interval: 0"] if cfg.eval.interval else []
+        # Chat samples need not fill a sequence (they are padded): one held-out conversation is enough.
+        held_out = info["splits"].get("valid", {}).get("num_docs", 0)
+        chat = [f"eval.interval is {cfg.eval.interval} but the validation split of {cfg.data.path!r} holds no "
+                "conversation: prepare it with a --valid-fraction > 0, or set eval.interval: 0"
+                ] if cfg.eval.interval and not held_out else []
         return options + chat + _vocab_errors(cfg, info)
     splits = info["splits"]
     # A split of n tokens holds (n - 1) // seq_len samples (each needs seq_len + 1 tokens for its labels).

@@ -9,9 +9,10 @@ from .errors import DataError
 from .layout import dataset_info
 from .packed import BlendedDataset, PackedDataset
 from .prepare import prepare_dataset
-from .sampler import GlobalBatchSampler, micro_batches
+from .sampler import GlobalBatchSampler, micro_batch, micro_batches
 from .sft import ChatDataset, open_dataset
 from .tokenizer import load_tokenizer
 
 __all__ = ["DataError", "ensure_builtin_dataset", "prepare_dataset", "load_tokenizer", "dataset_info",
-           "PackedDataset", "BlendedDataset", "ChatDataset", "open_dataset", "GlobalBatchSampler", "micro_batches"]
+           "PackedDataset", "BlendedDataset", "ChatDataset", "open_dataset", "GlobalBatchSampler", "micro_batch",
+           "micro_batches"]

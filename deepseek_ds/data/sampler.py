@@ -84,17 +84,18 @@ def micro_batches(dataset, sampler: GlobalBatchSampler) -> Iterator[list[tuple]]
     [micro_batch_size, seq_len]: labels are the inputs shifted by one token. A dataset that `gives_position_ids`
     (chat data, raw text with document_mask) gives (input_ids, labels, position_ids) triples instead, its labels
     already shifted and -100 where there is no loss."""
+    for micro in sampler:
+        yield [micro_batch(dataset, indices) for indices in micro]
+
+
+def micro_batch(dataset, indices) -> tuple:
+    """Samples `indices` of `dataset` as one micro-batch: (input_ids, labels) or, for a dataset that
+    `gives_position_ids`, (input_ids, labels, position_ids); LongTensors [len(indices), seq_len]."""
     # torch here, not at the top: every `data prepare` worker imports this package and never needs it (~8x the
     # package's import time).
     import torch
 
-    triples = getattr(dataset, "gives_position_ids", False)
-    for micro in sampler:
-        batches = []
-        for indices in micro:
-            x = torch.from_numpy(np.stack([dataset[i] for i in indices]).astype(np.int64))
-            if triples:
-                batches.append((x[:, 0].contiguous(), x[:, 1].contiguous(), x[:, 2].contiguous()))
-            else:
-                batches.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
-        yield batches
+    x = torch.from_numpy(np.stack([dataset[i] for i in indices]).astype(np.int64))
+    if getattr(dataset, "gives_position_ids", False):
+        return x[:, 0].contiguous(), x[:, 1].contiguous(), x[:, 2].contiguous()
+    return x[:, :-1].contiguous(), x[:, 1:].contiguous()

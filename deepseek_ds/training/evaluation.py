@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 import deepspeed
-import numpy as np
 import sacrebleu
 import torch
 import torch.distributed as dist
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ConfigError
-from ..data import PackedDataset, load_tokenizer
+from ..data import ChatDataset, PackedDataset, load_tokenizer, micro_batch
 from ..data.chat import TaskItem, task_items
 from ..models.hf_io import to_hf_model
 from ..models.loss import IGNORE_INDEX
@@ -76,19 +75,21 @@ def eval_sample_count(available: int, batches: int, global_batch_size: int) -> i
 
 
 def rank_batches(dataset, num_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int) -> list[tuple]:
-    """This rank's (input_ids, labels) micro-batches of the first `num_samples` samples; the same number of
-    full-size micro-batches on every rank, padded with IGNORE_INDEX labels."""
+    """This rank's micro-batches of the first `num_samples` samples (as training's: pairs, or triples with position
+    ids); the same number of full-size micro-batches on every rank, padded with IGNORE_INDEX labels."""
     per_rank = math.ceil(num_samples / dp_size)
     mine = list(range(dp_rank * per_rank, min((dp_rank + 1) * per_rank, num_samples)))
     out = []
     for j in range(math.ceil(per_rank / micro_batch_size)):
         idx = mine[j * micro_batch_size:(j + 1) * micro_batch_size]
-        inputs = torch.zeros(micro_batch_size, dataset.seq_len, dtype=torch.long)
-        labels = torch.full((micro_batch_size, dataset.seq_len), IGNORE_INDEX, dtype=torch.long)
+        shape = (micro_batch_size, dataset.seq_len)
+        batch = [torch.zeros(shape, dtype=torch.long), torch.full(shape, IGNORE_INDEX, dtype=torch.long)]
+        if getattr(dataset, "gives_position_ids", False):  # padding rows: one document each
+            batch.append(torch.arange(dataset.seq_len).expand(shape).clone())
         if idx:
-            rows = torch.from_numpy(np.stack([dataset[i] for i in idx]).astype(np.int64))
-            inputs[:len(idx)], labels[:len(idx)] = rows[:, :-1], rows[:, 1:]
-        out.append((inputs, labels))
+            for whole, part in zip(batch, micro_batch(dataset, idx)):
+                whole[:len(idx)] = part
+        out.append(tuple(batch))
     return out
 
 
@@ -127,7 +128,7 @@ def evaluate(model, batches: list[tuple], device, pipeline: bool = False) -> Eva
     return EvalResult(loss, math.exp(loss), correct / tokens, int(tokens))
 
 
-def evaluate_run(run: Run, dataset: PackedDataset) -> EvalResult:
+def evaluate_run(run: Run, dataset: PackedDataset | ChatDataset) -> EvalResult:
     """The periodic evaluation of a training run on its validation split, and on eval.task when it has one."""
     cfg = run.cfg
     n = eval_sample_count(len(dataset), cfg.eval.batches, cfg.train.global_batch_size)

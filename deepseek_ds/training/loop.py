@@ -13,7 +13,7 @@ from ..checkpoint.format import latest_tag, tag_for
 from ..checkpoint.lock import checkpoint_lock
 from ..checkpoint.resuming import resume
 from ..checkpoint.saving import save
-from ..data import GlobalBatchSampler, PackedDataset, micro_batches
+from ..data import GlobalBatchSampler, micro_batches, open_dataset
 from ..launcher.supervise import STOP_RECORD
 from ..models.loss import count_valid_tokens
 from ..models.pipeline import split_micro_batch, to_device
@@ -140,7 +140,7 @@ def _steps(run: Run, sampler: GlobalBatchSampler, metrics: MetricsWriter | None,
     routers = (RouterStats(engine.module, run.model_config, engine.device, reports_bias=run.dp_rank == 0,
                            load=run.balancer.load if run.balancer else None)
                if moe_layer_indices(run.model_config) else None)
-    valid = PackedDataset(run.dataset_dir, cfg.data.seq_len, split="valid") if cfg.eval.interval else None
+    valid = open_dataset(run.dataset_dir, cfg.data, split="valid") if cfg.eval.interval else None
     progress = Progress(cfg.train.steps, start_step, run.rank == 0, cfg.train.log_interval, log)
     skips = nan_policy.ConsecutiveSkips(cfg.train.max_consecutive_skips)
     last_saved, step = None, start_step

@@ -196,6 +196,8 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
         raise DataError(f"dataset {dataset_dir} uses a tokenizer with {info['vocab_size']} tokens but the model's "
                         f"vocab_size is {mcfg.vocab_size}; use a matching tokenizer or set model.overrides.vocab_size")
     dataset = open_dataset(dataset_dir, cfg.data)
+    if rank == 0 and isinstance(dataset, ChatDataset):
+        log.info(dataset.report())  # what packing and truncation made of the samples
 
     pp = cfg.parallel.pipeline_stages
     dp = cfg.data_parallel_size(world)
