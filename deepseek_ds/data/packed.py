@@ -32,7 +32,22 @@ def restarting_positions(starts: np.ndarray) -> np.ndarray:
     return index - np.maximum.accumulate(np.where(starts, index, 0))
 
 
-class PackedDataset:
+class MappedShards:
+    """A dataset over memory-mapped shard files (`_maps`, made by `_open()`). Pickling (DataLoader workers) must not
+    copy the mapped data: it reopens the maps instead."""
+
+    def _open(self) -> list:
+        raise NotImplementedError
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_maps"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._maps = self._open()
+
+
+class PackedDataset(MappedShards):
     """Samples of one split of a prepared dataset. Sizes are checked on open; each shard's sha256 checksums on
     the first read from it (unless verify_checksums=False). Files are memory-mapped, so RSS stays small for any
     data size. `gives_position_ids` (document_mask) says samples are [3, seq_len] arrays (see the module doc)."""
@@ -66,14 +81,6 @@ class PackedDataset:
 
     def _open(self) -> list[np.memmap]:
         return [np.memmap(p, dtype=self._dtype, mode="r") for p in self._paths]
-
-    # Pickling (DataLoader workers) must not copy the mapped data: reopen the maps instead.
-    def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "_maps"}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._maps = self._open()
 
     def __len__(self) -> int:
         return self._len

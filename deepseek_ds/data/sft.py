@@ -30,7 +30,7 @@ from .layout import (
     read_meta,
     shard_files,
 )
-from .packed import IGNORE_INDEX, PackedDataset
+from .packed import IGNORE_INDEX, MappedShards, PackedDataset
 
 TRUNCATE_LEFT, TRUNCATE_RIGHT, DROP = "truncate_left", "truncate_right", "drop"
 
@@ -58,7 +58,7 @@ def first_fit(lengths: np.ndarray, capacity: int) -> list[list[int]]:
     return sequences
 
 
-class ChatDataset:
+class ChatDataset(MappedShards):
     """Sequences of one split of a chat dataset (module doc). Sizes are checked on open; each shard's checksums on
     the first read from it. Files are memory-mapped."""
 
@@ -116,14 +116,6 @@ class ChatDataset:
         root = Path(self.dataset_dir)
         return [(np.memmap(shard_files(root, r["name"])[0], dtype=self._dtype, mode="r"),
                  np.memmap(mask_file(root, r["name"]), dtype=np.uint8, mode="r")) for r in self._records]
-
-    # Pickling (DataLoader workers) must not copy the mapped data: reopen the maps instead.
-    def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "_maps"}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._maps = self._open()
 
     def __len__(self) -> int:
         return len(self._offsets) - 1
