@@ -130,3 +130,22 @@ def test_a_metrics_line_torn_by_a_kill_is_dropped_at_resume_and_other_damage_is_
         f.write(json.dumps(records[0])[:9] + "\n" + whole)  # a torn line before others: not a kill's
     with pytest.raises(UserError, match=r"metrics.jsonl line 1 is not JSON"):
         metrics.MetricsWriter(path, resume_step=3)
+
+
+def test_loss_plot_draws_task_scores_on_a_second_axis(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    records = [{"step": s, "loss": 5.0 - s / 10} for s in range(1, 11)]
+    for r in records[4::5]:
+        r.update(eval_loss=r["loss"] + 0.1, task_exact_match=r["step"] / 20, task_bleu=r["step"] * 3.0)
+    saved = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, path: saved.append(fig))
+    metrics.plot_loss(records, str(tmp_path / "loss.png"), "t")
+    loss_axis, score_axis = saved[0].axes
+    assert [line.get_label() for line in loss_axis.get_legend().get_lines()] == [
+        "train loss", "validation loss", "task exact match", "task BLEU / 100"]
+    em, bleu = score_axis.get_lines()
+    assert list(em.get_xdata()) == [5, 10] and list(em.get_ydata()) == [0.25, 0.5]
+    assert list(bleu.get_ydata()) == [0.15, 0.3]
+    metrics.plot_loss([{"step": 1, "loss": 1.0}], str(tmp_path / "plain.png"), "t")
+    assert len(saved[1].axes) == 1  # no eval.task: one axis

@@ -158,7 +158,17 @@ def plot_loss(records: list[dict], path: str, title: str) -> None:
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    handles = ax.get_legend_handles_labels()
+    tasks = [r for r in records if r.get("task_exact_match") is not None]
+    if tasks:  # eval.task: exact match and BLEU on a second axis, as fractions
+        scores = ax.twinx()
+        steps = [r["step"] for r in tasks]
+        scores.plot(steps, [r["task_exact_match"] for r in tasks], "s--", color="tab:green", label="task exact match")
+        scores.plot(steps, [r["task_bleu"] / 100 for r in tasks], "^--", color="tab:red", label="task BLEU / 100")
+        scores.set_ylim(0, 1)
+        scores.set_ylabel("task score")
+        handles = [a + b for a, b in zip(handles, scores.get_legend_handles_labels())]
+    ax.legend(*handles)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
