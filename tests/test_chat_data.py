@@ -283,3 +283,23 @@ def test_a_copied_chat_dataset_with_a_corrupted_mask_is_refused_on_read(deepseek
     ds = ChatDataset(str(copy), 512)
     with pytest.raises(DataError, match=r"train-00000\.mask does not match its sha256"):
         ds[0]
+
+
+def test_a_saved_hf_dataset_of_conversations_prepares_as_its_jsonl_does(deepseek_chat, chat_file, tmp_path,
+                                                                         deepseek_tokenizer_dir):
+    """The same conversations as a saved HF dataset (mixed formats: a column missing from a row is None there) give
+    the same tokens and loss masks; a bad row is named by its row number."""
+    from datasets import Dataset
+
+    rows = [json.loads(line) for line in chat_file.read_text(encoding="utf-8").splitlines()]
+    columns = {k for r in rows for k in r}  # from_list would take the first row's keys only
+    Dataset.from_dict({k: [r.get(k) for r in rows] for k in sorted(columns)}).save_to_disk(str(tmp_path / "hf"))
+    out = prepare_dataset([str(tmp_path / "hf")], str(tmp_path / "ds"), tokenizer_dir=deepseek_tokenizer_dir,
+                          valid_fraction=0.1, shard_mb=SHARD_MB, progress=False, data_format="chat")
+    ours, theirs = sorted(Path(out).glob("*-*.[bm]*")), sorted(Path(deepseek_chat).glob("*-*.[bm]*"))
+    assert [p.name for p in ours] == [p.name for p in theirs] and ours
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(ours, theirs))  # .bin tokens, .mask loss masks
+    Dataset.from_list([rows[1], {"messages": [{"role": "bot", "content": "x"}]}]).save_to_disk(str(tmp_path / "bad"))
+    with pytest.raises(DataError, match=r"bad row 1: message 0: unknown role 'bot'"):
+        prepare_dataset([str(tmp_path / "bad")], str(tmp_path / "ds2"), tokenizer_dir=deepseek_tokenizer_dir,
+                        progress=False, data_format="chat")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,30 +148,28 @@ def scan_inputs(inputs: list[str], field: str, extensions: tuple[str, ...] | Non
 
 
 def scan_chat(inputs: list[str], skip_bad: bool) -> tuple[DocTable, list[str]]:
-    """One row per conversation line of the .jsonl inputs (directories: their .jsonl files), each line parsed here so a
-    bad one is reported with its file:line before any tokenizing; (table, one error line per bad line skipped)."""
+    """One row per conversation of the inputs (.jsonl files, directories of them, saved HF datasets with a `messages`
+    or `prompt` + `response` column), each parsed here so a bad one is reported with its file:line (or row) before
+    any tokenizing; (table, one error line per bad conversation skipped)."""
     sources, _ = _expand(inputs, (".jsonl",))
-    other = next((s.path for s in sources if s.kind != JSONL), None)
+    other = next((s.path for s in sources if s.kind == TEXT), None)
     if other is not None:
-        raise DataError(f"--format chat reads JSON Lines (.jsonl) files of conversations; {other} is not one: "
-                        f"convert it to one {{\"messages\": [...]}} or {{\"prompt\", \"response\"}} object a line")
+        raise DataError(f"--format chat reads JSON Lines (.jsonl) files or saved HF datasets of conversations; {other} "
+                        f"is neither: convert it to one {{\"messages\": [...]}} or {{\"prompt\", \"response\"}} "
+                        "object a line")
     source, offset, size, bad = [], [], [], []
     for i, src in enumerate(sources):
-        with open(src.path, "rb") as f:
-            pos = 0
-            for number, raw in enumerate(f, 1):
-                if raw.strip():
-                    try:
-                        parse_line(_decode(raw, f"{src.path}:{number}"), f"{src.path}:{number}")
-                        source.append(i)
-                        offset.append(pos)
-                        size.append(len(raw))
-                    except DataError as e:
-                        if not skip_bad:
-                            raise ChatFormatError(str(e), hint="fix the line, or pass --skip-bad to skip bad "
-                                                  "lines") from e
-                        bad.append(str(e))
-                pos += len(raw)
+        for where, text, at, length in _conversations(src):
+            try:
+                parse_line(text, where)
+            except DataError as e:
+                if not skip_bad:
+                    raise ChatFormatError(str(e), hint="fix the line, or pass --skip-bad to skip bad lines") from e
+                bad.append(str(e))
+                continue
+            source.append(i)
+            offset.append(at)
+            size.append(length)
     if not source:
         raise DataError(f"no conversation found in inputs {inputs}" + (f" ({len(bad)} bad lines skipped)" if bad else "")
                         + ": pass .jsonl files with one conversation a line")
@@ -178,16 +177,43 @@ def scan_chat(inputs: list[str], skip_bad: bool) -> tuple[DocTable, list[str]]:
                     np.array(size, np.int64)), bad
 
 
+def _conversations(src: Source) -> Iterator[tuple[str, str, int, int]]:
+    """(where, JSON text, offset, size) of each conversation of a source: a .jsonl file's non-blank lines (offset: its
+    byte), a saved HF dataset's rows (offset: the row)."""
+    if src.kind == HF:
+        for row, record in enumerate(_hf_split(src.path)):
+            text = _hf_conversation(record)
+            yield f"{src.path} row {row}", text, row, len(text.encode())
+        return
+    with open(src.path, "rb") as f:
+        pos = 0
+        for number, raw in enumerate(f, 1):
+            if raw.strip():
+                where = f"{src.path}:{number}"
+                yield where, _decode(raw, where), pos, len(raw)
+            pos += len(raw)
+
+
+def _hf_conversation(record: dict) -> str:
+    """A dataset row as its JSON line. A dataset's columns are the union of its rows' keys: a prompt/response row of a
+    dataset that also has `messages` rows holds messages=None, which its own line would not have."""
+    return json.dumps({k: v for k, v in record.items() if v is not None}, ensure_ascii=False)
+
+
 def read_conversation_rows(table: DocTable) -> list[tuple[Message, ...]]:
     """The conversations of the rows of a table made by scan_chat, in order."""
     out = []
     for s in np.unique(table.source):  # rows of one source are contiguous (scan order): one open per file
-        path = table.sources[int(s)].path
+        src = table.sources[int(s)]
         rows = np.flatnonzero(table.source == s)
-        with open(path, "rb") as f:
+        if src.kind == HF:
+            ds = _hf_split(src.path)
+            out += [parse_line(_hf_conversation(ds[int(o)]), f"{src.path} row {int(o)}") for o in table.offset[rows]]
+            continue
+        with open(src.path, "rb") as f:
             for o, n in zip(table.offset[rows], table.size[rows]):
                 f.seek(int(o))
-                where = f"{path} (line starting at byte {int(o)})"
+                where = f"{src.path} (line starting at byte {int(o)})"
                 out.append(parse_line(_decode(f.read(int(n)), where), where))
     return out
 
