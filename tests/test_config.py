@@ -64,18 +64,22 @@ def test_every_ds_config_resolves_and_passes_deepspeed_own_validation(path):
     assert dsc.zero_optimization_stage == raw["zero_optimization"]["stage"]
 
 
-def test_recipes_load_and_validate():
+def test_recipes_load_and_validate(tmp_path):
     """CPU-sized recipes validate on 2 ranks; cluster recipes validate at their cluster size on GPUs,
     except for the local model/data paths that exist only there."""
     for path in sorted(glob.glob(os.path.join(ROOT, "recipes", "*.yaml"))):
+        cpu_sized = "tiny" in os.path.basename(path)
         c = load_run_config(path)
         ds = load_ds_config(os.path.join(ROOT, c.deepspeed_config))
-        if c.model.preset and c.model.preset.startswith("tiny"):
+        if c.model.preset and cpu_sized:
             validate(c, ds, world_size=2, cuda_available=False)
             continue
-        world = c.parallel.pipeline_stages * 16
+        if cpu_sized:  # sft-tiny-v3: scripts/sft_demo.sh makes its inputs (and its launch test validates them)
+            c = load_run_config(path, [f"{key}={tmp_path / 'missing'}" for key in ("model.path", "data.path",
+                                                                                   "eval.task")])
+        world = 2 if cpu_sized else c.parallel.pipeline_stages * 16
         with pytest.raises(ConfigError) as e:
-            validate(c, ds, world_size=world, cuda_available=True)
+            validate(c, ds, world_size=world, cuda_available=not cpu_sized)
         problems = [p for p in str(e.value).splitlines()[1:]]
         assert problems and all("does not exist" in p for p in problems), (path, problems)
 
@@ -149,6 +153,48 @@ def test_missing_paths():
     assert refused(cfg(model={"path": "/nonexistent/model", "preset": None}), ds(), 2, r"model.path '/nonexistent/model' does not exist")
     with pytest.raises(ConfigError, match=r"deepspeed_config .* does not exist"):
         load_ds_config("/nonexistent.json")
+
+
+def test_eval_task_refusals(tmp_path):
+    task = tmp_path / "heldout.jsonl"
+    task.write_text('{"prompt": "a", "response": "b"}\n')
+    ok = {"task": str(task), "interval": 10}
+    validate(cfg(eval=ok), ds(), 2)
+    assert refused(cfg(eval=ok, parallel={"pipeline_stages": 2}), ds("zero1_pp.json"), 4,
+                   r"eval.task needs the whole model on every rank.*pipeline_stages = 2")
+    assert refused(cfg(eval=ok, parallel={"expert_parallel": 2}), ds(), 2,
+                   r"eval.task needs the whole model.*expert_parallel = 2")
+    assert refused(cfg(eval={**ok, "interval": 0}), ds(), 2, r"eval.task .* is never scored with eval.interval 0")
+    assert refused(cfg(eval={**ok, "task": str(tmp_path / "nope.jsonl")}), ds(), 2,
+                   r"eval.task '.*nope.jsonl' does not exist")
+
+
+def test_sft_v2_lite_recipe_fits_8_gpus_of_80gb_on_the_meta_device(tmp_path):
+    """The real-shape SFT recipe, its model.path a directory holding V2-Lite's released config.json: validate()
+    at 8 ranks on GPUs finds only the dataset missing (prepared on the cluster), and the model built on the meta
+    device has V2-Lite's published 15.7B parameters, whose ZeRO-3 share (16 bytes each / 8 ranks) fits 80 GB."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from deepseek_ds.models.presets import build_model_config
+
+    shutil.copy(os.path.join(ROOT, "tests", "fixtures", "deepseek-v2-lite-config.json"), tmp_path / "config.json")
+    task = tmp_path / "heldout.jsonl"
+    task.write_text('{"prompt": "a", "response": "b"}\n')
+    c = load_run_config(os.path.join(ROOT, "recipes", "sft-deepseek-v2-lite.yaml"),
+                        overrides=[f"model.path={tmp_path}", f"eval.task={task}"])
+    d = load_ds_config(os.path.join(ROOT, c.deepspeed_config))
+    problems = refused(c, d, 8, cuda=True).splitlines()[1:]
+    assert len(problems) == 1 and "data/sft-v2-lite' does not exist" in problems[0], problems
+    assert d["zero_optimization"]["stage"] == 3 and d["bf16"]["enabled"]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(build_model_config(path=str(tmp_path)))
+    params = sum(p.numel() for p in model.parameters())
+    assert abs(params / 1e9 - 15.7) < 0.1, params
+    per_rank_gb = 16 * params / 8 / 1e9  # ZeRO-3, bf16 weights and grads + fp32 master and Adam moments
+    assert per_rank_gb < 0.5 * 80, per_rank_gb
 
 
 def test_unknown_preset():

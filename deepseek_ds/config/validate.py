@@ -35,7 +35,7 @@ def validate(cfg: RunConfig, ds: dict, world_size: int, cuda_available: bool | N
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()
     errors = (unknown_top_level_keys(ds) + _layout_errors(cfg, world_size) + _deepspeed_errors(cfg, ds, cuda_available)
-              + _model_errors(cfg, ds) + _data_errors(cfg) + _nan_policy_errors(cfg, ds) + missing_monitor_packages(ds)
+              + _model_errors(cfg, ds) + _data_errors(cfg) + _task_errors(cfg) + _nan_policy_errors(cfg, ds) + missing_monitor_packages(ds)
               + asynchronous_checkpoint_engines(ds))
     if not errors:
         try:
@@ -158,6 +158,24 @@ def _data_errors(cfg: RunConfig) -> list[str]:
                       f"than one sample of data.seq_len {cfg.data.seq_len} + 1; prepare it with a larger "
                       "--valid-fraction (or more documents), or set eval.interval: 0")
     return options + errors + _vocab_errors(cfg, info)
+
+
+def _task_errors(cfg: RunConfig) -> list[str]:
+    """eval.task that could never be scored: generation needs the whole model on one rank, and an evaluation to run."""
+    e, p = cfg.eval, cfg.parallel
+    if not e.task:
+        return []
+    errors = []
+    if p.pipeline_stages > 1 or p.expert_parallel > 1:
+        errors.append(f"eval.task needs the whole model on every rank for generation, but parallel.pipeline_stages = "
+                      f"{p.pipeline_stages} and parallel.expert_parallel = {p.expert_parallel}; set both to 1, or "
+                      "remove eval.task and score checkpoints with `deepseek-ds eval --task`")
+    if not e.interval:
+        errors.append(f"eval.task {e.task!r} is never scored with eval.interval 0; set eval.interval to N > 0 steps")
+    if not os.path.isfile(e.task):
+        errors.append(f"eval.task {e.task!r} does not exist; point it at a JSON Lines task file (e.g. one from "
+                      "`deepseek-ds data synth-task`)")
+    return errors
 
 
 def _vocab_errors(cfg: RunConfig, info: dict) -> list[str]:

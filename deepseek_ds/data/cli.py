@@ -15,6 +15,7 @@ from .prepare import prepare_dataset
 from .sampler import GlobalBatchSampler
 from .sft import DROP, TRUNCATE_LEFT, TRUNCATE_RIGHT, open_dataset
 from .sources import DEFAULT_EXTENSIONS
+from .synthetic import HELDOUT_FILE, TOKENIZER_SUBDIR, TRAIN_FILE, write_task
 
 
 def _extensions(value: str) -> tuple[str, ...] | None:
@@ -76,8 +77,15 @@ def _dump(args: argparse.Namespace) -> int:
     return 0
 
 
+def _synth_task(args: argparse.Namespace) -> int:
+    root = write_task(args.out, args.n, args.heldout, args.seed, args.min_len, args.max_len)
+    print(f"wrote {root / TRAIN_FILE} ({args.n:,} items), {root / HELDOUT_FILE} ({args.heldout:,} items, words not in "
+          f"train) and {root / TOKENIZER_SUBDIR}/ (byte-level, DeepSeek chat markers)")
+    return 0
+
+
 def register(subparsers) -> None:
-    """Add `prepare` and `dump` to the `deepseek-ds data` sub-command group."""
+    """Add `prepare`, `dump` and `synth-task` to the `deepseek-ds data` sub-command group."""
     p = subparsers.add_parser("prepare", help="tokenize inputs into memory-mapped shards")
     p.add_argument("--input", nargs="+", action="extend",
                    help="text files, directories, .jsonl files or saved HF datasets (default: the built-in "
@@ -125,3 +133,13 @@ def register(subparsers) -> None:
     d.add_argument(*spellings("--document-mask"), action="store_true",
                    help="raw text: position ids restarting per document, as data.document_mask: true")
     d.set_defaults(func=_dump)
+
+    s = subparsers.add_parser("synth-task", help="generate a synthetic instruction task (reverse a word's letters): "
+                              "train/held-out JSON Lines and a tokenizer with chat markers")
+    s.add_argument("--out", required=True, help="directory to write train.jsonl, heldout.jsonl and tokenizer/ to")
+    s.add_argument("--n", type=int, default=20000, help="training items (default 20000)")
+    s.add_argument("--heldout", type=int, default=200, help="held-out items (default 200)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the words drawn (default 0)")
+    s.add_argument(*spellings("--min-len"), type=int, default=3, help="fewest letters per word (default 3)")
+    s.add_argument(*spellings("--max-len"), type=int, default=5, help="most letters per word (default 5)")
+    s.set_defaults(func=_synth_task)

@@ -14,10 +14,14 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
 from tokenizers.models import BPE
 
+from .chat import ASSISTANT_MARKER, USER_MARKER
 from .errors import DataError
 from .layout import META, TOKENIZER_DIR, read_meta
 
 EOS_TOKEN = "<|endoftext|>"
+# DeepSeek's BOS, whose chat format (data/chat.py) opens every conversation with it.
+BOS_TOKEN = "<｜begin▁of▁sentence｜>"
+CHAT_TOKENS = (BOS_TOKEN, USER_MARKER, ASSISTANT_MARKER)
 # Sections of tokenizer.json that decide which ids a text gets (add_special_tokens=False). The
 # post-processor and decoder are left out: transformers rewrites them on save/load without changing ids.
 _ID_SECTIONS = ("model", "normalizer", "pre_tokenizer", "added_tokens")
@@ -25,20 +29,24 @@ _ID_SECTIONS = ("model", "normalizer", "pre_tokenizer", "added_tokens")
 MIN_BPE_VOCAB = 257
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: Path, progress: bool) -> None:
-    """Train a byte-level BPE with EOS and save it as an HF tokenizer directory at `out_dir`."""
+def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: Path, progress: bool, chat: bool = False) -> None:
+    """Train a byte-level BPE with EOS and save it as an HF tokenizer directory at `out_dir`; `chat` adds BOS and
+    DeepSeek's chat markers as special tokens (ids 1-3), so conversations render in DeepSeek-V3's chat format."""
     # transformers here, not at the top: every `data prepare` worker imports this package (~10x its import time).
     from transformers import PreTrainedTokenizerFast
 
-    if vocab_size < MIN_BPE_VOCAB:
-        raise DataError(f"vocab_size {vocab_size} is too small for a byte-level BPE: use at least {MIN_BPE_VOCAB}")
+    specials = [EOS_TOKEN, *(CHAT_TOKENS if chat else ())]
+    least = MIN_BPE_VOCAB - 1 + len(specials)
+    if vocab_size < least:
+        raise DataError(f"vocab_size {vocab_size} is too small for a byte-level BPE: use at least {least}")
     tok = Tokenizer(BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN], show_progress=progress,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=progress,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN).save_pretrained(str(out_dir))
+    bos = {"bos_token": BOS_TOKEN} if chat else {}
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, **bos).save_pretrained(str(out_dir))
 
 
 def import_tokenizer(src_dir: str):
