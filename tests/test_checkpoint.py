@@ -197,7 +197,7 @@ def test_foreign_checkpoint_is_refused(zero1, tmp_path, data_dir):
 
     ckpt = fresh_ckpt_dir(zero1["step2"], tmp_path / "ckpt")
     other = {"num_hidden_layers": 3, "hidden_size": 64}
-    run = types.SimpleNamespace(cfg=load_run_config("recipes/tiny-v3.yaml", [f"checkpoint.dir={ckpt}"]), rank=0,
+    run = types.SimpleNamespace(cfg=load_run_config("recipes/tiny-v3.yaml", [f"checkpoint.dir={ckpt}"]), rank=0, world=1,
                                 log=logging.getLogger("test"), dataset_dir=data_dir, engine=None,
                                 model_config=prepare_config(build_model_config("tiny-v3", overrides=other)))
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
