@@ -40,7 +40,7 @@ def test_evaluation_batches_of_a_dataset_with_position_ids_are_training_triples(
     for (x, y, pos), i in zip(rows, range(n)):
         expected = torch.from_numpy(valid[i].astype(np.int64))
         assert torch.equal(x, expected[0]) and torch.equal(y, expected[1]) and torch.equal(pos, expected[2])
-    for x, y, pos in rows[n:]:
+    for _, y, pos in rows[n:]:
         assert (y == IGNORE_INDEX).all() and torch.equal(pos, torch.arange(32))
 
 
