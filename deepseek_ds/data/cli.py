@@ -110,8 +110,8 @@ def register(subparsers) -> None:
                    help="comma-separated file extensions read from directory inputs, or 'all' (default: prose and "
                         "source code: %(default)s); the others are listed as skipped")
     p.add_argument("--format", choices=FORMATS, default=TEXT_FORMAT,
-                   help="text: documents (default); chat: .jsonl conversations, {\"messages\": [...]} or "
-                        "{\"prompt\", \"response\"}, trained on assistant turns only")
+                   help="text: documents (default); chat: conversations in .jsonl files or saved HF datasets, "
+                        "{\"messages\": [...]} or {\"prompt\", \"response\"}, trained on assistant turns only")
     p.add_argument(*spellings("--train-on"), choices=TRAIN_ON, default="all",
                    help="chat: the loss on all assistant turns (default) or the last one only")
     p.add_argument(*spellings("--skip-bad"), action="store_true",
