@@ -24,16 +24,23 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def run_launcher(argv: list[str], multi_host: bool) -> tuple[int, str | None]:
-    """Run the deepspeed runner `argv` to its end; returns (its exit status, the first signal passed on or None)."""
+    """Run the deepspeed runner `argv` to its end; returns (its exit status as a shell reports it, 128 + N for a
+    death by signal N; the first signal passed on or None). multi_host: DeepSpeed's multi-node mode (more than one
+    host), where the runner itself handles signals."""
     proc = subprocess.Popen(argv, start_new_session=True)  # a terminal's Ctrl-C reaches us only, once
     received: list[str] = []
 
     def forward(signum, _frame) -> None:
         received.append(signal.Signals(signum).name)
-        targets = [psutil.Process(proc.pid)] if multi_host else _children(proc.pid)
-        for target in targets:
-            with contextlib.suppress(psutil.Error):
-                target.send_signal(signum)
+        # launch.py and the runner handle TERM and INT only: a HUP would kill them and orphan the ranks.
+        sig = signal.SIGTERM if signum == signal.SIGHUP else signum
+        if proc.poll() is not None:  # the runner is gone; what is left of its session gets the signal directly
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            return
+        with contextlib.suppress(psutil.Error):
+            for target in [psutil.Process(proc.pid)] if multi_host else psutil.Process(proc.pid).children():
+                target.send_signal(sig)
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
     try:
@@ -42,17 +49,12 @@ def run_launcher(argv: list[str], multi_host: bool) -> tuple[int, str | None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return status, (received[0] if received else None)
-
-
-def _children(pid: int) -> list[psutil.Process]:
-    with contextlib.suppress(psutil.Error):
-        return psutil.Process(pid).children()
-    return []
+    return (status if status >= 0 else 128 - status), (received[0] if received else None)
 
 
 def _wait_for_session(sid: int, poll_s: float = 0.2) -> None:
-    """Until no process of the runner's session is left (launch.py bounds it: SIGKILL 30 s after SIGTERM)."""
+    """Until no process of the runner's session is left (launch.py bounds it: SIGKILL 30 s after SIGTERM; a signal
+    meanwhile reaches the session's process group, see forward)."""
     def members() -> list[psutil.Process]:
         found = []
         for p in psutil.process_iter():
