@@ -173,7 +173,8 @@ def _steps(run: Run, sampler: GlobalBatchSampler, metrics: MetricsWriter | None,
         if routers:
             record.update(routers.collect())
         if valid is not None and (step % cfg.eval.interval == 0 or step == cfg.train.steps):
-            record.update(evaluate_run(run, valid).as_record())
+            with stop.busy():
+                record.update(evaluate_run(run, valid).as_record())
             log.info("step %d: validation loss %.4f, perplexity %.2f, next-token accuracy %.2f%%", step,
                      record["eval_loss"], record["eval_ppl"], 100 * record["eval_accuracy"])
         if metrics:
@@ -189,7 +190,8 @@ def _steps(run: Run, sampler: GlobalBatchSampler, metrics: MetricsWriter | None,
             saved = _save_and_close(run, step, sampler, progress, metrics)
             raise nan_policy.NonFiniteLoss(nan_policy.skips_message(step, skips.count, saved, lr))
         if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
-            last_saved = save(run, step, sampler.consumed_samples)
+            with stop.busy():
+                last_saved = save(run, step, sampler.consumed_samples)
         if stop.requested():
             log.info("stop requested (%s): saving step %d and exiting", stop.received or "signal on another rank", step)
             break

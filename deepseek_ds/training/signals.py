@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -9,6 +10,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,7 @@ REPEAT_GRACE_S = 2.0
 # collective that will not return (a peer hung or died).
 STOP_DEADLINE_S = 20.0
 STEP_FACTOR = 2.0
+BUSY_POLL_S = 1.0
 ABORT_STATUS = 1
 
 
@@ -47,6 +50,8 @@ class StopOnSignal:
         self._slowest_step = 0.0
         self._at_boundary = threading.Event()  # requested() answered yes: the stop is under way
         self._done = threading.Event()
+        self._busy = threading.Event()  # inside busy()
+        self._busy_ended = 0.0
 
     def __enter__(self) -> StopOnSignal:
         self._reader, self._writer = socket.socketpair()
@@ -67,6 +72,17 @@ class StopOnSignal:
         self._watcher.join()
         self._reader.close()
         self._writer.close()
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """Work between two step boundaries that is not a step (a periodic save, an evaluation): a first signal's
+        deadline does not run during it, and counts from its end (the launcher's SIGKILL still bounds it)."""
+        self._busy.set()
+        try:
+            yield
+        finally:
+            self._busy_ended = time.monotonic()
+            self._busy.clear()
 
     @property
     def stopping(self) -> bool:
@@ -90,8 +106,11 @@ class StopOnSignal:
     def _watch(self) -> None:
         while not self._done.is_set():
             bound = max(self.deadline_s, STEP_FACTOR * self._slowest_step)
-            wait = None if self._first_at is None else self._first_at + bound - time.monotonic()
-            if wait is not None and wait <= 0:
+            start = None if self._first_at is None else max(self._first_at, self._busy_ended)
+            wait = None if start is None else start + bound - time.monotonic()
+            if self._busy.is_set():  # a save or an evaluation: its own progress, not a hung step; look again later
+                wait = BUSY_POLL_S
+            elif wait is not None and wait <= 0:
                 if not self._at_boundary.is_set():
                     _abort(f"no step boundary within {bound:.0f} s of {self._first_name} (a collective is hung: "
                            "has another rank stopped or died?)")
