@@ -19,6 +19,7 @@ import logging
 import os
 import time
 import zlib
+from pathlib import Path
 
 from .format import META, CheckpointError, complete_tags, read_meta
 
@@ -37,15 +38,15 @@ def crc32_of(path: str) -> int:
     return crc
 
 
-def record_files(tag_dir: str, skip: set[str] = frozenset()) -> dict[str, dict]:
-    """{relative path: {"size", "crc32"}} of every file under `tag_dir` but checkpoint.json (which holds the record)
-    and those in `skip`."""
+def record_files(tag_dir: str) -> dict[str, dict]:
+    """{relative path: {"size", "crc32"}} of every file under `tag_dir` but checkpoint.json (which holds the record),
+    read back (a tag written by one process; saves record what each rank wrote instead)."""
     out = {}
     for d, _, names in os.walk(tag_dir):
         for name in names:
             path = os.path.join(d, name)
             rel = os.path.relpath(path, tag_dir)
-            if rel != META and rel not in skip:
+            if rel != META:
                 out[rel] = {"size": os.path.getsize(path), "crc32": crc32_of(path)}
     return dict(sorted(out.items()))
 
@@ -103,8 +104,9 @@ def merge_records(tag_dir: str, records: list[dict], wait_s: float = VISIBLE_WAI
             hint="put checkpoint.dir (or train.output_dir) on a filesystem every host mounts at the same path "
                  "(NFS, Lustre, GPFS, ...); `deepseek-ds preflight --checkpoint-dir DIR` checks it")
     files = {rel: rec for record in records for rel, rec in record["files"].items()}
-    for rel, rec in record_files(tag_dir, skip=set(files)).items():
-        files[rel] = rec
+    unclaimed = [str(p) for p in sorted(Path(tag_dir).rglob("*")) if p.is_file()
+                 and os.path.relpath(p, tag_dir) not in files and os.path.relpath(p, tag_dir) != META]
+    files.update(record_written(tag_dir, unclaimed))  # flushed too: published bytes must be durable
     return dict(sorted(files.items()))
 
 

@@ -71,13 +71,18 @@ def save(run: TrainingRun, step: int, consumed_samples: int) -> str:
     record = {"host": socket.gethostname(), "files": record_written(partial, written)}
     records = [None] * run.world if run.rank == 0 else None
     dist.gather_object(record, records, dst=0)  # every rank's files are written and flushed
-    refusal, doomed = [None], []
+    refusal, doomed, failure = [None], [], None
     if run.rank == 0:
         try:
             doomed = _publish(run, partial, final, merge_records(partial, records), step, consumed_samples)
         except CheckpointError as e:  # storage not shared: refused on every rank, nothing published
             refusal[0] = (str(e.args[0]), e.hint)
+        except OSError as e:  # disk full, a failed rename: the other ranks must not wait for dist_timeout_s
+            failure, refusal[0] = e, (f"rank 0 could not publish {final}: {e}", "see rank 0's log; the previous "
+                                      "checkpoint is intact")
     dist.broadcast_object_list(refusal, src=0)  # nobody goes on (or exits) before the checkpoint is published
+    if failure is not None:
+        raise failure
     if refusal[0] is not None:
         raise CheckpointError(*refusal[0])
     if doomed:
