@@ -39,10 +39,11 @@ def load_model(model: str, tokenizer: str | None = None, config: str | None = No
         return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval(), tok
     tag_dir = tag_dir_of(model)
     meta = read_meta(tag_dir)
-    tok = load_tokenizer_from(tokenizer or meta["dataset_dir"], tag_dir)
+    source = tokenizer or meta["dataset_dir"]
+    tok = load_tokenizer_from(source, tag_dir)
     found = tokenizer_hash(backend_json(tok))
     if found != meta["tokenizer_hash"]:
-        raise DataError(f"the tokenizer {tokenizer} (hash {found[:12]}) is not the one {tag_dir} was trained with "
+        raise DataError(f"the tokenizer of {source} (hash {found[:12]}) is not the one {tag_dir} was trained with "
                         f"(hash {meta['tokenizer_hash'][:12]})", hint="pass the tokenizer of its training data")
     seq_model, mcfg = model_from_checkpoint(tag_dir, run_config_for(tag_dir, config, sets or []))
     return to_hf_model(seq_model.layers, mcfg), tok
