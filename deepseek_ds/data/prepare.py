@@ -55,9 +55,6 @@ from .tokenizer import (
 
 # Documents read at a time while streaming text into the BPE trainer.
 _TRAIN_CHUNK = 1000
-# What a BPE trained for chat data gets on top of its merges, so DeepSeek-V3's chat format renders with it.
-CHAT_BOS = "<｜begin▁of▁sentence｜>"
-_CHAT_SPECIAL = (USER_MARKER, ASSISTANT_MARKER)
 
 
 def split_rows(num_docs: int, valid_fraction: float, seed: int) -> dict[str, np.ndarray]:
@@ -102,16 +99,6 @@ def _iter_chat_texts(table: DocTable) -> Iterator[str]:
     for start in range(0, len(table), _TRAIN_CHUNK):
         rows = table.subset(np.arange(start, min(start + _TRAIN_CHUNK, len(table))))
         yield from (m.content for messages in read_conversation_rows(rows) for m in messages)
-
-
-def _train_chat_bpe(texts: Iterator[str], vocab_size: int, out_dir: Path, progress: bool) -> None:
-    """A byte-level BPE of `vocab_size` tokens in all: merges plus EOS, BOS and DeepSeek's two chat markers."""
-    from transformers import AutoTokenizer  # not at the top: see tokenizer.train_bpe
-
-    train_bpe(texts, vocab_size - 1 - len(_CHAT_SPECIAL), out_dir, progress)
-    tok = AutoTokenizer.from_pretrained(str(out_dir))
-    tok.add_special_tokens({"bos_token": CHAT_BOS, "additional_special_tokens": list(_CHAT_SPECIAL)})
-    tok.save_pretrained(str(out_dir))
 
 
 def _ensure_tokenizer(out: Path, src_tok, train: Callable[[Path], None]):
@@ -165,7 +152,7 @@ def _plan_tasks(out: Path, table: DocTable, rows: dict[str, np.ndarray], field: 
     tok_hash, dtype = tokenizer_hash(backend), token_dtype(vocab_size_of(tok))
     # Chat shards also depend on how conversations render: the template and the special ids it inserts.
     chat = None if train_on is None else [train_on, getattr(tok, "chat_template", None) or "", tok.bos_token_id,
-                                          tok.convert_tokens_to_ids(list(_CHAT_SPECIAL))]
+                                          tok.convert_tokens_to_ids([USER_MARKER, ASSISTANT_MARKER])]
     tasks = []
     for split in SPLITS:
         docs = table.subset(rows[split])
@@ -235,8 +222,9 @@ def prepare_dataset(inputs: list[str], out_dir: str, tokenizer_dir: str | None =
     _check_plan(out, plan)
     train_docs = table.subset(rows["train"])
     if chat:
-        tok = _ensure_tokenizer(out, src_tok, lambda d: _train_chat_bpe(_iter_chat_texts(train_docs), vocab_size, d,
-                                                                        progress))
+        # Without --tokenizer: a BPE with BOS and DeepSeek's chat markers, so DeepSeek-V3's chat format renders.
+        tok = _ensure_tokenizer(out, src_tok, lambda d: train_bpe(_iter_chat_texts(train_docs), vocab_size, d,
+                                                                  progress, chat=True))
         # Rendered here once, so a tokenizer that cannot render conversations fails before any worker starts.
         encode(tok, read_conversation_rows(table.subset(np.arange(1)))[0], train_on)
     else:
