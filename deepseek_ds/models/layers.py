@@ -8,7 +8,6 @@ a stage read and write exactly its own tensors of an HF directory.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -109,26 +108,23 @@ class DecoderLayerPipe(nn.Module):
         return self.run_layer(hidden, position_ids), position_ids, *ids
 
 
-# (position_ids it was built for, (attention implementation, dtype), attention kwargs): every layer of a stage gets
-# the same position_ids tensor in one forward, so the mask is built once per stage and micro-batch.
-_last_attention: tuple = (lambda: None, None, None)
-
-
 def document_attention(config, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict:
     """The attention keyword arguments for causal attention within each document of a sequence (a document starts
     wherever position_ids is 0). Sequences without a restart get attention_mask=None: SDPA/flash take their
     mask-free causal path, exactly as before packing existed. Otherwise: flash_attention_2 gets the varlen
     boundaries (the batch flattened, one segment per document); the other implementations get transformers' own
     block-diagonal causal mask from the position ids, in the layout each expects (SDPA boolean, eager additive)."""
-    global _last_attention
-    built_for, key, kwargs = _last_attention
-    if built_for() is position_ids and key == (config._attn_implementation, hidden.dtype):
-        return kwargs
+    # Every layer of a stage gets the same position_ids tensor in one forward: the first builds the mask and keeps it
+    # on that tensor, so it is built once per stage and micro-batch and freed with it.
+    key = (config._attn_implementation, hidden.dtype)
+    cached = getattr(position_ids, "_document_attention", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
     if config._attn_implementation.startswith("flash_attention"):
         kwargs = _varlen_kwargs(position_ids)
     else:
         kwargs = {"attention_mask": create_causal_mask(config, hidden, None, None, position_ids=position_ids)}
-    _last_attention = (weakref.ref(position_ids), (config._attn_implementation, hidden.dtype), kwargs)
+    position_ids._document_attention = (key, kwargs)
     return kwargs
 
 
