@@ -258,7 +258,10 @@ def test_validate_refuses_packing_on_text_and_a_chat_dataset_all_dropped(deepsee
     assert len(msg.splitlines()) == 3
     refused(*config(f"data.path={deepseek_chat}", "data.seq_len=4", "model.overrides.vocab_size=129280",
                    "eval.interval=0"), world=2,
-            match=r"all 36 chat samples are longer than data.seq_len 4 .* set data.truncation: truncate_right")
+            match=r"all 36 chat samples of its train split are longer than data.seq_len 4 .* set "
+                  r"data.truncation: truncate_right")
+    refused(*config(f"data.path={deepseek_chat}", "data.seq_len=4", "model.overrides.vocab_size=129280",
+                    "eval.interval=5"), world=2, match=r"chat samples of its valid split are longer than")
     validate(*config(f"data.path={deepseek_chat}", "eval.interval=5", "model.overrides.vocab_size=129280"), 2,
              cuda_available=False)  # the validation loss reads chat data too
     no_valid = shutil.copytree(deepseek_chat, tmp_path / "no_valid")

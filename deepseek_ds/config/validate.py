@@ -136,7 +136,7 @@ def _data_errors(cfg: RunConfig) -> list[str]:
         info = dataset_info(cfg.data.path)
     except DataError as e:
         return [str(e)]
-    options = dataset_option_errors(cfg.data.path, info, cfg.data)
+    options = dataset_option_errors(cfg.data.path, info, cfg.data, ("train", "valid") if cfg.eval.interval else ("train",))
     if dataset_format(info) == CHAT_FORMAT:
         # Chat samples need not fill a sequence (they are padded): one held-out conversation is enough.
         held_out = info["splits"].get("valid", {}).get("num_docs", 0)

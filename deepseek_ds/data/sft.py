@@ -39,7 +39,7 @@ def chat_sample_lengths(dataset_dir: str, split: str) -> np.ndarray:
     """Tokens of every sample of a chat dataset's split, in order (reads only the .idx files)."""
     meta = read_meta(dataset_dir)
     lengths = [np.diff(np.fromfile(shard_files(Path(dataset_dir), s["name"])[1], dtype="<i8"))
-               for s in meta["splits"][split]["shards"] if s["num_docs"] > 0]
+               for s in meta["splits"].get(split, {}).get("shards", []) if s["num_docs"] > 0]
     return np.concatenate(lengths) if lengths else np.empty(0, np.int64)
 
 
@@ -146,8 +146,9 @@ class ChatDataset(MappedShards):
         return self._maps[k]
 
 
-def dataset_option_errors(dataset_dir: str, meta: dict, options) -> list[str]:
-    """What `options` (data.seq_len / packing / truncation) cannot do with this dataset, one line each."""
+def dataset_option_errors(dataset_dir: str, meta: dict, options, splits: tuple[str, ...] = ("train",)) -> list[str]:
+    """What `options` (data.seq_len / packing / truncation) cannot do with these splits of the dataset, one line
+    each."""
     if dataset_format(meta) == TEXT_FORMAT:
         errors = []
         if options.packing:
@@ -157,12 +158,15 @@ def dataset_option_errors(dataset_dir: str, meta: dict, options) -> list[str]:
             errors.append(f"data.truncation = {options.truncation} is for chat datasets; {dataset_dir} is raw text, "
                           "whose documents are never truncated: remove data.truncation")
         return errors
-    lengths = chat_sample_lengths(dataset_dir, "train")
-    if options.truncation == DROP and len(lengths) and lengths.min() > options.seq_len:
-        return [f"data.path {dataset_dir!r}: all {len(lengths):,} chat samples are longer than data.seq_len "
-                f"{options.seq_len} (shortest: {int(lengths.min())} tokens), so data.truncation: drop leaves nothing: "
-                f"raise data.seq_len or set data.truncation: truncate_right"]
-    return []
+    errors = []
+    for split in splits:
+        lengths = chat_sample_lengths(dataset_dir, split)
+        if options.truncation == DROP and len(lengths) and lengths.min() > options.seq_len:
+            errors.append(f"data.path {dataset_dir!r}: all {len(lengths):,} chat samples of its {split} split are "
+                          f"longer than data.seq_len {options.seq_len} (shortest: {int(lengths.min())} tokens), so "
+                          "data.truncation: drop leaves nothing: raise data.seq_len or set data.truncation: "
+                          "truncate_right")
+    return errors
 
 
 def open_dataset(dataset_dir: str, options, split: str = "train"):
@@ -170,7 +174,7 @@ def open_dataset(dataset_dir: str, options, split: str = "train"):
     options.document_mask), ChatDataset for chat data (options.packing, options.truncation). `options` is a
     DataSection, or anything with its seq_len, packing, truncation and document_mask fields."""
     meta = read_meta(dataset_dir)
-    errors = dataset_option_errors(dataset_dir, meta, options)
+    errors = dataset_option_errors(dataset_dir, meta, options, (split,))
     if errors:
         raise DataError(errors[0])
     if dataset_format(meta) == CHAT_FORMAT:
