@@ -27,6 +27,7 @@ from deepseek_ds.checkpoint.integrity import (
 )
 from deepseek_ds.checkpoint.lock import LOCK, acquire
 from deepseek_ds.config import load_ds_config, run_config_from_dict, validate
+from deepseek_ds.config.deepspeed_json import asynchronous_checkpoint_engines
 from helpers import ROOT, checkpoint_sets, cli, deepspeed, losses, read_metrics, refused
 
 STALE_S = 300  # checkpoint.lock_stale_s's default
@@ -168,7 +169,8 @@ def test_asynchronous_checkpoint_engines_are_refused_before_launch(section, key)
 def test_synchronous_checkpoint_engine_settings_pass():
     ds = {**load_ds_config(os.path.join(ROOT, "ds_configs", "zero1.json")),
           "checkpoint": {"writer": {"decoupled": False}}, "datastates_ckpt": False}
-    validate(run_config_from_dict({}), ds, 1, cuda_available=False)
+    assert asynchronous_checkpoint_engines(ds) == []  # explicit "off" is not an asynchronous engine
+    validate(run_config_from_dict({}), ds, 1, cuda_available=False)  # and the run is accepted (no ConfigError)
 
 
 # ----------------------------------------------------------------------------------------------- integrity
