@@ -25,6 +25,7 @@ setup(
         "pydantic>=2",      # DeepSpeed's own config models, run inside validate()
         "ninja",
         "sacrebleu>=2.3",   # corpus BLEU of `deepseek-ds eval --task`
+        "peft>=0.17",       # LoRA adapters (lora.r > 0) and their PEFT export
     ],
     extras_require={
         "test": ["pytest>=7", "datasets>=2.18", "tensorboard", "wandb", "onnx", "onnxruntime", "onnxscript",

@@ -124,6 +124,9 @@ class TrainSection:
     at min_lr) or "replan" the warm-up + cosine over the new train.steps from the current step."""
     log_interval: int = 10
     """Steps between plain progress lines when the console is not a terminal (Slurm, nohup); a bar otherwise."""
+    compile: bool = False
+    """torch.compile each decoder layer (regional compilation, as torchtitan does): same losses, faster steps once
+    compiled; false: eager."""
     mtp_loss_weight: float = 0.3
     """lambda of DeepSeek-V3's multi-token-prediction loss (0.3, later 0.1, in its training); the depth is the model's
     num_nextn_predict_layers (model.overrides), 0 in the tiny presets and 1 in deepseek-v3."""
@@ -153,11 +156,42 @@ class ParallelSection:
     expert_parallel: int = 1
     """Ranks the routed experts are sharded over (DeepSpeed AutoEP); must divide the data-parallel size."""
     tensor_parallel: int = 1
-    """Not supported yet: 1."""
+    """Ranks each attention and MLP matrix is split over (DeepSpeed AutoTP); 1: none. world = pipeline_stages x
+    tensor_parallel x data-parallel size."""
 
     def __post_init__(self):
         _refuse(_at_least("parallel", 1, pipeline_stages=self.pipeline_stages, expert_parallel=self.expert_parallel,
                           tensor_parallel=self.tensor_parallel))
+
+
+@dataclass
+class LoraSection:
+    """LoRA fine-tuning with peft: low-rank adapters on the named modules; every other weight is frozen (no gradient,
+    no optimizer state, not in checkpoints: the base is read from model.path)."""
+    r: int = 0
+    """Adapter rank; 0: LoRA off (full fine-tuning)."""
+    alpha: float = 16.0
+    """Scaling: the update is (alpha / r) x B A."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input."""
+    target_modules: list[str] | None = None
+    """transformers' module names that get adapters (e.g. q_b_proj, o_proj, gate_proj); null: the model family's
+    default (models/lora.py)."""
+    modules_to_save: list[str] = field(default_factory=list)
+    """Modules trained in full alongside the adapters (e.g. lm_head)."""
+    routed_experts: bool = False
+    """Adapters on the routed experts too (MoE models); false: only attention, dense and shared-expert MLPs."""
+
+    def __post_init__(self):
+        problems = _at_least("lora", 0, r=self.r)
+        if self.alpha <= 0:
+            problems.append(f"lora.alpha = {self.alpha} must be > 0")
+        if not 0 <= self.dropout < 1:
+            problems.append(f"lora.dropout = {self.dropout} must be in [0, 1)")
+        if self.target_modules is not None and not self.target_modules:
+            problems.append("lora.target_modules is empty: name modules (e.g. [q_b_proj, o_proj]) or use null for "
+                            "the model family's default")
+        _refuse(problems)
 
 
 @dataclass
@@ -226,6 +260,7 @@ class RunConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     eval: EvalSection = field(default_factory=EvalSection)
     moe: MoESection = field(default_factory=MoESection)
+    lora: LoraSection = field(default_factory=LoraSection)
     deepspeed_config: str = "ds_configs/zero1.json"
     """The DeepSpeed JSON when --deepspeed_config is not given (relative paths: see loading.py)."""
 
