@@ -9,15 +9,32 @@ from helpers import cli
 
 pytestmark = pytest.mark.unit
 
+RAW = "tokenizers encode_batch, 1 thread (raw)"
+HEADERS = ["method", "seconds", "tokens", "tokens/s", "MB/s", "vs raw/worker", "scaling/worker"]
+
 
 def test_bench_table_compares_workers_with_raw_tokenizers(tmp_path, capsys):
     assert cli(["bench", "data", "--mb", "0.2", "--vocab-size", "300", "--work-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     lines = out[out.index("method "):].splitlines()  # the table; DeepSpeed may log a line before it
-    assert lines[0].split() == ["method", "seconds", "tokens", "tokens/s", "MB/s"]
-    rows = {line.split("  ")[0].strip(): int(line.split()[-3].replace(",", "")) for line in lines[2:]}
-    assert list(rows) == ["tokenizers encode_batch (raw)", "prepare, 1 worker", "prepare, 2 workers"]
+    assert lines[0].split("  ")[0] == "method" and [h.strip() for h in lines[0].split("  ") if h] == HEADERS
+    rows = {}
+    for line in lines[2:5]:
+        name, *cells = [c.strip() for c in line.split("  ") if c.strip()]
+        rows[name] = dict(zip(HEADERS[1:], cells))
+    assert list(rows) == [RAW, "prepare, 1 worker", "prepare, 2 workers"]
+    raw, one, two = rows.values()
     # Same text, same tokenizer: prepare adds exactly one EOS per (non-empty) document to the raw count.
-    raw = rows["tokenizers encode_batch (raw)"]
+    tokens = {name: int(r["tokens"].replace(",", "")) for name, r in rows.items()}
     docs = sum(1 for f in stdlib_files(0.2) if os.path.getsize(f))
-    assert rows["prepare, 1 worker"] == rows["prepare, 2 workers"] == raw + docs
+    assert tokens["prepare, 1 worker"] == tokens["prepare, 2 workers"] == tokens[RAW] + docs
+    # The ratio columns are the printed rates' ratios (rounding of the printed tokens/s aside).
+    rate = {name: int(r["tokens/s"].replace(",", "")) for name, r in rows.items()}
+    assert raw["vs raw/worker"] == raw["scaling/worker"] == "-"
+    assert float(one["vs raw/worker"]) == pytest.approx(rate["prepare, 1 worker"] / rate[RAW], abs=0.011)
+    assert float(two["vs raw/worker"]) == pytest.approx(rate["prepare, 2 workers"] / (2 * rate[RAW]),
+                                                        abs=0.011)
+    assert float(one["scaling/worker"]) == 1.0
+    assert float(two["scaling/worker"]) == pytest.approx(rate["prepare, 2 workers"] / (2 * rate["prepare, 1 worker"]),
+                                                         abs=0.011)
+    assert "usable cores" in lines[5]
