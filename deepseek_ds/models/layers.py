@@ -17,6 +17,8 @@ from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
 from transformers.models.llama import modeling_llama as llama
 
+from .loss import Projection
+
 
 @dataclass(frozen=True)
 class Family:
@@ -68,6 +70,7 @@ class EmbeddingPipe(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, getattr(config, "pad_token_id", None))
         self.carry_ids = mtp_depth(config) > 0  # the MTP modules on the last stage embed the input tokens again
+        self.defer_logits = False  # as a tied head in training: a Projection for the chunked loss (defer_logits)
         if seed is not None:
             init_weights_(self, config.initializer_range, seed)
 
@@ -159,10 +162,14 @@ class LMHeadPipe(nn.Module):
     def __init__(self, config, seed: int | None = None):
         super().__init__()
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.defer_logits = False  # in training: a Projection for the chunked loss (pipeline.defer_logits)
         if seed is not None:
             init_weights_(self, config.initializer_range, seed)
 
     def forward(self, hidden):
+        # An adapter wrapping the head (peft) changes what it computes: then its weight alone is not the head.
+        if self.training and self.defer_logits and type(self.lm_head) is nn.Linear:
+            return _projection(hidden, self.lm_head.weight)
         return _logits(self.lm_head, hidden)
 
 
@@ -222,5 +229,11 @@ def _logits(project, hidden):
     return project(hidden)
 
 
+def _projection(hidden, weight: torch.Tensor) -> Projection:
+    return Projection(hidden if isinstance(hidden, tuple) else (hidden,), weight)
+
+
 def tied_head_forward(embedding: EmbeddingPipe, hidden):
+    if embedding.training and embedding.defer_logits and type(embedding.embed_tokens) is nn.Embedding:
+        return _projection(hidden, embedding.embed_tokens.weight)
     return _logits(embedding.project, hidden)

@@ -11,14 +11,79 @@ first T-k positions and at position i predicts token i+k+1, i.e. its targets are
 batch and the total is L_main + weight / D * sum_k L_k (DeepSeek-V3 tech report eq. 24-25). In packed sequences
 (labels come with position_ids) a depth-k target that lies in a later document than its position is not one:
 it is ignored, so each document's MTP loss is the one it has alone.
+
+In training the head hands the loss a `Projection` (final hidden states and the head's weight) instead of logits,
+and the loss projects a chunk of tokens at a time (`linear_cross_entropy`): batch x seq x vocab fp32 logits (2 GB
+per 4k-token sequence of DeepSeek's 129,280-token vocabulary) never exist at once, in the forward or the backward.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
+# The largest fp32 logits block the loss holds at once, in elements: 128 MiB, ~260 tokens of a 129,280-token
+# vocabulary. A micro-batch under it (the tiny presets' whole micro-batch) takes the plain one-piece loss.
+CHUNK_LOGITS = 2**25
+
+
+class Projection(NamedTuple):
+    """The head's output in training: the final hidden states (main model, then MTP depths 1..D) and the head's
+    weight, projected to logits by the loss one chunk of tokens at a time. A tuple, so DeepSpeed's output hooks
+    (backward prologue) find the hidden states as they find logits."""
+    hidden: tuple[torch.Tensor, ...]
+    weight: torch.Tensor
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         chunk_tokens: int | None = None) -> torch.Tensor:
+    """sum over tokens of cross_entropy(linear(hidden, weight).float(), targets), -100 ignored: the plain loss's
+    numbers (the matmul in the model's dtype, softmax in fp32), computed `chunk_tokens` tokens at a time
+    (default: CHUNK_LOGITS / vocab) and recomputed chunk by chunk in the backward."""
+    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    chunk = chunk_tokens or max(1, CHUNK_LOGITS // weight.shape[0])
+    if hidden.shape[0] <= chunk:
+        return F.cross_entropy(F.linear(hidden, weight).float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk)
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Saves only its inputs (hidden states, weight, targets); the backward recomputes each chunk's logits and turns
+    them into d(sum CE)/d(logits) = softmax - one_hot(target) (zero on ignored tokens) in place."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk):
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk):
+            logits = F.linear(hidden[start:start + chunk], weight).float()
+            total += F.cross_entropy(logits, targets[start:start + chunk], ignore_index=IGNORE_INDEX, reduction="sum")
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.chunk = chunk
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        hidden, weight, targets = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        # Summed over chunks in fp32, cast once: one rounding to a bf16 weight's dtype, as the one-piece matmul has.
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            h, t = hidden[start:start + ctx.chunk], targets[start:start + ctx.chunk]
+            grad = torch.softmax(F.linear(h, weight).float(), dim=-1)
+            valid = t != IGNORE_INDEX
+            # Index arithmetic rather than nonzero(): no host-device sync per chunk.
+            grad[torch.arange(len(t), device=t.device), t.clamp(min=0)] -= 1.0
+            grad *= (valid * grad_total).unsqueeze(1)
+            grad = grad.to(hidden.dtype)
+            if need_hidden:
+                grad_hidden[start:start + ctx.chunk] = grad @ weight
+            if need_weight:
+                grad_weight += (grad.t() @ h).float()
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None
 
 
 def shift_labels(labels: torch.Tensor, k: int, position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -49,15 +114,21 @@ class TokenWeightedLoss:
         self.scales = [dp_size * grad_accum / max(int(c), 1) for c in counts]
 
     def __call__(self, logits, labels) -> torch.Tensor:
-        """labels: a tensor, or (labels, position_ids) for packed sequences (models.pipeline.split_micro_batch)."""
+        """logits: a tensor, the tuple of (main, MTP depth 1..D) logits, or the head's Projection of them.
+        labels: a tensor, or (labels, position_ids) for packed sequences (models.pipeline.split_micro_batch)."""
         if self.scales is None:
             raise RuntimeError("TokenWeightedLoss.set_global_tokens must be called before each global batch")
         labels, position_ids = labels if isinstance(labels, tuple) else (labels, None)
-        outputs = logits if isinstance(logits, tuple) else (logits,)
-        parts = torch.stack([
-            F.cross_entropy(out.float().reshape(-1, out.shape[-1]), shift_labels(labels, k, position_ids).reshape(-1),
-                            ignore_index=IGNORE_INDEX, reduction="sum") * self.scales[k]
-            for k, out in enumerate(outputs)])
+        if isinstance(logits, Projection):
+            outputs = logits.hidden
+            sums = [linear_cross_entropy(h, logits.weight, shift_labels(labels, k, position_ids))
+                    for k, h in enumerate(outputs)]
+        else:
+            outputs = logits if isinstance(logits, tuple) else (logits,)
+            sums = [F.cross_entropy(out.float().reshape(-1, out.shape[-1]),
+                                    shift_labels(labels, k, position_ids).reshape(-1), ignore_index=IGNORE_INDEX,
+                                    reduction="sum") for k, out in enumerate(outputs)]
+        parts = torch.stack([s * self.scales[k] for k, s in enumerate(sums)])
         detached = parts.detach().double()
         self._parts = detached if self._parts is None else self._parts + detached
         if len(outputs) == 1:

@@ -259,6 +259,24 @@ def prepare_config(config, attn_implementation: str = "sdpa", experts_implementa
     return config
 
 
+def defer_logits(model: nn.Module) -> None:
+    """In training the heads hand the loss a Projection, which it projects a chunk of tokens at a time (models/loss.py):
+    the full logits never exist. Not for ZeRO-3: it gathers a weight only inside its module's forward and backward."""
+    for m in model.modules():
+        if isinstance(m, (LMHeadPipe, EmbeddingPipe)):
+            m.defer_logits = True
+
+
+def compile_layers(model: nn.Module) -> int:
+    """train.compile: torch.compile each decoder layer's transformers block in place (regional compilation, as
+    torchtitan does): identical blocks share one compiled graph, so compiling costs one layer's time, not the model's;
+    parameter names (checkpoints, HF names) do not change. Returns the number of blocks compiled."""
+    blocks = [m.layer for m in model.modules() if isinstance(m, DecoderLayerPipe)]
+    for block in blocks:
+        block.compile()
+    return len(blocks)
+
+
 def local_layers(model: nn.Module) -> list[nn.Module]:
     """The pipeline layers this rank holds (all of them for SequentialLM, its stage's for a PipelineModule)."""
     kinds = (EmbeddingPipe, DecoderLayerPipe, FinalNormPipe, LMHeadPipe)

@@ -20,14 +20,22 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 from torch.distributed import ProcessGroup, distributed_c10d
 from transformers import PretrainedConfig
 
-from ..config import RunConfig
+from ..config import RunConfig, zero_stage
 from ..data import ChatDataset, DataError, PackedDataset, dataset_info, ensure_builtin_dataset, open_dataset
 from ..models.hf_io import has_weights, load_hf_weights, mtp_layers_absent
 from ..models.layers import mtp_depth
 from ..models.loss import TokenWeightedLoss
 from ..models.moe import LoadBalancer, autoep_section, resolve_settings, restore_fp32_biases, snapshot_biases
 from ..models.names import hf_layer_prefix
-from ..models.pipeline import build_model, local_layers, partition, partition_table, prepare_config
+from ..models.pipeline import (
+    build_model,
+    compile_layers,
+    defer_logits,
+    local_layers,
+    partition,
+    partition_table,
+    prepare_config,
+)
 from ..models.presets import build_model_config
 from ..utils.redact import redact
 from ..utils.system import usable_cpus
@@ -212,6 +220,10 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
     else:
         model = build_model(mcfg, 1, cfg.train.seed,
                             activation_checkpoint_interval=cfg.model.activation_checkpoint_interval)
+    if zero_stage(ds) < 3:  # the chunked loss; ZeRO-3 gathers the head's weight only inside the head's own module
+        defer_logits(model)
+    if cfg.train.compile:
+        log.info("train.compile: %d decoder layers compiled (torch.compile, each layer a region)", compile_layers(model))
     if cfg.model.path and has_weights(cfg.model.path):
         layers, absent = mtp_layers_absent(local_layers(model), cfg.model.path)
         for layer in absent:  # adding MTP to a model trained without it (transformers' V3 config defaults to depth 1)
