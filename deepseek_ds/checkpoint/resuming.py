@@ -46,7 +46,8 @@ def resume(run: TrainingRun) -> dict | None:
     saved, now = saved_layout(meta), current_layout(run)
     with trusted_types_only():
         if _loads_natively(saved, now):
-            path, _ = run.engine.load_checkpoint(ckpt_dir, tag=tag)
+            # A LoRA checkpoint's model states lack the frozen base, which build_run loaded from model.path.
+            path, _ = run.engine.load_checkpoint(ckpt_dir, tag=tag, load_module_strict=run.cfg.lora.r == 0)
             if path is None:
                 raise CheckpointError(f"DeepSpeed found no model states in {tag_dir}; resume from another step")
         else:

@@ -61,7 +61,9 @@ def save(run: TrainingRun, step: int, consumed_samples: int) -> str:
         # save path writes this key itself and refuses it from the client.
         client_state[UNIVERSAL_CHECKPOINT_INFO] = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
     with _recording_saves(engine.checkpoint_engine) as written:
-        engine.save_checkpoint(ckpt_dir, tag=os.path.basename(partial), client_state=client_state, save_latest=False)
+        # LoRA: the frozen base stays out (resume reads it from model.path), so the checkpoint holds what changes.
+        engine.save_checkpoint(ckpt_dir, tag=os.path.basename(partial), client_state=client_state, save_latest=False,
+                               exclude_frozen_parameters=cfg.lora.r > 0)
     written.append(save_rng(partial, run.rank))
     if run.dp_rank == 0:
         written.append(save_buffers(partial, run))

@@ -13,6 +13,7 @@ from ..data.layout import CHAT_FORMAT, dataset_format
 from ..data.sft import dataset_option_errors
 from ..models.hf_io import has_weights, pickled_weights
 from ..models.layers import mtp_depth
+from ..models.lora import lora_errors
 from ..models.moe import resolve_settings
 from ..models.pipeline import partition
 from ..models.presets import ModelConfigError, build_model_config, num_routed_experts
@@ -123,7 +124,7 @@ def _model_errors(cfg: RunConfig, ds: dict) -> list[str]:
     if cfg.data.seq_len > mcfg.max_position_embeddings:
         errors.append(f"data.seq_len ({cfg.data.seq_len}) exceeds the model's max_position_embeddings "
                       f"({mcfg.max_position_embeddings})")
-    return errors + _moe_errors(cfg, ds, mcfg) + _mtp_errors(cfg, mcfg)
+    return errors + _moe_errors(cfg, ds, mcfg) + _mtp_errors(cfg, mcfg) + _lora_errors(cfg, mcfg)
 
 
 def _data_errors(cfg: RunConfig) -> list[str]:
@@ -197,6 +198,13 @@ def _nan_policy_errors(cfg: RunConfig, ds: dict) -> list[str]:
                 f"ZeRO stage {zero_stage(ds)} in {precision(ds)} does not do (the update would be applied); use "
                 "ZeRO >= 1 (e.g. ds_configs/zero1.json) or train.nan_policy: stop"]
     return []
+
+
+def _lora_errors(cfg: RunConfig, mcfg) -> list[str]:
+    p = cfg.parallel
+    return lora_errors(cfg.lora.r, cfg.lora.target_modules, cfg.lora.routed_experts, p.expert_parallel,
+                       bool(cfg.model.path and has_weights(cfg.model.path)), mcfg.model_type,
+                       bool(num_routed_experts(mcfg)))
 
 
 def _mtp_errors(cfg: RunConfig, mcfg) -> list[str]:

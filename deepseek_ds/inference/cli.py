@@ -141,6 +141,14 @@ def _cmd_export_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export_lora(args: argparse.Namespace) -> int:
+    from .export_lora import export_lora
+
+    out = export_lora(args.checkpoint, args.out, args.data)
+    print(f"wrote {out}: load it with PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), {out!r})")
+    return 0
+
+
 def _cmd_export_traced(args: argparse.Namespace) -> int:
     from .export import CHECK_SHAPES, export_onnx, export_torchscript, model_for_tracing
 
@@ -166,6 +174,11 @@ def _register_export(subparsers) -> None:
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB or 500MB (default: 5GB)")
     p.add_argument("--work-dir", default=None, help="scratch space for the universal conversion (default: /tmp)")
     p.set_defaults(func=_cmd_export_hf)
+    p = export.add_parser("lora", help="peft adapter directory of a LoRA checkpoint (export hf writes it merged)")
+    p.add_argument("checkpoint", help="checkpoint.dir of a LoRA run (its newest complete step) or one step directory")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--data", default=None, help="prepared dataset with the tokenizer (default: the training data)")
+    p.set_defaults(func=_cmd_export_lora)
     for fmt, help_text in (("torchscript", "traced TorchScript module: input_ids -> logits"),
                            ("onnx", "ONNX graph with dynamic batch and sequence axes: input_ids -> logits")):
         p = export.add_parser(fmt, help=help_text)

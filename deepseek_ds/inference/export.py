@@ -29,6 +29,7 @@ from ..models.names import hf_names
 from ..models.pipeline import layer_specs, prepare_config
 from ..models.presets import build_model_config, is_moe
 from ..utils.errors import UserError
+from .export_lora import is_lora_checkpoint, merged_model_from_checkpoint
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Trace-safe expert kernel: `eager` loops over the experts that received tokens and `grouped_mm` sizes its groups
@@ -60,6 +61,8 @@ def _checkpoint_layers(checkpoint: str, work_dir: str, experts_implementation: s
 
 def hf_model_from_checkpoint(checkpoint: str, work_dir: str, experts_implementation: str = "grouped_mm"):
     """(fp32 transformers CausalLM in eval mode holding the checkpoint's weights, the checkpoint's metadata)."""
+    if is_lora_checkpoint(checkpoint):
+        return merged_model_from_checkpoint(checkpoint, experts_implementation)
     layers, config, meta = _checkpoint_layers(checkpoint, work_dir, experts_implementation)
     return to_hf_model(layers, config), meta
 
@@ -92,9 +95,13 @@ def export_hf(checkpoint: str, out: str, dtype: str = "bf16", data_dir: str | No
     per-expert layout by save_pretrained), the MTP modules in the published layout (model-mtp.safetensors, which
     transformers' MtpModel.from_pretrained reads: it finds them by V3's `model.layers.61.*`, other shapes need that
     pattern set on the main model), and the tokenizer of the data the checkpoint was trained on."""
-    with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
-        layers, config, meta = _checkpoint_layers(checkpoint, tmp, "grouped_mm")
-    model = to_hf_model(layers, config)
+    if is_lora_checkpoint(checkpoint):  # merged: base + scaled B A, by peft
+        model, meta = merged_model_from_checkpoint(checkpoint)
+        layers, config = [], model.config
+    else:
+        with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
+            layers, config, meta = _checkpoint_layers(checkpoint, tmp, "grouped_mm")
+        model = to_hf_model(layers, config)
     keeps_fp32 = _keeps_fp32(model)
     mtp = {k: v if keeps_fp32(k) or not v.is_floating_point() else v.to(DTYPES[dtype])
            for k, v in mtp_hf_state_dict(layers, config).items()}

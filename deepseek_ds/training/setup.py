@@ -24,6 +24,7 @@ from ..config import RunConfig, zero_stage
 from ..data import ChatDataset, DataError, PackedDataset, dataset_info, ensure_builtin_dataset, open_dataset
 from ..models.hf_io import has_weights, load_hf_weights, mtp_layers_absent
 from ..models.layers import mtp_depth
+from ..models.lora import apply_lora
 from ..models.loss import TokenWeightedLoss
 from ..models.moe import LoadBalancer, autoep_section, resolve_settings, restore_fp32_biases, snapshot_biases
 from ..models.names import hf_layer_prefix
@@ -231,6 +232,9 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
                      layer.depth, hf_layer_prefix(layer))
         read = load_hf_weights(layers, cfg.model.path, mcfg)
         log.info("loaded %.1f MB of weights for this rank's layers from %s", read / 2**20, cfg.model.path)
+    if cfg.lora.r:  # adapters on the loaded base; only they (and lora.modules_to_save) reach the optimizer below
+        trainable = apply_lora(model, cfg.lora, mcfg, cfg.train.seed)
+        log.info("LoRA r=%d: %d trainable parameters on this rank", cfg.lora.r, trainable)
     if cfg.parallel.expert_parallel > 1:
         ds = {**ds, "expert_parallel": autoep_section(mcfg, cfg.parallel.expert_parallel)}
         model.config = mcfg  # AutoEP reads the expert count, top-k and routing from model.config

@@ -1,0 +1,117 @@
+"""A LoRA checkpoint (adapters, lora.modules_to_save, no frozen base) as peft's PeftModel on the base from the run's
+model.path: `export lora` writes its adapter directory (adapter_config.json, adapter_model.safetensors, HF module
+names), `export hf` its merged weights (peft's merge_and_unload: base + (alpha / r) B A), which eval and generate
+also use for a LoRA checkpoint."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from deepspeed.pipe import TiedLayerSpec
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+from peft import PeftModel, get_peft_model
+from transformers import PretrainedConfig
+
+from ..checkpoint.format import read_meta, saved_layout, tag_dir_of
+from ..checkpoint.safe_load import trusted_types_only
+from ..config.schema import LoraSection
+from ..data import load_tokenizer
+from ..models.hf_io import load_hf_weights, to_hf_model
+from ..models.lora import ADAPTER, lora_config
+from ..models.names import hf_name
+from ..models.pipeline import layer_specs, prepare_config
+from ..models.presets import build_model_config
+from ..utils.errors import UserError
+
+_BASE_PREFIX = "base_model.model."  # where a PeftModel holds the transformers model
+
+
+class LoraExportError(UserError):
+    """A LoRA checkpoint that cannot be exported as asked."""
+
+
+def is_lora_checkpoint(checkpoint: str) -> bool:
+    return read_meta(tag_dir_of(checkpoint))["run_config"].get("lora", {}).get("r", 0) > 0
+
+
+def _trainable_tensors(tag_dir: str, meta: dict, config: PretrainedConfig) -> dict[str, torch.Tensor]:
+    """HF name -> fp32 tensor of every parameter the checkpoint holds (the trainable ones: DeepSpeed saved it with
+    exclude_frozen_parameters). ZeRO 1-3 without pipeline: DeepSpeed's own zero_to_fp32 of the optimizer's fp32
+    masters; ZeRO-0 and pipelines: the model-states files (the module's own tensors, one file per pipeline layer)."""
+    saved = saved_layout(meta)
+    with torch.device("meta"):
+        layers = [spec.build() for spec in layer_specs(config, seed=None)]
+    with trusted_types_only():
+        if saved.pipeline_stages > 1:
+            container = {}
+            for i in range(len(layers)):
+                path = os.path.join(tag_dir, f"layer_{i:02d}-model_states.pt")
+                if os.path.isfile(path):
+                    state = torch.load(path, map_location="cpu", weights_only=True)
+                    container.update({f"layers.{i}.{k}": v for k, v in state.items()})
+        elif saved.zero_stage == 0:
+            container = torch.load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), map_location="cpu",
+                                   weights_only=True)["module"]
+        else:
+            container = get_fp32_state_dict_from_zero_checkpoint(os.path.dirname(tag_dir), os.path.basename(tag_dir),
+                                                                  exclude_frozen_parameters=True)
+    out = {}
+    for name, tensor in container.items():
+        _, index, key = name.split(".", 2)
+        layer = layers[int(index)]
+        if ".lora_" in key or key in dict(layer.named_parameters()):  # not the persistent buffers (buffers/ files)
+            out[hf_name(layer, key)] = tensor.float()
+    return out
+
+
+def _peft_name(hf: str, modules_to_save) -> str:
+    """A trainable tensor's name in a PeftModel: adapters as they are, a modules_to_save tensor in peft's copy."""
+    module, leaf = hf.rsplit(".", 1)
+    if ".lora_" not in hf and module.rsplit(".", 1)[-1] in modules_to_save:
+        module += f".modules_to_save.{ADAPTER}"
+    return f"{_BASE_PREFIX}{module}.{leaf}"
+
+
+def peft_model_from_checkpoint(checkpoint: str, experts_implementation: str = "grouped_mm") -> tuple[PeftModel, dict]:
+    """(fp32 PeftModel in eval mode: the base read from the run's model.path as training read it, the checkpoint's
+    adapters and modules_to_save; the checkpoint's metadata)."""
+    tag_dir = tag_dir_of(checkpoint)
+    meta = read_meta(tag_dir)
+    section = LoraSection(**meta["run_config"]["lora"])
+    base_path = meta["run_config"]["model"]["path"]
+    if not base_path or not os.path.isdir(base_path):
+        raise LoraExportError(f"the LoRA checkpoint {tag_dir} holds no base weights and its model.path {base_path!r} "
+                              "is not a directory; put the base model back there (checkpoints keep only adapters)")
+    config = prepare_config(build_model_config(path=tag_dir), "sdpa", experts_implementation)
+    layers = [spec.build() for spec in layer_specs(config, seed=None)
+              if not (isinstance(spec, TiedLayerSpec) and spec.forward_fn is not None)]
+    load_hf_weights(layers, base_path, config)
+    model = get_peft_model(to_hf_model(layers, config), lora_config(section, config, modules_to_save=True),
+                           adapter_name=ADAPTER)
+    model.peft_config[ADAPTER].base_model_name_or_path = os.path.abspath(base_path)
+    params = dict(model.named_parameters())
+    wanted = {name for name, p in params.items() if p.requires_grad}
+    saved = {_peft_name(hf, section.modules_to_save): t for hf, t in _trainable_tensors(tag_dir, meta, config).items()}
+    if set(saved) != wanted:
+        raise LoraExportError(f"{tag_dir} does not hold the adapters of its run's lora section: missing "
+                              f"{sorted(wanted - set(saved))[:3]}, unexpected {sorted(set(saved) - wanted)[:3]}")
+    with torch.no_grad():
+        for name, tensor in saved.items():
+            params[name].copy_(tensor)
+    return model.eval(), meta
+
+
+def export_lora(checkpoint: str, out: str, data_dir: str | None = None) -> str:
+    """peft's adapter directory of a LoRA checkpoint (with the training data's tokenizer), which
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out) loads."""
+    model, meta = peft_model_from_checkpoint(checkpoint)
+    model.save_pretrained(out)
+    load_tokenizer(data_dir or meta["dataset_dir"]).save_pretrained(out)
+    return out
+
+
+def merged_model_from_checkpoint(checkpoint: str, experts_implementation: str = "grouped_mm"):
+    """(fp32 transformers CausalLM with the adapters merged into the base by peft, the checkpoint's metadata)."""
+    model, meta = peft_model_from_checkpoint(checkpoint, experts_implementation)
+    return model.merge_and_unload(), meta

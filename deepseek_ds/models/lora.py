@@ -1,0 +1,114 @@
+"""LoRA fine-tuning with peft, applied from outside to our pipeline layers: the family defaults of the adapted
+modules, peft's own injection, a layout-independent adapter initialisation, freezing, and the combinations refused.
+
+peft matches `target_modules` by the last components of a module's name, and below our layers' fixed attributes a
+module is named as in transformers, so the same LoraConfig adapts our layers and a transformers CausalLM alike; an
+adapter tensor's HF name (names.hf_name) is then also its name in a transformers model that peft injected.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from peft import LoraConfig, inject_adapter_in_model
+from peft.tuners.lora import LoraLayer
+from torch import nn
+
+from .names import hf_name
+from .pipeline import local_layers
+
+ADAPTER = "default"  # peft's adapter name, in every adapter tensor's name
+# transformers' names of the projections LoRA adapts by default. DeepSeek: MLA's (q_proj where a model has no
+# q_lora_rank, as V2-Lite); its MLP projections cannot be targets (see MLP_NAMES); the routed experts are adapted
+# through lora.routed_experts.
+DEFAULT_TARGETS = {
+    "deepseek_v3": ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
+    "llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+}
+DEFAULT_TARGETS["deepseek_v2"] = DEFAULT_TARGETS["deepseek_v3"]
+# With transformers 5, peft (0.21) rewrites these target_modules of a DeepSeek model, on injection and so on every
+# PeftModel.from_pretrained, into the fused routed-expert parameters (transformers 4's expert names): the dense and
+# shared-expert MLPs lose them. An adapter on those MLPs would therefore not load back through peft.
+MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
+# The fused routed-expert parameters, which peft adapts through `target_parameters` (one adapter per expert).
+ROUTED_EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def lora_errors(r: int, target_modules: list[str] | None, routed_experts: bool, expert_parallel: int,
+                has_base: bool, model_type: str, moe: bool) -> list[str]:
+    """What cannot work with LoRA in a run of these settings (empty with r = 0), each with the reason and the fix
+    (LoRA with tensor parallelism: models/tensor_parallel.py's rules)."""
+    if r == 0:
+        return []
+    problems = []
+    if not has_base:
+        problems.append("lora.r > 0 adapts a pretrained model and its checkpoints hold only the adapters: set "
+                        "model.path to the base model's HF directory (with its safetensors weights)")
+    mlp = sorted({t.rsplit(".", 1)[-1] for t in target_modules or ()} & set(MLP_NAMES))
+    if mlp and model_type.startswith("deepseek"):
+        problems.append(f"lora.target_modules {mlp} on a DeepSeek model: peft (with transformers 5) maps these names "
+                        "to the fused routed experts whenever it loads an adapter, so adapters on the dense and "
+                        "shared-expert MLPs would not load back; remove them (attention is the default) and set "
+                        "lora.routed_experts=true to adapt the experts")
+    if routed_experts and not moe:
+        problems.append("lora.routed_experts is true but the model has no routed experts: set it to false")
+    if routed_experts and expert_parallel > 1:
+        problems.append("lora.routed_experts with parallel.expert_parallel > 1: AutoEP replaces the routed experts "
+                        "by its own grouped-GEMM module, which peft cannot adapt; set lora.routed_experts=false "
+                        "(adapters on attention) or parallel.expert_parallel=1")
+    return problems
+
+
+def target_modules(section, config) -> list[str]:
+    """lora.target_modules, or the model family's default (null)."""
+    return list(section.target_modules) if section.target_modules is not None else \
+        list(DEFAULT_TARGETS[config.model_type])
+
+
+def lora_config(section, config, modules_to_save: bool = False) -> LoraConfig:
+    """peft's LoraConfig of the run's `lora` section. In training, modules_to_save are unfrozen in place
+    (mark_trainable); peft's own copies of them (modules_to_save=True) are for a PeftModel, as export writes."""
+    return LoraConfig(r=section.r, lora_alpha=section.alpha, lora_dropout=section.dropout,
+                      target_modules=target_modules(section, config),
+                      target_parameters=list(ROUTED_EXPERT_PARAMETERS) if section.routed_experts else None,
+                      modules_to_save=list(section.modules_to_save) if modules_to_save and section.modules_to_save
+                      else None)
+
+
+def apply_lora(model: nn.Module, section, config, seed: int) -> int:
+    """Inject peft adapters into this rank's layers (after their base weights are loaded), initialise them, freeze
+    everything else but lora.modules_to_save; returns the number of trainable parameters of this rank."""
+    inject_adapter_in_model(lora_config(section, config), model, adapter_name=ADAPTER)
+    init_adapters_(model, seed)
+    mark_trainable(model, section.modules_to_save)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def init_adapters_(model: nn.Module, seed: int) -> None:
+    """peft's initialisation of every adapter (A as nn.Linear's default, B = 0) drawn from a seed of its own, from
+    the run's seed and the module's HF name: the same initial adapters whatever the pipeline layout or rank."""
+    for layer in local_layers(model):
+        for name, module in layer.named_modules():
+            if isinstance(module, LoraLayer):
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(zlib.crc32(f"{seed}:{hf_name(layer, name + '.')}".encode()))
+                    module.reset_lora_parameters(ADAPTER, True)
+
+
+def mark_trainable(model: nn.Module, modules_to_save) -> None:
+    """The modules named in modules_to_save (by their last name component) train in full; peft's injection has
+    already frozen everything but the adapters."""
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in modules_to_save:
+            module.requires_grad_(True)
+
+
+def trainable_hf_state_dict(layers) -> dict[str, torch.Tensor]:
+    """HF name -> tensor of every trainable tensor (adapters, modules_to_save) of the given pipeline layers."""
+    out = {}
+    for layer in layers:
+        for key, p in layer.named_parameters():
+            if p.requires_grad:
+                out[hf_name(layer, key)] = p
+    return out

@@ -1,0 +1,253 @@
+"""LoRA with peft: training under ZeRO-1, ZeRO-3 and 2 pipeline stages against a single-process transformers + peft
++ torch AdamW reference, the frozen base untouched, optimizer state only for the adapters, small checkpoints that
+resume bitwise, and the adapter / merged exports against the toolkit's model; the refusals before launch.
+
+One launch per layout (tests/lora_worker.py: the real set-up and training loop, then what the engine holds); the
+ZeRO-1 run also writes the checkpoints the resume and export tests use."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from deepseek_ds.config import load_run_config
+from deepseek_ds.data import GlobalBatchSampler, PackedDataset, micro_batches
+from deepseek_ds.models.hf_io import load_hf_weights
+from deepseek_ds.models.lora import apply_lora, lora_config
+from deepseek_ds.models.pipeline import build_model, local_layers, prepare_config
+from deepseek_ds.models.presets import build_model_config
+from helpers import cli, deepspeed, losses, read_metrics, refused
+from reference import Balancing, reference_model, reference_optimizer
+
+STEPS = 3
+LORA = ["lora.r=4", "lora.alpha=8"]
+SETS = [f"train.steps={STEPS}", "train.micro_batch_size=2", "train.global_batch_size=8", "data.seq_len=64",
+        "train.warmup_steps=0", "eval.interval=0", "model.preset=null", *LORA]
+K_FP32_ADAM = 12  # bytes of optimizer state per trainable fp32 parameter: master copy, exp_avg, exp_avg_sq
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, data_dir) -> str:
+    """The pretrained model LoRA adapts: tiny-v3 at its seeded initialisation, as an HF directory."""
+    cfg = load_run_config("recipes/tiny-v3.yaml", [f"data.path={data_dir}"])
+    out = str(tmp_path_factory.mktemp("lora_base") / "hf")
+    reference_model(cfg)[0].save_pretrained(out)
+    return out
+
+
+def _sets(data_dir: str, base_dir: str, *extra: str) -> list[str]:
+    return SETS + [f"data.path={data_dir}", f"model.path={base_dir}", *extra]
+
+
+def _launch(tmp_path_factory, name: str, sets: list[str], ds_config: str, ranks: int = 2,
+            checkpoints: str | None = None) -> dict:
+    """One run of lora_worker.py: its metrics' losses and every rank's dump."""
+    out = tmp_path_factory.mktemp(name) / "out"
+    if checkpoints:
+        shutil.copytree(checkpoints, out / "checkpoints")
+    args = ["tests/lora_worker.py", "--config", "recipes/tiny-v3.yaml", "--deepspeed_config", ds_config]
+    for s in sets + [f"train.output_dir={out}"]:
+        args += ["--set", s]
+    deepspeed(ranks, args)
+    ranks_out = [torch.load(out / f"lora_rank{r}.pt", weights_only=True) for r in range(ranks)]
+    return {"out": out, "losses": losses(read_metrics(str(out))), "ranks": ranks_out}
+
+
+@pytest.fixture(scope="module")
+def zero1(tmp_path_factory, data_dir, base) -> dict:
+    """ZeRO-1 on 2 ranks, 3 steps, checkpoints at 2 and 3."""
+    return _launch(tmp_path_factory, "lora_zero1", _sets(data_dir, base, "checkpoint.interval=2", "checkpoint.keep=2"),
+                   "ds_configs/zero1.json")
+
+
+def _merged(dumps: list[dict], key: str) -> dict[str, torch.Tensor]:
+    """One rank's tensors of kind `key` per name (pipeline stages hold different ones; replicas equal ones)."""
+    out = {}
+    for d in dumps:
+        for name, t in d[key].items():
+            if name in out:
+                assert torch.equal(out[name], t), name
+            out[name] = t
+    return out
+
+
+def reference_run(cfg, base_dir: str, data_dir: str, initial: dict[str, torch.Tensor]) -> list[float]:
+    """transformers + peft + torch AdamW over the adapters in one process, from the same initial adapters and the
+    same global batches; transformers' own causal-LM loss plus tests/reference.py's MoE balancing."""
+    config = prepare_config(AutoConfig.from_pretrained(base_dir))
+    model = AutoModelForCausalLM.from_pretrained(base_dir, config=config, dtype=torch.float32)
+    from peft import inject_adapter_in_model
+
+    inject_adapter_in_model(lora_config(cfg.lora, config), model)
+    params = dict(model.named_parameters())
+    trainable = {n for n, p in params.items() if p.requires_grad}
+    assert trainable == set(initial)
+    with torch.no_grad():
+        for name, t in initial.items():
+            params[name].copy_(t)
+    model.train()
+    t = cfg.train
+    # MoE balancing as in training: the balance loss reaches the adapters, the router biases (buffers) move.
+    balancing = Balancing(model, cfg.moe, config, t.global_batch_size).attach()
+    opt, sched = reference_optimizer([params[n] for n in sorted(trainable)], t)
+    dataset = PackedDataset(data_dir, cfg.data.seq_len)
+    sampler = GlobalBatchSampler(len(dataset), t.global_batch_size, t.global_batch_size, 0, 1, t.seed, shuffle=t.shuffle)
+    out = []
+    for _, batch in zip(range(t.steps), micro_batches(dataset, sampler)):
+        (input_ids, labels), = batch
+        logits = model(input_ids=input_ids).logits
+        loss = model.loss_function(logits=logits, labels=None, shift_labels=labels, vocab_size=config.vocab_size)
+        (loss + balancing.loss()).backward()
+        torch.nn.utils.clip_grad_norm_([params[n] for n in trainable], t.grad_clip)
+        opt.step()
+        balancing.after_step()
+        sched.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(zero1, data_dir, base) -> list[float]:
+    cfg = load_run_config("recipes/tiny-v3.yaml", _sets(data_dir, base))
+    return reference_run(cfg, base, data_dir, _merged(zero1["ranks"], "initial"))
+
+
+def _check_run(run: dict, reference: list[float], base_dir: str) -> None:
+    """Losses equal the reference's; frozen weights are model.path's, bitwise; adapters moved (B starts at 0); each
+    rank's optimizer state is K x its trainable parameters / data-parallel size."""
+    got = [run["losses"][s] for s in range(1, STEPS + 1)]
+    assert max(abs(a - b) for a, b in zip(got, reference)) < 1e-5, (got, reference)
+    hf = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).state_dict()
+    frozen = _merged(run["ranks"], "frozen")
+    assert frozen and all(torch.equal(t, hf[name]) for name, t in frozen.items())
+    initial, final = _merged(run["ranks"], "initial"), _merged(run["ranks"], "final")
+    assert all(not torch.equal(initial[n], final[n]) for n in final if ".lora_B." in n)
+    for rank in run["ranks"]:
+        want = K_FP32_ADAM * rank["trainable"] / rank["dp_size"]
+        assert abs(rank["optimizer_bytes"] - want) <= K_FP32_ADAM * 64, (rank["optimizer_bytes"], want)
+        assert rank["optimizer_bytes"] < 0.1 * K_FP32_ADAM * sum(t.numel() for t in rank["frozen"].values())
+
+
+@pytest.mark.launch
+def test_lora_zero1_equals_transformers_peft_reference(zero1, reference, base):
+    assert len(reference) == STEPS
+    _check_run(zero1, reference, base)
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("layout", ["zero3", "pp2"])
+def test_lora_zero3_and_pipeline_equal_the_reference(layout, tmp_path_factory, data_dir, base, zero1, reference):
+    ds, extra = {"zero3": ("ds_configs/zero3.json", []),
+                 "pp2": ("ds_configs/zero1_pp.json", ["parallel.pipeline_stages=2"])}[layout]
+    run = _launch(tmp_path_factory, f"lora_{layout}", _sets(data_dir, base, *extra), ds)
+    # The same initial adapters whatever the layout: each is seeded by its own HF name.
+    assert all(torch.equal(t, _merged(zero1["ranks"], "initial")[n]) for n, t in _merged(run["ranks"], "initial").items())
+    _check_run(run, reference, base)
+
+
+@pytest.mark.launch
+def test_lora_checkpoint_holds_only_adapters_and_resumes_bitwise(tmp_path_factory, zero1, data_dir, base):
+    """The step directory is small (no frozen base in any file); resuming step 2 gives step 3 bitwise."""
+    step2 = zero1["out"] / "checkpoints" / "step00000002"
+    size = sum(f.stat().st_size for f in step2.rglob("*") if f.is_file())
+    base_bytes = sum(f.stat().st_size for f in os.scandir(base) if f.name.endswith(".safetensors"))
+    assert size < 0.25 * base_bytes, (size, base_bytes)
+    states = torch.load(step2 / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    assert states and all(".lora_" in k or k.endswith("e_score_correction_bias") for k in states)
+    keep = tmp_path_factory.mktemp("lora_resume_src") / "checkpoints"
+    keep.mkdir()
+    shutil.copytree(step2, keep / step2.name)
+    (keep / "latest").write_text(step2.name)
+    resumed = _launch(tmp_path_factory, "lora_resume", _sets(data_dir, base), "ds_configs/zero1.json",
+                      checkpoints=str(keep))
+    assert resumed["losses"][3] == zero1["losses"][3]
+    final, again = _merged(zero1["ranks"], "final"), _merged(resumed["ranks"], "final")
+    assert all(torch.equal(final[n], again[n]) for n in final)
+
+
+def _toolkit_logits(base_dir: str, adapters: dict[str, torch.Tensor], section, ids: torch.Tensor) -> torch.Tensor:
+    """Our own model: the pipeline layers in one process, the base from base_dir, peft's adapters holding `adapters`."""
+    mcfg = prepare_config(build_model_config(path=base_dir))
+    model = build_model(mcfg, 1, 0)
+    load_hf_weights(local_layers(model), base_dir, mcfg)
+    apply_lora(model, section, mcfg, 0)
+    from deepseek_ds.models.lora import trainable_hf_state_dict
+
+    mine = trainable_hf_state_dict(local_layers(model))
+    assert set(mine) == set(adapters)
+    with torch.no_grad():
+        for name, t in adapters.items():
+            mine[name].copy_(t)
+        return model.eval()(ids)
+
+
+@pytest.mark.launch
+def test_exported_adapter_and_merged_model_give_the_toolkit_logits(tmp_path, zero1, data_dir, base):
+    from peft import PeftModel
+
+    ckpt = zero1["out"] / "checkpoints"
+    assert cli(["export", "lora", str(ckpt), "--out", str(tmp_path / "adapter")]) == 0
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(tmp_path / "adapter"))
+    assert cli(["export", "hf", str(ckpt), "--out", str(tmp_path / "merged"), "--dtype", "fp32"]) == 0
+    cfg = load_run_config("recipes/tiny-v3.yaml", _sets(data_dir, base))
+    ids = torch.randint(0, 2048, (2, 33), generator=torch.Generator().manual_seed(5))
+    want = _toolkit_logits(base, _merged(zero1["ranks"], "final"), cfg.lora, ids)
+    with torch.no_grad():
+        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(tmp_path / "adapter")).eval()
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+        plain = AutoModelForCausalLM.from_pretrained(base).eval()
+        assert (peft(input_ids=ids).logits - want).abs().max() < 1e-5
+        assert (merged(input_ids=ids).logits - want).abs().max() < 1e-5
+        assert (plain(input_ids=ids).logits - want).abs().max() > 1e-4  # the adapters change the model
+
+
+@pytest.mark.unit
+def test_lora_refusals_name_the_reason_and_the_fix(data_dir, tmp_path):
+    from deepseek_ds.config import load_ds_config
+
+    ds = load_ds_config("ds_configs/zero1.json")
+    cfg = load_run_config("recipes/tiny-v3.yaml", [f"data.path={data_dir}", "lora.r=4"])
+    refused(cfg, ds, world=2, match="lora.r > 0 adapts a pretrained model.*set model.path")
+    cfg = load_run_config("recipes/tiny-v3.yaml", [f"data.path={data_dir}", "lora.r=4", "lora.routed_experts=true",
+                                                   "parallel.expert_parallel=2"])
+    refused(cfg, ds, world=2, match="AutoEP replaces the routed experts.*lora.routed_experts=false")
+    cfg = load_run_config("recipes/tiny-v3.yaml", [f"data.path={data_dir}", "lora.r=4",
+                                                   "lora.target_modules=[o_proj,shared_experts.up_proj]"])
+    refused(cfg, ds, world=2, match=r"\['up_proj'\] on a DeepSeek model: peft .* maps these names to the fused")
+    cfg = load_run_config("recipes/tiny-dense.yaml", [f"data.path={data_dir}", "lora.r=4", "lora.routed_experts=true"])
+    refused(cfg, ds, world=2, match="no routed experts")
+
+
+@pytest.mark.unit
+def test_routed_expert_adapters_have_the_names_and_logits_of_peft_on_transformers(tmp_path):
+    """lora.routed_experts: peft's adapters on the fused experts of our layers carry the names and compute the
+    logits of the same LoraConfig that peft applies to the transformers model (what export and PeftModel use)."""
+    from peft import get_peft_model
+
+    from deepseek_ds.config.schema import LoraSection
+    from deepseek_ds.models.hf_io import to_hf_model
+    from deepseek_ds.models.lora import trainable_hf_state_dict
+
+    section = LoraSection(r=2, alpha=4.0, routed_experts=True, modules_to_save=["lm_head"])
+    mcfg = prepare_config(build_model_config("tiny-v3"))
+    ours = build_model(mcfg, 1, 7)
+    hf = get_peft_model(to_hf_model(local_layers(build_model(mcfg, 1, 7)), mcfg),
+                        lora_config(section, mcfg, modules_to_save=True))
+    apply_lora(ours, section, mcfg, 7)
+    mine = trainable_hf_state_dict(local_layers(ours))
+    assert any(".mlp.experts." in n for n in mine) and "lm_head.weight" in mine
+    theirs = {n.removeprefix("base_model.model.").replace(".modules_to_save.default", ""): p
+              for n, p in hf.named_parameters() if p.requires_grad}
+    assert set(mine) == set(theirs)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in mine.items():  # B != 0, so that every adapter changes the logits
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+            theirs[name].copy_(p)
+        ids = torch.randint(0, mcfg.vocab_size, (2, 17), generator=gen)
+        assert (ours.eval()(ids) - hf.eval()(input_ids=ids).logits).abs().max() < 1e-5
