@@ -1,7 +1,9 @@
-"""One rank of a short training run on hand-packed sequences under the `deepspeed` launcher: the real engine set-up
-(build_run) and train_step on micro-batches (input_ids, labels, position_ids) of reference.packed_global_batch,
-this data-parallel rank's contiguous share of each global batch. Rank 0 writes the per-step losses."""
+"""One rank of short training runs on hand-packed sequences under the `deepspeed` launcher, one run per layout in
+the same launch: the real engine set-up (build_run) and train_step on micro-batches (input_ids, labels,
+position_ids) of reference.packed_global_batch, this data-parallel rank's contiguous share of each global batch.
+Rank 0 writes each run's per-step losses into its train.output_dir."""
 
+import argparse
 import json
 import os
 import sys
@@ -16,7 +18,7 @@ from deepseek_ds.training.setup import build_run
 from reference import packed_global_batch
 
 
-def main(argv: list[str]) -> int:
+def train_layout(argv: list[str]) -> None:
     args = parse_args(argv)
     cfg, ds = load_and_validate(args.config, args.deepspeed_config, args.set, int(os.environ["WORLD_SIZE"]))
     run = build_run(cfg, ds)
@@ -34,7 +36,17 @@ def main(argv: list[str]) -> int:
     if run.rank == 0:
         with open(os.path.join(cfg.train.output_dir, "losses.json"), "w") as f:
             json.dump({"losses": losses, "dp_size": run.dp_size}, f)
-    dist.barrier()
+
+
+def main(argv: list[str]) -> int:
+    """argv: train.py's arguments that every layout shares, and --layouts JSON: [[deepspeed_config, [--set values]],
+    ...], trained one after the other (one launch's start-up for all of them)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layouts", required=True, type=json.loads)
+    ours, shared = parser.parse_known_args(argv)
+    for ds_config, sets in ours.layouts:
+        train_layout(shared + ["--deepspeed_config", ds_config] + [a for s in sets for a in ("--set", s)])
+        dist.barrier()
     dist.destroy_process_group()
     return 0
 
