@@ -68,6 +68,40 @@ def mtp_loss_breakdown(run: Run) -> dict[str, float]:
     return record
 
 
+def recorded_step(run: Run, batches, sampler: GlobalBatchSampler, meter: StepMeter, routers: RouterStats | None,
+                  step: int, lr: float) -> dict:
+    """The next global batch of `batches` (timed with the step), train_step, and every per-step metric of
+    metrics.jsonl (collectives: every rank calls it): one loop step, also what `bench overhead` times."""
+    engine = run.engine
+    skipped_before = engine.skipped_steps
+    meter.start()
+    loss = train_step(run, next(batches))
+    grad_norm = engine.get_global_grad_norm()
+    record = {
+        "step": step, "loss": loss, "lr": lr,
+        "grad_norm": float(grad_norm) if grad_norm is not None else None,
+        **meter.stop(),
+        # DeepSpeed discarded the update (fp16 overflow, non-finite gradients): no optimizer/scheduler step.
+        "skipped": engine.skipped_steps > skipped_before, "skipped_steps": engine.skipped_steps,
+        "consumed_samples": sampler.consumed_samples,
+    }
+    if run.loss_fn.mtp_depth:
+        record.update(mtp_loss_breakdown(run))
+    if run.balancer:  # router bias update from this step's load (before the stats that report the bias)
+        record.update(run.balancer.after_step(record["skipped"]))
+    if routers:
+        record.update(routers.collect())
+    return record
+
+
+def router_stats(run: Run) -> RouterStats | None:
+    """The expert-load metrics of an MoE model (None for a dense one)."""
+    if not moe_layer_indices(run.model_config):
+        return None
+    return RouterStats(run.engine.module, run.model_config, run.engine.device, reports_bias=run.dp_rank == 0,
+                       load=run.balancer.load if run.balancer else None)
+
+
 def train(run: Run, on_accepted=None) -> dict:
     """Train from the newest checkpoint (or from scratch) up to train.steps; returns rank 0's summary."""
     # The lock is held from before the resume (which removes .partial saves) to the last save. SIGTERM/SIGINT: finish
@@ -114,7 +148,7 @@ def _train(run: Run, stop: StopOnSignal, on_accepted=None) -> dict:
     return _summary(run, metrics.records, start_step, last_saved)
 
 
-def _meter(run: Run) -> StepMeter:
+def step_meter(run: Run) -> StepMeter:
     cfg, engine = run.cfg, run.engine
     tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
     flops_per_step = flops_per_token(run.model_config, cfg.data.seq_len) * tokens_per_step
@@ -136,20 +170,15 @@ def _steps(run: Run, sampler: GlobalBatchSampler, metrics: MetricsWriter | None,
     """The optimizer steps after `start_step`; returns (the last checkpoint saved, the last step trained)."""
     cfg, engine, log = run.cfg, run.engine, run.log
     batches = micro_batches(run.dataset, sampler)
-    meter = _meter(run)
-    routers = (RouterStats(engine.module, run.model_config, engine.device, reports_bias=run.dp_rank == 0,
-                           load=run.balancer.load if run.balancer else None)
-               if moe_layer_indices(run.model_config) else None)
+    meter, routers = step_meter(run), router_stats(run)
     valid = open_dataset(run.dataset_dir, cfg.data, split="valid") if cfg.eval.interval else None
     progress = Progress(cfg.train.steps, start_step, run.rank == 0, cfg.train.log_interval, log)
     skips = nan_policy.ConsecutiveSkips(cfg.train.max_consecutive_skips)
     last_saved, step = None, start_step
     for step in range(start_step + 1, cfg.train.steps + 1):
         lr = engine.get_lr()[0]
-        skipped_before = engine.skipped_steps
-        meter.start()
         try:
-            loss = train_step(run, next(batches))
+            record = recorded_step(run, batches, sampler, meter, routers, step, lr)
         except Exception as e:
             if not nan_policy.at_min_loss_scale(e):
                 raise
@@ -157,21 +186,7 @@ def _steps(run: Run, sampler: GlobalBatchSampler, metrics: MetricsWriter | None,
             # so every rank gets here at the same step holding the weights of the last applied update: worth saving.
             saved = _save_and_close(run, step, sampler, progress, metrics)
             raise nan_policy.NonFiniteLoss(nan_policy.min_scale_message(step, saved, run.ds.get("fp16", {}), lr)) from e
-        grad_norm = engine.get_global_grad_norm()
-        record = {
-            "step": step, "loss": loss, "lr": lr,
-            "grad_norm": float(grad_norm) if grad_norm is not None else None,
-            **meter.stop(),
-            # DeepSpeed discarded the update (fp16 overflow, non-finite gradients): no optimizer/scheduler step.
-            "skipped": engine.skipped_steps > skipped_before, "skipped_steps": engine.skipped_steps,
-            "consumed_samples": sampler.consumed_samples,
-        }
-        if run.loss_fn.mtp_depth:
-            record.update(mtp_loss_breakdown(run))
-        if run.balancer:  # router bias update from this step's load (before the stats that report the bias)
-            record.update(run.balancer.after_step(record["skipped"]))
-        if routers:
-            record.update(routers.collect())
+        loss = record["loss"]
         if valid is not None and (step % cfg.eval.interval == 0 or step == cfg.train.steps):
             with stop.busy():
                 record.update(evaluate_run(run, valid).as_record())

@@ -1,0 +1,210 @@
+"""The per-rank worker of `deepseek-ds bench overhead`, started by bench/overhead.py under the `deepspeed` launcher.
+
+`--against bare` (1 rank): the toolkit's loop step (training.loop.recorded_step: the step and every metric of
+metrics.jsonl) and a bare transformers + torch.optim.AdamW step on a copy of the same initial weights, the same
+global batches, in the same process (same threads), alternating step by step so that a shared host's load hits
+both alike. `--against trainer`: the toolkit's steps, then transformers.Trainer on the same model, batches and
+DeepSpeed JSON (its DeepSpeed integration; `--trainer-deepspeed no`: plain Trainer). Rank 0 writes the seconds and
+losses of every step to --result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..config import load_and_validate
+from ..data import GlobalBatchSampler, micro_batches
+from ..models.hf_io import to_hf_model
+from ..models.loss import IGNORE_INDEX
+from ..models.pipeline import local_layers
+from ..training.loop import recorded_step, router_stats, step_meter
+from ..training.metrics import MetricsWriter
+from ..training.schedule import start_lr_schedule
+from ..training.setup import build_run
+from ..utils.cli_args import add_local_rank, add_run_args
+from ..utils.fs import write_json_atomic
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _sampler(run) -> GlobalBatchSampler:
+    cfg = run.cfg
+    return GlobalBatchSampler(len(run.dataset), cfg.train.global_batch_size, cfg.train.micro_batch_size,
+                              run.dp_rank, run.dp_size, cfg.train.seed, shuffle=cfg.train.shuffle)
+
+
+class OurLoop:
+    """The toolkit's loop step, metrics.jsonl included (rank 0)."""
+
+    def __init__(self, run):
+        self.run, self.sampler = run, _sampler(run)
+        self.batches = micro_batches(run.dataset, self.sampler)
+        self.meter, self.routers = step_meter(run), router_stats(run)
+        path = os.path.join(run.cfg.train.output_dir, "metrics.jsonl")
+        self.metrics = MetricsWriter(path) if run.rank == 0 else None
+        self.step = 0
+        start_lr_schedule(run.engine)
+
+    def __call__(self) -> tuple[float, float, float]:
+        """(seconds, loss, the step's learning rate)."""
+        self.step += 1
+        start = time.perf_counter()
+        lr = self.run.engine.get_lr()[0]
+        record = recorded_step(self.run, self.batches, self.sampler, self.meter, self.routers, self.step, lr)
+        if self.metrics:
+            self.metrics.write(record)
+        return time.perf_counter() - start, record["loss"], lr
+
+
+class BareLoop:
+    """transformers' model and torch's AdamW, nothing else: token-weighted cross-entropy over the global batch,
+    gradient clipping, the optimizer step. The same math as one rank of the toolkit's step."""
+
+    def __init__(self, run, model):
+        cfg = run.cfg.train
+        self.model, self.device = model.to(run.engine.device).train(), run.engine.device
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                           eps=cfg.eps, weight_decay=cfg.weight_decay)
+        self.grad_clip = cfg.grad_clip
+        self.batches = micro_batches(run.dataset, _sampler(run))
+
+    def __call__(self, lr: float) -> tuple[float, float]:
+        """(seconds, loss) of one step at learning rate `lr` (ours: the same schedule)."""
+        start = time.perf_counter()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        batch = next(self.batches)
+        tokens = sum(int((mb[1] != IGNORE_INDEX).sum()) for mb in batch)
+        total = torch.zeros((), device=self.device)
+        for input_ids, labels, *_ in batch:
+            logits = self.model(input_ids=input_ids.to(self.device)).logits
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.to(self.device).reshape(-1),
+                                   ignore_index=IGNORE_INDEX, reduction="sum") / tokens
+            loss.backward()
+            total += loss.detach()
+        if self.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        _sync(self.device)
+        return time.perf_counter() - start, float(total)
+
+
+def hf_copy(run, compiled: bool):
+    """An independent transformers model holding a copy of the run's initial weights (regionally compiled like
+    ours when `compiled`)."""
+    model = copy.deepcopy(to_hf_model(local_layers(run.engine.module), run.model_config))
+    if compiled:
+        for layer in model.model.layers:
+            layer.compile()
+    return model
+
+
+def build(args: argparse.Namespace, world: int, compiled: bool):
+    sets = args.set + [f"train.compile={str(compiled).lower()}", "eval.interval=0"]
+    cfg, ds = load_and_validate(args.config, args.deepspeed_config, sets, world)
+    return build_run(cfg, ds), ds
+
+
+def against_bare(args: argparse.Namespace, compiled: bool) -> dict:
+    run, _ = build(args, 1, compiled)
+    ours, bare = OurLoop(run), BareLoop(run, hf_copy(run, compiled))
+    steps = []
+    for i in range(args.warmup + args.steps):
+        t_ours, l_ours, lr = ours()
+        t_bare, l_bare = bare(lr)
+        steps.append({"ours_s": t_ours, "bare_s": t_bare, "ours_loss": l_ours, "bare_loss": l_bare,
+                      "timed": i >= args.warmup})
+    return {"variant": "compiled" if compiled else "eager", "steps": steps, "threads": torch.get_num_threads()}
+
+
+def against_trainer(args: argparse.Namespace, world: int, use_deepspeed: bool) -> dict:
+    from transformers import Trainer, TrainerCallback, TrainingArguments  # this mode only: ~2 s of imports
+
+    run, ds = build(args, world, False)
+    ours = OurLoop(run)
+    model = hf_copy(run, False)  # before our steps change the weights
+    steps = [{"ours_s": t, "ours_loss": loss, "timed": i >= args.warmup}
+             for i, (t, loss, _) in enumerate(ours() for _ in range(args.warmup + args.steps))]
+    cfg = run.cfg.train
+    # This rank's samples of as many global batches (Trainer deals them to the ranks in its own order).
+    batches = micro_batches(run.dataset, _sampler(run))
+    samples = [s for _ in range(args.warmup + args.steps) for s in _samples(next(batches))] * world
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.seconds, self.losses = [], []
+
+        def on_step_begin(self, *_, **__):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            _sync(run.engine.device)
+            self.seconds.append(time.perf_counter() - self.start)
+
+    clock = Clock()
+    # Trainer brings its own (constant) schedule; the rest of the JSON is the run's own.
+    trainer_ds = {k: v for k, v in ds.items() if k != "scheduler"} if use_deepspeed else None
+    targs = TrainingArguments(
+        output_dir=os.path.join(cfg.output_dir, "trainer"), per_device_train_batch_size=cfg.micro_batch_size,
+        gradient_accumulation_steps=run.grad_accum, max_steps=args.warmup + args.steps, learning_rate=cfg.lr,
+        weight_decay=cfg.weight_decay, adam_beta1=cfg.beta1, adam_beta2=cfg.beta2, adam_epsilon=cfg.eps,
+        max_grad_norm=cfg.grad_clip or 0.0, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
+        report_to=[], dataloader_num_workers=0, deepspeed=trainer_ds, seed=cfg.seed, disable_tqdm=True,
+        use_cpu=run.engine.device.type == "cpu" and not use_deepspeed)
+    trainer = Trainer(model=model, args=targs, train_dataset=samples, callbacks=[clock])
+    result = trainer.train()
+    losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    for i, s in enumerate(steps):
+        s.update({"trainer_s": clock.seconds[i], "trainer_loss": losses[i] if i < len(losses) else None})
+    return {"variant": "trainer+deepspeed" if use_deepspeed else "trainer (no deepspeed)", "steps": steps,
+            "threads": torch.get_num_threads(), "trainer_train_loss": result.training_loss}
+
+
+def _samples(batch: list) -> list[dict]:
+    """This rank's samples of one global batch as Trainer examples: transformers shifts labels itself, so the
+    labels are the input ids (a sample's last target falls away, as it does for every Trainer user)."""
+    return [{"input_ids": ids, "labels": ids.clone()} for mb in batch for ids in mb[0]]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="One `bench overhead` rank (started by `deepspeed --module`).")
+    add_run_args(p)
+    p.add_argument("--against", choices=("bare", "trainer"), required=True)
+    p.add_argument("--compile", choices=("no", "yes", "both"), default="no", help="bare: train.compile variants")
+    p.add_argument("--trainer-deepspeed", choices=("yes", "no"), default="yes")
+    p.add_argument("--warmup", type=int, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--result", required=True, help="JSON file rank 0 writes")
+    add_local_rank(p)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if args.against == "bare":
+        variants = [against_bare(args, c) for c in {"no": [False], "yes": [True], "both": [False, True]}[args.compile]]
+    else:
+        variants = [against_trainer(args, world, args.trainer_deepspeed == "yes")]
+    if dist.get_rank() == 0:
+        write_json_atomic(Path(args.result), {"variants": variants})
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
