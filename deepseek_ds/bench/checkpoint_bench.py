@@ -73,7 +73,7 @@ def _raw_read(paths: list[str]) -> float:
     return time.perf_counter() - start
 
 
-def _single_process_env() -> None:
+def single_process_env() -> None:
     """torch.distributed's env:// rendezvous for a world of one, unless a launcher already set it."""
     if "RANK" in os.environ:
         return
@@ -84,7 +84,7 @@ def _single_process_env() -> None:
 def run_checkpoint_bench(config: str, sets: list[str], deepspeed_config: str | None, repeats: int,
                          work_dir: str) -> list[dict]:
     """Rows of (operation, GB, seconds (median of `repeats`), GB/s)."""
-    _single_process_env()
+    single_process_env()
     sets = list(sets) + [f"train.output_dir={work_dir}/run", f"checkpoint.dir={work_dir}/ckpt",
                          f"checkpoint.keep={repeats + 1}"]
     cfg, ds = load_and_validate(config, deepspeed_config, sets, world_size=1)
