@@ -256,6 +256,7 @@ def measure(args: argparse.Namespace, world: int, global_batch_size: int) -> dic
         "seq_len": cfg.data.seq_len, "flops_per_token": flops_per_token(run.model_config, cfg.data.seq_len),
         "peak_tflops": peak_tflops(engine.device, cfg.train.peak_tflops),
         "zero_stage": zero_stage(ds), "precision": precision(ds), "pipeline_stages": cfg.parallel.pipeline_stages,
+        "tensor_parallel": cfg.parallel.tensor_parallel,
         "model": cfg.model.preset or cfg.model.path, "threads": torch.get_num_threads(),
     }
     _close_logs(run)

@@ -104,7 +104,8 @@ def stage_row(stage: int, offload: str, reports: list[dict]) -> dict:
     expected = expected_optimizer_bytes(numels, n, stage, master)
     measured_states = sum(held[k] for k in MODEL_STATES)
     on_accelerator = not r0["device"].startswith("CPU")
-    row = {"model": r0["model"], "stage": stage, "offload": offload, "ranks": n, "precision": r0["precision"],
+    row = {"model": r0["model"], "stage": stage, "offload": offload, "ranks": n, "tp": r0["tensor_parallel"],
+           "precision": r0["precision"],
            "psi": psi,
            "params_bytes": held["params"], "grads_bytes": held["grads"], "optimizer_bytes": held["optimizer"],
            "model_states_bytes": measured_states, "buffers_bytes": held["buffers"],
@@ -153,7 +154,7 @@ COLUMNS = [
     Column("mfu", "MFU", "{:.1%}"), Column("loss_rel_diff", "loss rel. diff", "{:.1e}"),
 ]
 CSV_COLUMNS = [Column(k, k) for k in (
-    "stage", "offload", "ranks", "precision", "psi", "params_bytes", "grads_bytes", "optimizer_bytes",
+    "stage", "offload", "ranks", "tp", "precision", "psi", "params_bytes", "grads_bytes", "optimizer_bytes",
     "model_states_bytes", "offloaded_bytes", "buffers_bytes", "formula_params_bytes", "formula_grads_bytes",
     "formula_optimizer_bytes",
     "formula_bytes", "ratio", "ratio_params", "ratio_grads", "ratio_optimizer", "optimizer_expected_bytes",
@@ -245,7 +246,8 @@ def write_report(rows: list[dict], ranks: list[dict], out: str) -> list[str]:
     r = rows[0]
     report.write_markdown(paths["md"], [
         f"# ZeRO stages side by side: {r['model']}",
-        f"{r['ranks']} data-parallel ranks, {r['precision']}, Ψ = {r['psi']:,} parameters; each optimizer step "
+        f"{r['ranks']} data-parallel ranks" + (f" x {r['tp']} tensor-parallel" if r["tp"] > 1 else "") +
+        f", {r['precision']}, Ψ = {r['psi']:,} parameters per rank; each optimizer step "
         f"{r['micro_batch_size']} sequences of {r['seq_len']} tokens x {r['grad_accum']} micro-batches x {r['ranks']} "
         f"ranks. Step time: median of {r['timed_steps']} timed steps after warm-up; tokens/s over all ranks; "
         "memory per rank.",
@@ -266,14 +268,16 @@ def run_zero_bench(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     os.makedirs(raw, exist_ok=True)
     cfg = load_run_config(args.config, args.set)
     base = load_ds_config(args.deepspeed_config or cfg.deepspeed_config)
-    global_batch = cfg.train.micro_batch_size * world * args.grad_accum
+    # Tensor-parallel ranks of a replica share its micro-batches: the data-parallel size is world / tp.
+    global_batch = cfg.train.micro_batch_size * max(world // args.tp, 1) * args.grad_accum
     plans = []
-    for stage in args.stages:
+    for stage in args.stages or ([0, 1, 2, 3] if args.tp == 1 else [0, 1, 2]):
         ds_path = os.path.join(raw, f"zero{stage}.json")
         ds = stage_ds_config(base, stage, args.offload)
         with open(ds_path, "w") as f:
             json.dump(ds, f, indent=2)
-        sets = args.set + ["parallel.pipeline_stages=1", f"train.global_batch_size={global_batch}",
+        sets = args.set + ["parallel.pipeline_stages=1", f"parallel.tensor_parallel={args.tp}",
+                           f"train.global_batch_size={global_batch}",
                            f"train.steps={args.warmup + args.steps + 1}",
                            f"train.output_dir={os.path.join(raw, f'zero{stage}')}"]
         if args.peak_tflops:
@@ -320,7 +324,11 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("zero", help="ZeRO stages side by side: measured memory per rank vs the formula, "
                                            "speed, MFU, loss agreement")
     add_launch_args(p)
-    p.add_argument("--stages", type=_stages, default=[0, 1, 2, 3], help="ZeRO stages to compare (default 0,1,2,3)")
+    p.add_argument("--stages", type=_stages, default=None,
+                   help="ZeRO stages to compare (default 0,1,2,3; 0,1,2 with --tp > 1: AutoTP has no ZeRO-3 here)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks per replica (parallel.tensor_parallel); the per-rank parameter, "
+                        "gradient and optimizer bytes then hold 1/tp of the split matrices")
     p.add_argument("--offload", action="store_true",
                    help="offload the optimizer (stage >= 1) and the parameters (stage 3) to CPU")
     add_num_gpus(p, "--nproc", help="ranks (default: the local GPUs, or 2 without CUDA; with --hostfile the "

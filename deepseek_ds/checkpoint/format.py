@@ -69,6 +69,7 @@ class Layout:
     zero_stage: int
     precision: str
     expert_parallel: int = 1
+    tensor_parallel: int = 1
 
     @property
     def scheme(self) -> str:
@@ -80,14 +81,15 @@ class Layout:
         return self.expert_parallel > 1
 
     def describe(self) -> str:
-        return (f"dp={self.data_parallel} pp={self.pipeline_stages} ep={self.expert_parallel} zero={self.zero_stage} "
-                f"{self.precision}")
+        tp = f"tp={self.tensor_parallel} " if self.tensor_parallel > 1 else ""
+        return (f"dp={self.data_parallel} pp={self.pipeline_stages} ep={self.expert_parallel} {tp}"
+                f"zero={self.zero_stage} {self.precision}")
 
     @classmethod
     def from_dict(cls, d: dict) -> Layout:
         parts = d.get("pipeline_parts")
         return cls(d["data_parallel"], d["pipeline_stages"], tuple(parts) if parts else None, d["zero_stage"],
-                   d["precision"], d.get("expert_parallel", 1))
+                   d["precision"], d.get("expert_parallel", 1), d.get("tensor_parallel", 1))
 
 
 def saved_layout(meta: dict) -> Layout:
@@ -103,7 +105,7 @@ def current_layout(run: TrainingRun) -> Layout:
     precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
     parts = tuple(int(p) for p in engine.module.parts) if run.pipeline else None
     return Layout(run.dp_size, run.cfg.parallel.pipeline_stages, parts, int(engine.zero_optimization_stage()),
-                  precision, run.cfg.parallel.expert_parallel)
+                  precision, run.cfg.parallel.expert_parallel, run.cfg.parallel.tensor_parallel)
 
 
 def model_fingerprint(config: PretrainedConfig) -> dict:

@@ -1,6 +1,6 @@
 """THE reader of a checkpoint's weights: the fp32 weights (the optimizer's master copies for ZeRO >= 1) and
-persistent buffers of a checkpoint, whatever ZeRO stage, pipeline or expert-parallel layout wrote it, by HF name
-(what export writes) or by a container's names (what eval loads into SequentialLM)."""
+persistent buffers of a checkpoint, whatever ZeRO stage, pipeline, expert- or tensor-parallel layout wrote it, by
+HF name (what export writes) or by a container's names (what eval loads into SequentialLM)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from deepspeed.pipe import TiedLayerSpec
 from transformers import PretrainedConfig
 
 from ..models.pipeline import layer_specs
+from ..models.tensor_parallel import split_dim
 from .format import SCHEMES, CheckpointError, Layout, is_converted, read_meta, saved_layout, universal_dir
 from .safe_load import trusted_types_only
 from .state import read_buffers
@@ -30,7 +31,9 @@ def read_weights(tag_dir: str, config: PretrainedConfig, work_dir: str, scheme: 
     conversion: one already beside the checkpoint is reused, otherwise one is made in `work_dir`."""
     saved = saved_layout(read_meta(tag_dir))
     with trusted_types_only():
-        if saved.zero_stage == 0:
+        if saved.tensor_parallel > 1:
+            source, weights = saved.scheme, _tensor_parallel_weights(tag_dir, saved, config)
+        elif saved.zero_stage == 0:
             source, weights = saved.scheme, _zero0_weights(tag_dir, saved, config)
         else:
             source, weights = _universal_weights(tag_dir, saved, config, work_dir)
@@ -81,6 +84,24 @@ def _zero0_weights(tag_dir: str, saved: Layout, config: PretrainedConfig) -> dic
             prefix = f"tied_modules.{specs[i].key}." if isinstance(specs[i], TiedLayerSpec) else f"{i}."
             layer = torch.load(os.path.join(tag_dir, name), map_location="cpu", weights_only=True)
             out.update({prefix + k: v for k, v in layer.items()})
+    return out
+
+
+def _tensor_parallel_weights(tag_dir: str, saved: Layout, config: PretrainedConfig) -> dict[str, torch.Tensor]:
+    """An AutoTP checkpoint's weights, its shards gathered: every TP rank's model-states file (mp_rank_<r>) holds
+    that rank's module, split layers concatenated along the dimension AutoTP split (models.tensor_parallel), the
+    replicated ones taken from rank 0. In fp32 the module's weights are the optimizer's (ZeRO-1/2 keep no separate
+    master copy); a bf16 module holds rounded copies, so that export is refused rather than silently rounded."""
+    if saved.precision != "fp32":
+        raise CheckpointError(f"{tag_dir} is a {saved.precision} tensor-parallel checkpoint; deepseek-ds gathers the "
+                              "TP shards of fp32 runs only (its bf16 module weights are rounded copies of the fp32 "
+                              "master weights); train with an fp32 DeepSpeed config such as ds_configs/zero1.json")
+    shards = [torch.load(os.path.join(tag_dir, f"mp_rank_{r:02d}_model_states.pt"), map_location="cpu",
+                         weights_only=True)["module"] for r in range(saved.tensor_parallel)]
+    out = {}
+    for name, tensor in shards[0].items():
+        dim = split_dim(name, config.model_type)
+        out[name] = tensor if dim is None else torch.cat([shard[name] for shard in shards], dim=dim)
     return out
 
 

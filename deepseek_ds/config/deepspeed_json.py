@@ -21,6 +21,8 @@ from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from deepspeed.runtime.constants import SCHEDULER
 from deepspeed.runtime.swap_tensor.constants import AIO
 
+from ..models.presets import build_model_config
+from ..models.tensor_parallel import tensor_parallel_section
 from .schema import ConfigError, RunConfig
 
 # Monitor section of the DeepSpeed JSON -> the package it imports (csv_monitor needs none).
@@ -83,7 +85,8 @@ def _fill_auto(node: dict, prefix: str, auto: dict[str, Any]) -> None:
 def resolve_ds_config(ds: dict, cfg: RunConfig, world_size: int) -> dict:
     """Fill every "auto" from the run config, so batch sizes and the learning rate are written once. An explicit
     value that contradicts the run config is an error. A JSON without an `optimizer` section gets AdamW with the
-    run config's values (DeepSpeed would otherwise assert on every rank that ZeRO needs an optimizer)."""
+    run config's values (DeepSpeed would otherwise assert on every rank that ZeRO needs an optimizer). With
+    parallel.tensor_parallel > 1 it adds the `tensor_parallel` (AutoTP) section for the model's family."""
     ds = copy.deepcopy(ds)
     auto = _auto_values(cfg, world_size)
     if "optimizer" not in ds:
@@ -92,6 +95,9 @@ def resolve_ds_config(ds: dict, cfg: RunConfig, world_size: int) -> dict:
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "steps_per_print"):
         ds.setdefault(key, auto[key])
     fill_output_paths(ds, cfg.train.output_dir)
+    if cfg.parallel.tensor_parallel > 1:
+        model_type = build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides).model_type
+        ds["tensor_parallel"] = tensor_parallel_section(model_type, cfg.parallel.tensor_parallel)
     return ds
 
 

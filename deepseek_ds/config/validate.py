@@ -17,6 +17,7 @@ from ..models.lora import lora_errors
 from ..models.moe import resolve_settings
 from ..models.pipeline import partition
 from ..models.presets import ModelConfigError, build_model_config, num_routed_experts
+from ..models.tensor_parallel import tensor_parallel_errors
 from .deepspeed_json import (
     asynchronous_checkpoint_engines,
     deepspeed_refusals,
@@ -37,7 +38,7 @@ def validate(cfg: RunConfig, ds: dict, world_size: int, cuda_available: bool | N
         cuda_available = torch.cuda.is_available()
     errors = (unknown_top_level_keys(ds) + _layout_errors(cfg, world_size) + _deepspeed_errors(cfg, ds, cuda_available)
               + _model_errors(cfg, ds) + _data_errors(cfg) + _task_errors(cfg) + _nan_policy_errors(cfg, ds) + missing_monitor_packages(ds)
-              + asynchronous_checkpoint_engines(ds))
+              + asynchronous_checkpoint_engines(ds) + _tensor_parallel_errors(cfg, ds))
     if not errors:
         try:
             errors = deepspeed_refusals(resolve_ds_config(ds, cfg, world_size))
@@ -54,8 +55,9 @@ def _layout_errors(cfg: RunConfig, world_size: int) -> list[str]:
     model_parallel = p.pipeline_stages * p.tensor_parallel
     if world_size % model_parallel:
         errors.append(f"world size {world_size} is not divisible by pipeline_stages({p.pipeline_stages}) x "
-                      f"tensor_parallel({p.tensor_parallel}) = {model_parallel}; change parallel.pipeline_stages "
-                      "or the number of ranks")
+                      f"tensor_parallel({p.tensor_parallel}) = {model_parallel}, so there is no whole number of "
+                      "data-parallel replicas dp (world = pp x tp x dp); change parallel.pipeline_stages, "
+                      "parallel.tensor_parallel or the number of ranks")
     else:
         dp = cfg.data_parallel_size(world_size)
         per_step = t.micro_batch_size * dp
@@ -66,10 +68,28 @@ def _layout_errors(cfg: RunConfig, world_size: int) -> list[str]:
                           f"e.g. {per_step * max(1, round(t.global_batch_size / per_step))}")
         if p.expert_parallel > 1 and dp % p.expert_parallel:
             errors.append(f"parallel.expert_parallel ({p.expert_parallel}) must divide the data-parallel size ({dp})")
-    if p.tensor_parallel != 1:
-        errors.append("parallel.tensor_parallel > 1 is not supported yet (DeepSeek-V3 itself trains without TP); "
-                      "set it to 1")
     return errors
+
+
+def _tensor_parallel_errors(cfg: RunConfig, ds: dict) -> list[str]:
+    """parallel.tensor_parallel against the ZeRO stage, other parallelism and the model's head / MLP sizes."""
+    tp = cfg.parallel.tensor_parallel
+    errors = ["deepspeed_config has a 'tensor_parallel' section: set parallel.tensor_parallel in the run YAML "
+              "instead (deepseek-ds writes the AutoTP section for the model)"] if "tensor_parallel" in ds else []
+    if tp == 1:
+        return errors
+    try:
+        mcfg = build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides)
+    except (ModelConfigError, TypeError, ValueError):
+        return errors  # the model's own problem, reported by _model_errors
+    sizes = {"intermediate_size": mcfg.intermediate_size}
+    if num_routed_experts(mcfg):
+        sizes["moe_intermediate_size x n_shared_experts"] = mcfg.moe_intermediate_size * mcfg.n_shared_experts
+    return errors + tensor_parallel_errors(
+        tp, pipeline_stages=cfg.parallel.pipeline_stages, expert_parallel=cfg.parallel.expert_parallel,
+        zero_stage=zero_stage(ds), heads=mcfg.num_attention_heads,
+        kv_heads=getattr(mcfg, "num_key_value_heads", None) or mcfg.num_attention_heads, intermediate_sizes=sizes,
+        lora=cfg.lora.r > 0, mtp_depth=mtp_depth(mcfg))
 
 
 def _deepspeed_errors(cfg: RunConfig, ds: dict, cuda_available: bool) -> list[str]:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+from deepspeed.utils import groups
 from torch.distributed import ProcessGroup, distributed_c10d
 from transformers import PretrainedConfig
 
@@ -38,6 +39,7 @@ from ..models.pipeline import (
     prepare_config,
 )
 from ..models.presets import build_model_config
+from ..models.tensor_parallel import init_tensor_parallel_groups, shard_elements, sum_rope_key_grads
 from ..utils.redact import redact
 from ..utils.system import usable_cpus
 
@@ -238,9 +240,12 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
     if cfg.parallel.expert_parallel > 1:
         ds = {**ds, "expert_parallel": autoep_section(mcfg, cfg.parallel.expert_parallel)}
         model.config = mcfg  # AutoEP reads the expert count, top-k and routing from model.config
+    tp = cfg.parallel.tensor_parallel
+    if tp > 1:
+        model.config = mcfg  # AutoTP reads the head counts from model.config
     biases = snapshot_biases(model)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                           config=ds)
+                                           config=ds, mpu=init_tensor_parallel_groups(tp) if tp > 1 else None)
     restore_fp32_biases(engine.module, biases)
     timeouts = apply_timeout_to_all_groups(cfg.train.dist_timeout_s)
     log.info("%d process groups, each with a %s s timeout (train.dist_timeout_s)", len(timeouts),
@@ -249,14 +254,24 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
     if pp > 1:
         dp_rank, dp_size, dp_group = engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size(), \
             engine.grid.get_data_parallel_group()
+    elif tp > 1:
+        # The TP ranks of a replica read the same batch: data-parallel is DeepSpeed's (data x tensor) mesh dimension.
+        dp_rank, dp_size, dp_group = groups.get_data_parallel_rank(), groups.get_data_parallel_world_size(), \
+            groups.get_data_parallel_group()
+        sum_rope_key_grads(engine.module, groups.get_tensor_model_parallel_group())
+        log.info("tensor parallel %d: this rank holds %d elements of split weights, %d parameters in all", tp,
+                 sum(shard_elements(engine.module).values()), sum(p.numel() for p in engine.module.parameters()))
     else:
         dp_rank, dp_size, dp_group = rank, world, None
     grad_accum = cfg.grad_accum_steps(dp_size)
     settings = resolve_settings(cfg.moe, mcfg)
     # fp16 scales the LM loss's gradients by its dynamic loss scale: the balance losses' gradients must follow.
     loss_scale = (lambda: float(engine.optimizer.loss_scale)) if engine.fp16_enabled() else None
-    balancer = (LoadBalancer(engine.module, settings, dp_size / cfg.train.global_batch_size, cfg.train.global_batch_size,
-                             engine.device, dp_group, loss_scale) if settings and settings.active else None)
+    # Its balance-loss metrics sum over every rank, where each TP rank of a replica holds the same sequences: they
+    # count tp times.
+    balancer = (LoadBalancer(engine.module, settings, dp_size / cfg.train.global_batch_size,
+                             cfg.train.global_batch_size * tp, engine.device, dp_group, loss_scale)
+                if settings and settings.active else None)
     return Run(cfg=cfg, ds=ds, engine=engine, model_config=mcfg, loss_fn=loss_fn, dataset=dataset,
                dataset_dir=dataset_dir, rank=rank, world=world, dp_rank=dp_rank, dp_size=dp_size, dp_group=dp_group,
                pipeline=pp > 1, grad_accum=grad_accum, log=log, balancer=balancer)
