@@ -24,6 +24,7 @@ from .launcher.supervise import read_stop_record, run_launcher
 from .launcher.world import world_size
 from .models.pipeline import partition, partition_table, prepare_config
 from .models.presets import PRESETS, build_model_config
+from .plan import cli as plan_cli
 from .utils.cli_args import add_master_port, add_run_args, add_slot_filters, add_world_args, positive_int, spellings
 from .utils.errors import run_command
 from .utils.system import deepspeed_executable
@@ -57,6 +58,7 @@ def validated(args: argparse.Namespace) -> RunConfig:
           + (f"resumes from {os.path.join(cfg.checkpoint_dir, tag)}" if tag else
              f"a new run in {cfg.train.output_dir}"))
     print("".join(f"note: {line}\n" for line in filled_sections(load_ds_config(cfg.deepspeed_config))), end="")
+    print(plan_cli.run_verdict(cfg, world, args.gpu_memory, args.strict))
     return cfg
 
 
@@ -121,6 +123,7 @@ def _add_run_parser(sub, name: str, help: str, func) -> argparse.ArgumentParser:
     add_run_args(p)
     add_world_args(p)
     add_slot_filters(p)
+    plan_cli.add_verdict_args(p)
     p.set_defaults(func=func)
     return p
 
@@ -159,7 +162,7 @@ def _register_modules(sub) -> None:
     data = sub.add_parser("data", help="prepare and inspect tokenized datasets").add_subparsers(
         dest="data_command", metavar="SUBCOMMAND", required=True)
     data_cli.register(data)
-    for module in (launcher_cli, checkpoint_cli, inference_cli):
+    for module in (launcher_cli, checkpoint_cli, inference_cli, plan_cli):
         module.register(sub)
     bench = sub.add_parser("bench", help="benchmarks that print tables and write reports").add_subparsers(
         dest="bench_command", metavar="SUBCOMMAND", required=True)

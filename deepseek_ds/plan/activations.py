@@ -1,0 +1,105 @@
+"""Activation bytes: what autograd keeps from the forward of one micro-batch, per layer, and how many micro-batches a
+pipeline stage holds at once under 1F1B.
+
+Per token, counted from what transformers' modules save for backward (checked against
+torch.autograd.graph.saved_tensors_hooks in tests/test_plan.py): an RMSNorm keeps its input and rsqrt in fp32 and
+its normalized output and the next matmul's input in the activation dtype; a linear layer its input; SiLU-gated MLPs
+gate, up, act and down's input (4 x intermediate); attention q, k, v, the log-sum-exp and o_proj's input, and
+MLA without a fused kernel (query and value head dims differ, CPU) the score matrix (heads x seq_len); a MoE layer
+the router logits and, for each of the top-k routed copies of a token, its input, gate_up output, activation and
+output. Activation checkpointing keeps only a checkpointed layer's input, and recomputes one layer at a time.
+"""
+
+from __future__ import annotations
+
+from ..models.layers import mtp_depth
+from ..models.presets import is_moe
+
+FP32 = 4
+INDEX_BYTES = 8  # int64 token ids and expert indices
+
+
+def _norm(width: int, f: int) -> int:
+    """RMSNorm + the next matmul's input: fp32 input copy and rsqrt, normalized output and weighted output."""
+    return FP32 * width + FP32 + 2 * f * width
+
+
+def attention_bytes(mcfg, seq_len: int, f: int, tp: int, fused: bool) -> float:
+    """Per token, one attention block including its input norm. `fused`: a flash / memory-efficient kernel (no score
+    matrix kept); MLA's unequal query and value head dims fall back to the math kernel on the CPU."""
+    h = mcfg.num_attention_heads // tp
+    out = _norm(mcfg.hidden_size, f)
+    if hasattr(mcfg, "kv_lora_rank"):
+        qk, v, rope, kv = (mcfg.qk_nope_head_dim + mcfg.qk_rope_head_dim, mcfg.v_head_dim, mcfg.qk_rope_head_dim,
+                           mcfg.kv_lora_rank)
+        if mcfg.q_lora_rank:
+            out += _norm(mcfg.q_lora_rank, f) - f * mcfg.q_lora_rank
+        out += f * (kv + rope) + FP32 + 2 * f * kv + 2 * rope * f
+        out += f * h * (2 * qk + 2 * v) + FP32 * h if fused else f * h * (2 * qk + v + seq_len)
+    else:
+        d = mcfg.hidden_size // mcfg.num_attention_heads
+        kvh = mcfg.num_key_value_heads // tp
+        out += 2 * d * f + f * d * (h + 2 * kvh) + FP32 * h
+    return out + f * h * (v if hasattr(mcfg, "kv_lora_rank") else d)
+
+
+def mlp_bytes(mcfg, moe: bool, f: int, tp: int) -> float:
+    """Per token, one MLP block including its input norm (dense, or shared + top-k routed experts)."""
+    out = _norm(mcfg.hidden_size, f)
+    if not moe:
+        return out + 4 * f * mcfg.intermediate_size // tp
+    k, e, inter = mcfg.num_experts_per_tok, mcfg.n_routed_experts, mcfg.moe_intermediate_size
+    out += f * e + 5 * INDEX_BYTES * k  # router logits, top-k indices and weights, the token permutation
+    out += f * k * (2 * mcfg.hidden_size + 4 * inter)
+    return out + 4 * f * (mcfg.n_shared_experts or 0) * inter // tp
+
+
+def layer_kinds(mcfg) -> list[str]:
+    """"dense" or "moe" for each decoder layer."""
+    first = getattr(mcfg, "first_k_dense_replace", mcfg.num_hidden_layers) if is_moe(mcfg) else mcfg.num_hidden_layers
+    return ["dense" if i < first else "moe" for i in range(mcfg.num_hidden_layers)]
+
+
+def spec_bytes(mcfg, seq_len: int, f: int, tp: int, fused: bool) -> list[float]:
+    """Per token, the bytes each spec of models.pipeline.layer_specs keeps (embedding, decoder layers, norm, [MTP
+    embedding and modules,] head), without checkpointing and without the loss."""
+    attn = attention_bytes(mcfg, seq_len, f, tp, fused)
+    layers = [attn + mlp_bytes(mcfg, kind == "moe", f, tp) for kind in layer_kinds(mcfg)]
+    depth = mtp_depth(mcfg)
+    # An MTP module: two norms, the projection of their concatenation, one MoE decoder layer.
+    mtp = [2 * _norm(mcfg.hidden_size, f) + attn + mlp_bytes(mcfg, True, f, tp)] * depth if depth else []
+    return [INDEX_BYTES, *layers, FP32 * mcfg.hidden_size + FP32 + f * mcfg.hidden_size,
+            *([INDEX_BYTES] if depth else []), *mtp, f * mcfg.hidden_size]
+
+
+def loss_bytes(mcfg, f: int) -> int:
+    """Per token, the cross-entropy over the vocabulary: the logits and their fp32 log-softmax, per predicted depth."""
+    return (f + FP32) * mcfg.vocab_size * (1 + mtp_depth(mcfg))
+
+
+def checkpointed(spec_index: int, interval: int, is_decoder: bool) -> bool:
+    """SequentialLM's rule: decoder layer specs at an index divisible by the interval."""
+    return bool(interval) and is_decoder and spec_index % interval == 0
+
+
+def stage_micro_batch_bytes(mcfg, bounds: list[int], stage: int, tokens: int, seq_len: int, f: int, tp: int,
+                            fused: bool, interval: int, with_loss: bool) -> tuple[int, int]:
+    """(bytes one micro-batch of `tokens` tokens leaves saved on a stage after its forward, the bytes of the largest
+    checkpointed layer while backward recomputes it: once per rank, not per micro-batch)."""
+    per_spec = spec_bytes(mcfg, seq_len, f, tp, fused)
+    decoder = set(range(1, mcfg.num_hidden_layers + 1))
+    saved, recompute = 0.0, 0.0
+    for i in range(bounds[stage], bounds[stage + 1]):
+        if checkpointed(i, interval, i in decoder):
+            saved += f * mcfg.hidden_size  # the layer's input, kept for the recomputation
+            recompute = max(recompute, per_spec[i])
+        else:
+            saved += per_spec[i]
+    if with_loss and stage == len(bounds) - 2:
+        saved += loss_bytes(mcfg, f)
+    return int(saved * tokens), int(recompute * tokens)
+
+
+def in_flight(pp: int, stage: int, micro_batches: int) -> int:
+    """Micro-batches whose activations stage `stage` holds at the peak of a 1F1B schedule (the first stage pp)."""
+    return min(pp - stage, micro_batches)

@@ -1,0 +1,161 @@
+"""`deepseek-ds plan`: will this run fit, and which layout is fastest? Also the one-line verdict that `validate` and
+`train` print for the run they check."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+
+import torch
+
+from ..config import ConfigError, load_ds_config, load_run_config, validate
+from ..launcher.world import world_size
+from ..utils.cli_args import add_hostfile, add_num_gpus, add_run_args, add_slot_filters, positive_int, spellings
+from ..utils.errors import UserError
+from . import report
+from .estimate import Layout, estimate, layout_of, model_config
+from .params import SpecParams
+from .steptime import Hardware, search, step_time
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(GIB|GB|MIB|MB|TIB|TB)?", re.IGNORECASE)
+_UNITS = {"GIB": 2**30, "GB": 2**30, "MIB": 2**20, "MB": 2**20, "TIB": 2**40, "TB": 2**40, None: 1}
+_LAYOUT_KEYS = {"pp": "parallel.pipeline_stages", "ep": "parallel.expert_parallel", "tp": "parallel.tensor_parallel",
+                "micro": "train.micro_batch_size"}
+
+
+class PlanError(UserError):
+    pass
+
+
+def memory_size(text: str) -> int:
+    """'80GB' -> bytes. GB means GiB here, as GPU memory is quoted (an "80 GB" H100 holds 79.6 GiB)."""
+    m = _SIZE.fullmatch(text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"--gpu-memory {text!r}: a size such as 80GB, 24GiB or 81559MiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper() if m.group(2) else None])
+
+
+def layout_sets(text: str) -> tuple[list[str], int | None]:
+    """--layout pp=16,ep=64,tp=1,zero=1,micro=1 -> the --set overrides it means, and the ZeRO stage (if given)."""
+    sets, zero = [], None
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key not in (*_LAYOUT_KEYS, "zero") or not value.isdigit():
+            raise PlanError(f"--layout {text!r}: {item!r} is not KEY=N with KEY one of pp, ep, tp, zero, micro; "
+                            "e.g. --layout pp=16,ep=64,tp=1,zero=1,micro=1")
+        if key == "zero":
+            zero = int(value)
+        else:
+            sets.append(f"{_LAYOUT_KEYS[key]}={value}")
+    return sets, zero
+
+
+def local_memory(world: int) -> int:
+    """This host's accelerator memory per rank: the first GPU's, or on the CPU the RAM shared by the ranks."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(world, 1)
+
+
+def run_verdict(cfg, world: int, gpu_memory: int | None, strict: bool) -> str:
+    """The plan's verdict for a run validate() accepted; --strict turns DOES NOT FIT into a PlanError."""
+    ds = load_ds_config(cfg.deepspeed_config)
+    plan = estimate(cfg, ds, layout_of(cfg, ds, world), gpu_memory or local_memory(world),
+                    fused_attention=torch.cuda.is_available())
+    line = report.verdict(plan)
+    if strict and not plan.fits:
+        raise PlanError(line + "; lower train.micro_batch_size, raise the ZeRO stage or parallelism, or see "
+                        "`deepseek-ds plan --search`")
+    return line if plan.fits else "warning: " + line
+
+
+def _plan(args: argparse.Namespace) -> tuple:
+    """(run config, DeepSpeed JSON, world size) of the layout asked for, checked by validate()."""
+    world = args.gpus or world_size(args.num_gpus, args.hostfile, args.include, args.exclude)
+    sets, zero = layout_sets(args.layout) if args.layout else ([], None)
+    cfg = load_run_config(args.config, args.set + sets)
+    cfg.deepspeed_config = args.deepspeed_config or cfg.deepspeed_config
+    ds = load_ds_config(cfg.deepspeed_config)
+    if zero is not None:
+        ds.setdefault("zero_optimization", {})["stage"] = zero
+    validate(cfg, ds, world, cuda_available=not args.cpu)
+    return cfg, ds, world
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    if args.gpus_per_node and (not args.gpus or args.gpus % args.gpus_per_node):
+        raise PlanError(f"--gpus-per-node {args.gpus_per_node} needs --gpus N, a multiple of it")
+    try:
+        cfg, ds, world = _plan(args)
+    except ConfigError as e:
+        raise PlanError(f"this layout is not valid for {args.config}: {e}") from e
+    hw = Hardware(args.peak_tflops, args.mfu, args.bandwidth * 1e9, args.intra_bandwidth * 1e9,
+                  args.gpus_per_node or 8)
+    model = SpecParams(model_config(cfg))
+    fused = not args.cpu
+    if args.search:
+        found = search(cfg, ds, world, args.gpu_memory, hw, fused, model)
+        if args.json:
+            print(json.dumps([{**report.as_json(p), "step_time_s": t.total_s} for p, t in found[:args.top]], indent=2))
+        elif not found:
+            print(f"no valid layout of {world} GPUs fits in {args.gpu_memory} bytes each")
+        else:
+            print(f"{len(found)} valid layouts of {world} GPUs fit; the fastest (MFU {args.mfu:.0%} of "
+                  f"{args.peak_tflops:g} TFLOP/s, {args.bandwidth:g} GB/s between nodes, {args.intra_bandwidth:g} "
+                  "GB/s inside one, communication not overlapped):")
+            print(report.ranking(found, args.top))
+        return 0 if found else 1
+    plan = estimate(cfg, ds, layout_of(cfg, ds, world), args.gpu_memory, fused, model)
+    if args.json:
+        print(json.dumps(report.as_json(plan), indent=2))
+    else:
+        print(f"{plan.model}, {plan.precision}, {world} GPUs: {plan.layout}")
+        print(report.table(plan))
+        print(report.verdict(plan).removeprefix("plan: "))
+        print("estimated " + report.why(plan, step_time(cfg, plan, hw, model)))
+    return 0 if plan.fits else 1
+
+
+def add_verdict_args(p: argparse.ArgumentParser) -> None:
+    """validate / train: the memory the verdict compares against, and --strict."""
+    p.add_argument(*spellings("--gpu-memory"), type=memory_size, default=None, metavar="SIZE",
+                   help="memory per GPU for the plan's verdict, e.g. 80GB (default: this host's first GPU; on the "
+                        "CPU its RAM / ranks)")
+    p.add_argument("--strict", action="store_true", help="refuse the run when the plan says it does not fit "
+                                                         "(default: a warning)")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="per-rank memory and step-time estimates of a run's layout; --search ranks all "
+                                    "valid layouts", description=__doc__)
+    add_run_args(p)
+    world = p.add_mutually_exclusive_group()
+    add_num_gpus(world, help="ranks on this host")
+    add_hostfile(world)
+    world.add_argument("--gpus", type=positive_int, default=None, metavar="N", help="GPUs of a cluster (no hostfile)")
+    p.add_argument(*spellings("--gpus-per-node"), type=positive_int, default=None, metavar="G",
+                   help="with --gpus: GPUs per node (tensor and expert groups inside a node use --intra-bandwidth; "
+                        "default 8)")
+    add_slot_filters(p)
+    p.add_argument(*spellings("--gpu-memory"), type=memory_size, required=True, metavar="SIZE",
+                   help="memory per GPU, e.g. 80GB (GB = GiB)")
+    p.add_argument("--layout", default=None, metavar="pp=P,ep=E,tp=T,zero=Z,micro=M",
+                   help="this layout instead of the run config's (any subset of the keys)")
+    p.add_argument("--search", action="store_true", help="rank every valid layout that fits by estimated step time")
+    p.add_argument("--top", type=positive_int, default=5, help="--search: layouts printed (default 5)")
+    p.add_argument("--json", action="store_true", help="one JSON object (with --search: a list, fastest first)")
+    p.add_argument(*spellings("--peak-tflops"), type=float, default=989.0,
+                   help="dense peak TFLOP/s per GPU in the run's precision (default 989: H100 bf16)")
+    p.add_argument("--mfu", type=float, default=0.4, help="fraction of the peak the compute reaches (default 0.4)")
+    p.add_argument("--bandwidth", type=float, default=50.0,
+                   help="GB/s per GPU between nodes for collectives (default 50: 400 Gb/s InfiniBand)")
+    p.add_argument(*spellings("--intra-bandwidth"), type=float, default=300.0,
+                   help="GB/s per GPU inside a node (default 300: NVLink)")
+    p.add_argument("--cpu", action="store_true", help="plan for DeepSpeed's CPU accelerator (no fused attention "
+                                                      "kernel for MLA)")
+    p.set_defaults(func=cmd_plan)
+
+
+__all__ = ["Layout", "PlanError", "add_verdict_args", "memory_size", "register", "run_verdict"]

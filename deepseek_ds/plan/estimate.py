@@ -1,0 +1,150 @@
+"""One layout's per-rank estimate: the fullest rank of every pipeline stage, each with its parameter, gradient and
+optimizer bytes (states.py, exact), activations (activations.py), communication buffers, and the total against the
+GPU's memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..config import RunConfig, precision, zero_stage
+from ..models.lora import target_modules
+from ..models.pipeline import prepare_config
+from ..models.presets import build_model_config, num_routed_experts
+from . import activations
+from .params import SpecParams, rank_params, stage_bounds
+from .states import PERSISTENCE_DEFAULT, ZeroSettings, state_bytes
+
+# DeepSpeedZeroConfig's defaults (deepspeed/runtime/zero/config.py), for a JSON that leaves them out.
+REDUCE_BUCKET_DEFAULT = int(5e8)
+PREFETCH_BUCKET_DEFAULT = int(5e7)
+TERMS = ("params", "grads", "optimizer", "activations", "buffers")
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int
+    ep: int
+    tp: int
+    zero: int
+    dp: int
+    micro: int
+    grad_accum: int
+
+    def as_dict(self) -> dict:
+        return {"pp": self.pp, "ep": self.ep, "tp": self.tp, "zero": self.zero, "dp": self.dp, "micro": self.micro,
+                "grad_accum": self.grad_accum}
+
+    def __str__(self) -> str:
+        return (f"pp={self.pp},ep={self.ep},tp={self.tp},zero={self.zero},micro={self.micro} "
+                f"(dp {self.dp}, grad-accum {self.grad_accum})")
+
+
+@dataclass(frozen=True)
+class RankEstimate:
+    rank: int
+    stage: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: int
+    offloaded: int  # model-state bytes in host memory (offload), not counted in `total`
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers - self.offloaded
+
+    @property
+    def largest(self) -> str:
+        return max(TERMS, key=lambda t: getattr(self, t))
+
+
+@dataclass
+class Plan:
+    model: str
+    precision: str
+    layout: Layout
+    gpu_memory: int
+    ranks: list[RankEstimate]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fullest(self) -> RankEstimate:
+        return max(self.ranks, key=lambda r: r.total)
+
+    @property
+    def fits(self) -> bool:
+        return self.fullest.total <= self.gpu_memory
+
+
+def layout_of(cfg: RunConfig, ds: dict, world: int) -> Layout:
+    """The layout train.py runs for this config and world size (validate() has checked it)."""
+    dp = cfg.data_parallel_size(world)
+    return Layout(pp=cfg.parallel.pipeline_stages, ep=cfg.parallel.expert_parallel, tp=cfg.parallel.tensor_parallel,
+                  zero=zero_stage(ds), dp=dp, micro=cfg.train.micro_batch_size, grad_accum=cfg.grad_accum_steps(dp))
+
+
+def model_config(cfg: RunConfig):
+    return prepare_config(build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides),
+                          cfg.model.attn_implementation, cfg.model.experts_implementation)
+
+
+def element_bytes(ds: dict) -> int:
+    """Bytes of a parameter, gradient and activation element in the run's precision."""
+    return 2 if precision(ds) in ("bf16", "fp16") else 4
+
+
+def zero_settings(ds: dict, stage: int, param_bytes: int) -> ZeroSettings:
+    zero = ds.get("zero_optimization", {})
+    return ZeroSettings(stage=stage, param_bytes=param_bytes,
+                        persistence_threshold=int(zero.get("stage3_param_persistence_threshold", PERSISTENCE_DEFAULT)),
+                        offload_optimizer=zero.get("offload_optimizer", {}).get("device", "none") != "none",
+                        offload_params=zero.get("offload_param", {}).get("device", "none") != "none")
+
+
+def buffer_bytes(ds: dict, layout: Layout, param_bytes: int, boundary_bytes: int) -> int:
+    """Communication buffers: ZeRO's gradient reduction bucket(s) (reduce_bucket_size elements of the gradients'
+    dtype; two with overlap_comm), ZeRO-3's parameter prefetch bucket, and a pipeline stage's send and receive
+    buffers (activations forward, their gradients backward)."""
+    zero = ds.get("zero_optimization", {})
+    bucket = int(zero.get("reduce_bucket_size", REDUCE_BUCKET_DEFAULT))
+    overlap = bool(zero.get("overlap_comm", layout.zero == 3))
+    out = 0
+    if layout.zero in (1, 2):
+        out += bucket * (2 if overlap else 1) * param_bytes
+    elif layout.zero == 3:
+        out += bucket * param_bytes + int(zero.get("stage3_prefetch_bucket_size", PREFETCH_BUCKET_DEFAULT)) * param_bytes
+    if layout.pp > 1:
+        out += 2 * boundary_bytes
+    return out
+
+
+def estimate(cfg: RunConfig, ds: dict, layout: Layout, gpu_memory: int, fused_attention: bool,
+             model: SpecParams | None = None) -> Plan:
+    """Per-rank bytes of `layout` (the run's own, or one from --layout / --search) for this run config."""
+    mcfg = model.mcfg if model else model_config(cfg)
+    model = model or SpecParams(mcfg)
+    f = element_bytes(ds)
+    z = zero_settings(ds, layout.zero, f)
+    bounds = stage_bounds(mcfg, layout.pp, cfg.model.partition_method, cfg.data.seq_len)
+    lora = cfg.lora.r
+    targets = frozenset(target_modules(cfg.lora, mcfg)) if lora else frozenset()
+    ep = layout.ep if num_routed_experts(mcfg) else 1
+    tokens = layout.micro * cfg.data.seq_len
+    boundary = tokens * mcfg.hidden_size * f
+    ranks = []
+    for stage in range(layout.pp):
+        params = rank_params(model, bounds, stage, ep, layout.tp, lora, targets)
+        saved, recompute = activations.stage_micro_batch_bytes(
+            mcfg, bounds, stage, tokens, cfg.data.seq_len, f, layout.tp, fused_attention,
+            cfg.model.activation_checkpoint_interval, with_loss=True)
+        acts = saved * (activations.in_flight(layout.pp, stage, layout.grad_accum) if layout.pp > 1 else 1) + recompute
+        # ZeRO-2's slices hold different parameters whole: the fullest data-parallel rank decides.
+        dp_ranks = range(layout.dp) if layout.zero == 2 else range(1)
+        dp_rank, states = max(((d, state_bytes(params, z, layout.dp, ep, d)) for d in dp_ranks),
+                              key=lambda ds_: ds_[1].params + ds_[1].grads + ds_[1].optimizer)
+        ranks.append(RankEstimate(rank=(stage * layout.dp + dp_rank) * layout.tp, stage=stage, params=states.params,
+                                  grads=states.grads, optimizer=states.optimizer, activations=acts,
+                                  buffers=buffer_bytes(ds, layout, f, boundary), offloaded=states.offloaded))
+    name = cfg.model.preset or cfg.model.path
+    return Plan(model=name, precision=precision(ds), layout=layout, gpu_memory=gpu_memory, ranks=ranks)

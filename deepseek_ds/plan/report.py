@@ -1,0 +1,42 @@
+"""The plan as people and programs read it: a per-rank table with the verdict, the --json object, the one-line
+verdict validate and train print, and the ranked --search list."""
+
+from __future__ import annotations
+
+from ..utils.fmt import human_bytes, markdown_table, text_table
+from .estimate import TERMS, Plan
+from .steptime import StepTime
+
+HEADERS = ["rank", "stage", "params", "grads", "optimizer", "activations", "buffers", "total", "largest"]
+
+
+def verdict(plan: Plan) -> str:
+    r = plan.fullest
+    word = "FITS" if plan.fits else "DOES NOT FIT"
+    return (f"plan: {word}: the fullest rank ({r.rank}, stage {r.stage}) needs {human_bytes(r.total)} of "
+            f"{human_bytes(plan.gpu_memory)} ({r.total / plan.gpu_memory:.0%}); largest term: {r.largest} "
+            f"{human_bytes(getattr(r, r.largest))} [{plan.layout}]")
+
+
+def table(plan: Plan, markdown: bool = False) -> str:
+    rows = [[str(r.rank), str(r.stage), *(human_bytes(getattr(r, t)) for t in TERMS), human_bytes(r.total), r.largest]
+            for r in plan.ranks]
+    return (markdown_table if markdown else text_table)(rows, HEADERS)
+
+
+def as_json(plan: Plan) -> dict:
+    return {"fits": plan.fits, "gpu_memory_bytes": plan.gpu_memory, "model": plan.model, "precision": plan.precision,
+            "layout": plan.layout.as_dict(),
+            "ranks": [{"rank": r.rank, "stage": r.stage, "params_bytes": r.params, "grads_bytes": r.grads,
+                       "optimizer_bytes": r.optimizer, "activation_bytes": r.activations, "buffers_bytes": r.buffers,
+                       "offloaded_bytes": r.offloaded, "total_bytes": r.total} for r in plan.ranks]}
+
+
+def why(plan: Plan, t: StepTime) -> str:
+    return (f"{t.total_s:.2f} s/step, {t.tokens_per_s:,.0f} tokens/s: compute {t.compute_s:.2f} s, bubble "
+            f"{t.bubble:.0%}, communication {t.comm_s:.2f} s; fullest rank {human_bytes(plan.fullest.total)}")
+
+
+def ranking(found: list[tuple[Plan, StepTime]], top: int) -> str:
+    rows = [[str(i + 1), str(p.layout), why(p, t)] for i, (p, t) in enumerate(found[:top])]
+    return text_table(rows, ["#", "layout", "why"], align=("right", "left", "left"))

@@ -1,0 +1,108 @@
+"""Model-state bytes of one rank (parameters, gradients, optimizer states), laid out as DeepSpeed 0.19 lays them out,
+padding included, so the prediction equals what bench zero's worker measures from the engine to the byte.
+
+ZeRO 1/2 (runtime/zero/stage_1_and_2.py) flatten each parameter group into one buffer padded to a multiple of
+nccl_start_alignment_factor (2) x the group's partition count, and give each rank one contiguous 1/N of it: the
+fp32 master copy and Adam's two moments cover that slice. ZeRO-2's gradient buffer (grads_in_partition) holds every
+parameter that overlaps the rank's slice whole; ZeRO-1 keeps whole gradients until the accumulation boundary.
+ZeRO-3 (partition_parameters.py) pads each parameter to a multiple of N and keeps 1/N of it, plus parameters of at
+most stage3_param_persistence_threshold elements whole on every rank. Expert parameters (AutoEP) form their own
+group, partitioned over the expert-data-parallel group (data parallel / EP) instead of the data-parallel one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .params import Param
+
+NCCL_START_ALIGNMENT = 2   # stage_1_and_2.py's nccl_start_alignment_factor
+MASTER_BYTES = 4           # fp32 master weights (ZeRO keeps them even when training in fp32)
+ADAM_BYTES = 8             # Adam's exp_avg and exp_avg_sq, fp32
+# DeepSpeed splits a MoE group above this many elements (moe/utils.py split_params_into_different_moe_groups...).
+MAX_MOE_GROUP = 178956971
+PERSISTENCE_DEFAULT = 100000  # DeepSpeedZeroConfig.param_persistence_threshold
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    stage: int
+    param_bytes: int            # 4 fp32, 2 bf16 / fp16
+    persistence_threshold: int  # ZeRO-3: parameters this small stay whole on every rank
+    offload_optimizer: bool = False
+    offload_params: bool = False
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    params: int
+    grads: int
+    optimizer: int
+    offloaded: int  # of those, the bytes kept in host memory
+
+
+def _groups(params: list[Param]) -> list[tuple[list[int], bool]]:
+    """(element counts, is_expert) per optimizer parameter group, as the engine builds them from build_run's single
+    group: without experts one group; with AutoEP the dense parameters, then the experts in groups of at most
+    MAX_MOE_GROUP elements."""
+    dense = [p.numel for p in params if p.trainable and not p.expert]
+    experts, groups = [p.numel for p in params if p.trainable and p.expert], [(dense, False)]
+    current: list[int] = []
+    for n in experts:
+        if current and sum(current) + n > MAX_MOE_GROUP:
+            groups.append((current, True))
+            current = []
+        current.append(n)
+    if current:
+        groups.append((current, True))
+    return [g for g in groups if g[0]]
+
+
+def _overlapping(numels: list[int], start: int, end: int) -> int:
+    """Elements of the parameters of a flat group that overlap [start, end) (get_partition_info's rule)."""
+    total, offset = 0, 0
+    for n in numels:
+        if start <= offset < end or offset < start < offset + n:
+            total += n
+        offset += n
+    return total
+
+
+def _zero12(numels: list[int], n: int, rank: int, z: ZeroSettings) -> tuple[int, int, int]:
+    align = NCCL_START_ALIGNMENT * n
+    flat = -(-sum(numels) // align) * align
+    part = flat // n
+    # ZeRO-1: whole gradients in the parameters' .grad until the boundary; ZeRO-2: the partition buffer.
+    grads = z.param_bytes * (sum(numels) if z.stage == 1 else _overlapping(numels, rank * part, (rank + 1) * part))
+    return z.param_bytes * flat, grads, (MASTER_BYTES + ADAM_BYTES) * part
+
+
+def _zero3(numels: list[int], n: int, z: ZeroSettings) -> tuple[int, int, int]:
+    part = sum(-(-x // n) for x in numels)
+    persistent = sum(x for x in numels if x <= z.persistence_threshold)
+    return z.param_bytes * (part + persistent), z.param_bytes * part, (MASTER_BYTES + ADAM_BYTES) * part
+
+
+def state_bytes(params: list[Param], z: ZeroSettings, dp: int, ep: int, dp_rank: int) -> StateBytes:
+    """Bytes one rank holds. `dp_rank`: the rank's index in its data-parallel group (ZeRO-2's slices hold different
+    parameters whole, so ranks differ by a few parameters); the expert group's index is dp_rank // ep."""
+    total = [0, 0, 0]
+    for numels, expert in _groups(params):
+        n = dp // ep if expert else dp
+        rank = dp_rank // ep if expert else dp_rank
+        if z.stage == 0:
+            size = sum(numels)
+            # fp32: Adam updates the parameters themselves; mixed precision adds an fp32 master copy.
+            master = MASTER_BYTES * size if z.param_bytes != MASTER_BYTES else 0
+            got = (z.param_bytes * size, z.param_bytes * size, ADAM_BYTES * size + master)
+        elif z.stage in (1, 2):
+            got = _zero12(numels, n, rank, z)
+        else:
+            got = _zero3(numels, n, z)
+        total = [t + g for t, g in zip(total, got)]
+    params_b, grads_b, optim_b = total
+    # Frozen (LoRA base) weights stay out of ZeRO's flat groups: whole on every rank, or 1/N each under ZeRO-3.
+    frozen = [p.numel for p in params if not p.trainable]
+    params_b += z.param_bytes * (sum(-(-x // dp) for x in frozen) if z.stage == 3 else sum(frozen))
+    offloaded = (optim_b if z.offload_optimizer else 0) + (params_b if z.offload_params else 0)
+    return StateBytes(params_b, grads_b, optim_b, offloaded)

@@ -1,0 +1,120 @@
+"""Estimated optimizer-step time of a layout, and the search over every layout validate() accepts for a GPU count.
+
+time = the slowest stage's compute (training FLOPs per token from models.flops, the one formula, at a stated MFU of
+the GPU's peak) stretched by the 1F1B bubble, (m + p - 1) / m for p stages and m micro-batches, plus the
+communication a step must move at a stated bandwidth per GPU, not overlapped (an upper bound): gradient reduction
+over the data-parallel group (ring: 2 (n-1)/n x the bytes; ZeRO-3 also all-gathers the parameters twice: 3),
+expert gradients over the expert-data-parallel group, MoE all-to-all (dispatch and combine, forward and backward)
+and tensor-parallel all-reduces (two per layer forward, two backward).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+
+from ..config import ConfigError, RunConfig, validate
+from ..models import flops
+from ..models.pipeline import layer_costs
+from ..models.presets import num_routed_experts
+from .activations import layer_kinds
+from .estimate import Layout, Plan, estimate, layout_of
+from .params import SpecParams, rank_params, stage_bounds
+
+
+@dataclass(frozen=True)
+class Hardware:
+    peak_tflops: float   # per GPU, dense, in the run's precision
+    mfu: float           # the fraction of it the compute reaches
+    bandwidth: float        # bytes/s per GPU for collectives between nodes
+    intra_bandwidth: float  # bytes/s per GPU inside a node
+    gpus_per_node: int
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_s: float
+    bubble: float        # (p-1)/(m+p-1)
+    comm_s: float
+    tokens: int          # per optimizer step, all ranks
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s / (1 - self.bubble) + self.comm_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.total_s
+
+
+def step_time(cfg: RunConfig, plan: Plan, hw: Hardware, model: SpecParams) -> StepTime:
+    mcfg, lay = model.mcfg, plan.layout
+    seq = cfg.data.seq_len
+    bounds = stage_bounds(mcfg, lay.pp, cfg.model.partition_method, seq)
+    per_layer = flops.layer_flops(layer_costs(mcfg), mcfg, seq)
+    replica_tokens = lay.micro * lay.grad_accum * seq
+    f = 2 if plan.precision in ("bf16", "fp16") else 4
+    stage_flops = [sum(per_layer[a:b]) for a, b in zip(bounds, bounds[1:])]
+    compute = max(stage_flops) * replica_tokens / lay.tp / (hw.peak_tflops * 1e12 * hw.mfu)
+    bubble = (lay.pp - 1) / (lay.grad_accum + lay.pp - 1)
+    comm = 0.0
+    ep = lay.ep if num_routed_experts(mcfg) else 1
+    for stage in range(lay.pp):
+        params = [p for p in rank_params(model, bounds, stage, ep, lay.tp, cfg.lora.r) if p.trainable]
+        dense = sum(p.numel for p in params if not p.expert) * f
+        expert = sum(p.numel for p in params if p.expert) * f
+        factor = 3 if lay.zero == 3 else 2
+        edp = lay.dp // ep
+        between = factor * ((lay.dp - 1) / lay.dp * dense + ((edp - 1) / edp * expert if edp > 1 else 0))
+        decoders = [i - 1 for i in range(bounds[stage], bounds[stage + 1]) if 1 <= i <= mcfg.num_hidden_layers]
+        moe = sum(1 for i in decoders if layer_kinds(mcfg)[i] == "moe")
+        token_bytes = replica_tokens * mcfg.hidden_size * f
+        inside = 4 * moe * token_bytes * getattr(mcfg, "num_experts_per_tok", 0) * (ep - 1) / ep
+        inside += 4 * len(decoders) * token_bytes * 2 * (lay.tp - 1) / lay.tp
+        # Expert and tensor groups are consecutive ranks: inside one node when they fit in it.
+        local = hw.intra_bandwidth if ep * lay.tp <= hw.gpus_per_node else hw.bandwidth
+        comm = max(comm, between / hw.bandwidth + inside / local)
+    return StepTime(compute_s=compute, bubble=bubble, comm_s=comm,
+                    tokens=lay.micro * lay.grad_accum * lay.dp * seq)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(cfg: RunConfig, ds: dict, world: int, mcfg) -> list[tuple[RunConfig, dict]]:
+    """Every (pp, ep, tp, zero) of `world` ranks that validate() accepts with the run's batch sizes."""
+    out = []
+    experts = num_routed_experts(mcfg)
+    for pp in _divisors(world):
+        if pp > mcfg.num_hidden_layers + 3:
+            break
+        for tp in (t for t in (1, 2, 4, 8) if (world // pp) % t == 0):
+            dp = world // (pp * tp)
+            for ep in (e for e in _divisors(dp) if experts and experts % e == 0) if experts else [1]:
+                for zero in (0, 1) if pp > 1 else (0, 1, 2, 3):
+                    c = dataclasses.replace(cfg, parallel=dataclasses.replace(
+                        cfg.parallel, pipeline_stages=pp, tensor_parallel=tp, expert_parallel=ep))
+                    d = copy.deepcopy(ds)
+                    d.setdefault("zero_optimization", {})["stage"] = zero
+                    try:
+                        validate(c, d, world, cuda_available=True)
+                    except ConfigError:
+                        continue
+                    out.append((c, d))
+    return out
+
+
+def search(cfg: RunConfig, ds: dict, world: int, gpu_memory: int, hw: Hardware, fused_attention: bool,
+           model: SpecParams) -> list[tuple[Plan, StepTime]]:
+    """Every valid layout that fits, fastest first."""
+    ranked = []
+    for c, d in candidates(cfg, ds, world, model.mcfg):
+        plan = estimate(c, d, layout_of(c, d, world), gpu_memory, fused_attention, model)
+        if plan.fits:
+            ranked.append((plan, step_time(c, plan, hw, model)))
+    return sorted(ranked, key=lambda ps: ps[1].total_s)
+
+
+__all__ = ["Hardware", "Layout", "StepTime", "candidates", "search", "step_time"]

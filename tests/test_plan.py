@@ -1,0 +1,269 @@
+"""`deepseek-ds plan`: model-state bytes predicted to the byte against what bench zero's worker measures from real
+engines (one 2-rank launch, many layouts), activation bytes against what autograd saves, the CLI's table, JSON,
+search and verdicts, and the published layouts as sanity checks."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from deepseek_ds.config import load_and_validate, load_ds_config, load_run_config
+from deepseek_ds.models.layers import DecoderLayerPipe
+from deepseek_ds.models.pipeline import build_model, prepare_config
+from deepseek_ds.models.presets import build_model_config
+from deepseek_ds.plan import activations
+from deepseek_ds.plan.cli import PlanError, layout_sets, memory_size, run_verdict
+from deepseek_ds.plan.estimate import buffer_bytes, element_bytes, estimate, layout_of, model_config, zero_settings
+from deepseek_ds.plan.params import SpecParams, rank_params, stage_bounds
+from deepseek_ds.plan.states import state_bytes
+from helpers import cli, deepspeed
+
+# ------------------------------------------------------------------------------------------- model states, measured
+# (recipe, DeepSpeed JSON, extra --set): ZeRO 0-3 for every family, expert parallelism (ZeRO 1/2), bf16, two pipeline
+# stages. Pipeline variants run last: a plain engine built after a pipeline engine in one process fails.
+MODELS = ("tiny-v3", "tiny-v2", "tiny-dense")
+VARIANTS = ([(m, f"ds_configs/zero{z}.json", []) for m in MODELS for z in (0, 1, 2, 3)]
+            + [(m, f"ds_configs/zero{z}.json", ["parallel.expert_parallel=2"]) for m in MODELS[:2] for z in (1, 2)]
+            + [("tiny-v3", f"ds_configs/zero{z}_bf16.json", []) for z in (1, 3)]
+            + [(m, "ds_configs/zero1_pp.json", ["parallel.pipeline_stages=2"]) for m in MODELS]
+            + [("tiny-v3", "ds_configs/zero1_pp_bf16.json", ["parallel.pipeline_stages=2"])])
+# micro 2 x 2 ranks, global 8: gradient accumulation 2 (ZeRO-1 then holds whole gradients between micro-batches).
+COMMON = ["data.seq_len=64", "train.micro_batch_size=2", "eval.interval=0", "train.steps=1"]
+GLOBAL_BATCH = 8
+
+# Every variant in one launch: bench zero's worker builds each run and measures the bytes its engine holds.
+MEASURE = """
+import argparse, json, os, sys
+import torch.distributed as dist
+from deepseek_ds.bench.worker import measure, _free_memory
+
+out, data = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+variants = json.loads(os.environ["PLAN_VARIANTS"])
+results = []
+for i, (model, ds_config, extra) in enumerate(variants):
+    sets = [f"data.path={data}", f"train.output_dir={out}/v{i}", *json.loads(os.environ["PLAN_COMMON"]), *extra]
+    args = argparse.Namespace(config=f"recipes/{model}.yaml", deepspeed_config=ds_config, set=sets, warmup=0, steps=0)
+    report = measure(args, int(os.environ["WORLD_SIZE"]), int(os.environ["PLAN_GLOBAL_BATCH"]))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, report)
+    results.append(gathered)
+    _free_memory()
+if dist.get_rank() == 0:
+    with open(os.path.join(out, "measured.json"), "w") as f:
+        json.dump(results, f)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory, data_dir) -> list[list[dict]]:
+    root = tmp_path_factory.mktemp("plan")
+    script = root / "measure.py"
+    script.write_text(MEASURE)
+    os.environ.update(PLAN_VARIANTS=json.dumps(VARIANTS), PLAN_COMMON=json.dumps(COMMON),
+                      PLAN_GLOBAL_BATCH=str(GLOBAL_BATCH))
+    try:
+        deepspeed(2, [str(script), str(root), data_dir], timeout=900)
+    finally:
+        for key in ("PLAN_VARIANTS", "PLAN_COMMON", "PLAN_GLOBAL_BATCH"):
+            os.environ.pop(key)
+    return json.loads((root / "measured.json").read_text())
+
+
+def _run(variant, data_dir):
+    model, ds_config, extra = variant
+    sets = [f"data.path={data_dir}", *COMMON, *extra, f"train.global_batch_size={GLOBAL_BATCH}"]
+    cfg, _ = load_and_validate(f"recipes/{model}.yaml", ds_config, sets, 2)
+    return cfg, load_ds_config(cfg.deepspeed_config)
+
+
+@pytest.mark.launch
+def test_model_state_bytes_equal_measured_to_the_byte(measured, data_dir):
+    """Every rank of every variant: parameters, gradients and optimizer states as the plan lays them out (DeepSpeed's
+    padding, ZeRO-2's whole parameters at slice edges, ZeRO-3's persistent parameters, AutoEP's expert group,
+    the pipeline stage's layers) equal the bytes the engine holds; and plan's per-stage rows are the fullest rank's."""
+    assert len(measured) == len(VARIANTS)
+    checked = 0
+    for variant, reports in zip(VARIANTS, measured):
+        cfg, ds = _run(variant, data_dir)
+        lay = layout_of(cfg, ds, 2)
+        model = SpecParams(model_config(cfg))
+        bounds = stage_bounds(model.mcfg, lay.pp, cfg.model.partition_method, cfg.data.seq_len)
+        zero = zero_settings(ds, lay.zero, element_bytes(ds))
+        for r in reports:
+            params = rank_params(model, bounds, r["stage_id"], lay.ep, lay.tp)
+            assert sum(p.numel for p in params) == sum(r["param_numels"]), variant
+            got = state_bytes(params, zero, lay.dp, lay.ep, r["dp_rank"])
+            held = r["held"]
+            assert (got.params, got.grads, got.optimizer) == (held["params"], held["grads"], held["optimizer"]), \
+                (variant, r["rank"])
+            checked += 1
+            if lay.zero == 1 and lay.pp == 1:  # the reduction bucket (the other buffers appear only mid-backward)
+                assert abs(buffer_bytes(ds, lay, element_bytes(ds), 0) - held["buffers"]) < 64, variant
+        plan = estimate(cfg, ds, lay, 2**40, fused_attention=False, model=model)
+        for row in plan.ranks:
+            stage = [r["held"] for r in reports if r["stage_id"] == row.stage]
+            fullest = max(stage, key=lambda h: h["params"] + h["grads"] + h["optimizer"])
+            assert (row.params, row.grads, row.optimizer) == (fullest["params"], fullest["grads"],
+                                                              fullest["optimizer"]), variant
+    assert checked == 2 * len(VARIANTS)
+
+
+# ------------------------------------------------------------------------------------------- activations
+def _saved_bytes(model, input_ids, checkpointing: bool) -> int:
+    """Bytes of the distinct storages autograd saves in one forward (parameters excluded), plus, with activation
+    checkpointing, the inputs each checkpointed layer keeps for its recomputation (the checkpoint's own hooks hide
+    what runs inside it)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def add(t):
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.untyped_storage().data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+
+    def keep_inputs(_module, args):
+        for t in args[0]:
+            add(t)
+
+    hooks = [m.register_forward_pre_hook(keep_inputs) for m in model.modules()
+             if checkpointing and type(m) is DecoderLayerPipe]
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: add(t) or t, lambda t: t):
+        model(input_ids)
+    for h in hooks:
+        h.remove()
+    return sum(seen.values())
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("preset", MODELS)
+@pytest.mark.parametrize("interval", [0, 1])
+def test_activation_bytes_within_10_percent_of_autograd(preset, interval):
+    mcfg = prepare_config(build_model_config(preset))
+    torch.manual_seed(0)
+    model = build_model(mcfg, 1, 1, activation_checkpoint_interval=interval).train()
+    batch, seq = 2, 96
+    saved = _saved_bytes(model, torch.randint(0, mcfg.vocab_size, (batch, seq)), interval > 0)
+    bounds = [0, len(model.layers)]
+    predicted, recompute = activations.stage_micro_batch_bytes(mcfg, bounds, 0, batch * seq, seq, 4, 1, False,
+                                                               interval, with_loss=False)
+    assert abs(predicted - saved) <= 0.1 * saved, (preset, interval, predicted, saved)
+    assert (recompute > 0) == (interval > 0)
+
+
+@pytest.mark.unit
+def test_in_flight_micro_batches_follow_1f1b():
+    assert [activations.in_flight(4, s, 8) for s in range(4)] == [4, 3, 2, 1]
+    assert [activations.in_flight(4, s, 2) for s in range(4)] == [2, 2, 2, 1]
+
+
+# ------------------------------------------------------------------------------------------- CLI
+TINY = ["--config", "recipes/tiny-v3.yaml", "--set", "data.builtin=stdlib"]
+
+
+@pytest.mark.unit
+def test_plan_json_has_the_issue_fields(capsys):
+    assert cli(["plan", *TINY, "--num_gpus", "2", "--gpu-memory", "1GB", "--json", "--cpu",
+                "--layout", "pp=2,zero=1,micro=4"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is True and out["gpu_memory_bytes"] == 2**30
+    assert out["layout"] == {"pp": 2, "ep": 1, "tp": 1, "zero": 1, "dp": 1, "micro": 4, "grad_accum": 4}
+    assert [r["stage"] for r in out["ranks"]] == [0, 1] and [r["rank"] for r in out["ranks"]] == [0, 1]
+    for r in out["ranks"]:
+        parts = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "buffers_bytes")
+        assert r["total_bytes"] == sum(r[k] for k in parts) > 0
+
+
+@pytest.mark.unit
+def test_plan_table_says_does_not_fit_with_the_largest_term(capsys):
+    assert cli(["plan", *TINY, "--num_gpus", "2", "--gpu-memory", "100MiB", "--cpu"]) == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "largest term: buffers" in out and "params" in out.splitlines()[1]
+
+
+@pytest.mark.unit
+def test_search_ranks_valid_layouts_by_step_time(capsys):
+    assert cli(["plan", *TINY, "--num_gpus", "4", "--gpu-memory", "2GB", "--search", "--json", "--top", "50",
+                "--set", "train.global_batch_size=32"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    times = [f["step_time_s"] for f in found]
+    assert times == sorted(times) and len(found) > 4
+    layouts = {(f["layout"]["pp"], f["layout"]["ep"], f["layout"]["zero"]) for f in found}
+    assert (2, 1, 1) in layouts and (1, 2, 1) in layouts and (1, 4, 3) in layouts
+    assert not any(pp > 1 and zero >= 2 for pp, _, zero in layouts)  # validate(): no pipeline with ZeRO-2/3
+
+
+@pytest.mark.unit
+def test_layout_and_memory_parsing():
+    assert memory_size("80GB") == 80 * 2**30 and memory_size("81559MiB") == 81559 * 2**20
+    assert layout_sets("pp=16,ep=64,zero=1") == (["parallel.pipeline_stages=16", "parallel.expert_parallel=64"], 1)
+    with pytest.raises(PlanError, match="KEY=N"):
+        layout_sets("pp=two")
+
+
+@pytest.mark.unit
+def test_verdict_warns_or_refuses_with_strict():
+    cfg = load_run_config("recipes/tiny-v3.yaml", ["data.builtin=stdlib"])
+    assert run_verdict(cfg, 2, 2**30, strict=False).startswith("plan: FITS")
+    assert run_verdict(cfg, 2, 2**20, strict=False).startswith("warning: plan: DOES NOT FIT")
+    with pytest.raises(PlanError, match="DOES NOT FIT"):
+        run_verdict(cfg, 2, 2**20, strict=True)
+
+
+@pytest.mark.unit
+def test_validate_prints_the_verdict_and_refuses_with_strict(capsys):
+    args = ["validate", *TINY, "--num_gpus", "2", "--set", "train.output_dir=/tmp/plan-validate-test"]
+    assert cli([*args, "--gpu-memory", "8GB"]) == 0
+    assert "plan: FITS" in capsys.readouterr().out
+    assert cli([*args, "--gpu-memory", "1MiB", "--strict"]) == 2
+    assert "DOES NOT FIT" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------- published layouts
+def _published(argv: list[str], capsys) -> tuple[int, dict]:
+    status = cli(["plan", "--set", "data.path=null", "--set", "data.builtin=stdlib", "--json", *argv])
+    return status, json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.unit
+def test_deepseek_v3_pp16_ep64_zero1_on_2048_gpus_fits(capsys):
+    status, out = _published(["--config", "recipes/deepseek-v3.yaml", "--gpus", "2048", "--gpu-memory", "80GB",
+                              "--layout", "pp=16,ep=64,tp=1,zero=1,micro=1"], capsys)
+    assert status == 0 and out["fits"] and len(out["ranks"]) == 16
+    # 671B parameters over 16 stages and 64-way expert parallelism: a few GiB of weights per rank, not hundreds.
+    assert all(2 * 2**30 < r["params_bytes"] < 8 * 2**30 for r in out["ranks"])
+
+
+V2_LITE_SFT = ["--set", "model.path=null", "--set", "model.preset=deepseek-v2-lite", "--set", "eval.interval=0",
+               "--set", "eval.task=null"]
+
+
+@pytest.mark.unit
+def test_v2_lite_full_zero3_vs_lora_on_8_gpus(capsys):
+    """The V2-Lite fine-tuning recipe (ZeRO-3 bf16) in full, through the CLI; with LoRA through the same estimate
+    (validate() wants a model.path with weights for LoRA, which the meta device does not need)."""
+    status, full = _published(["--config", "recipes/sft-deepseek-v2-lite.yaml", *V2_LITE_SFT, "--gpus", "8",
+                               "--gpu-memory", "80GB"], capsys)
+    assert status == 0 and full["fits"]
+    sets = [s for s in V2_LITE_SFT if s != "--set"] + ["data.path=null", "data.builtin=stdlib"]
+    cfg = load_run_config("recipes/sft-deepseek-v2-lite.yaml", [*sets, "lora.r=16"])
+    ds = load_ds_config(cfg.deepspeed_config)
+    lora = estimate(cfg, ds, layout_of(cfg, ds, 8), 80 * 2**30, fused_attention=True).ranks[0]
+    f = full["ranks"][0]
+    assert lora.optimizer < f["optimizer_bytes"] / 50 and lora.grads < f["grads_bytes"] / 50
+    # The frozen base stays (1/8 of it under ZeRO-3, in bf16): as many parameter bytes, give or take the adapters.
+    assert 0.95 < lora.params / f["params_bytes"] < 1.1
+
+
+@pytest.mark.unit
+def test_deepseek_llm_7b_on_8_24gb_gpus(capsys):
+    base = ["--config", "recipes/tiny-dense.yaml", "--set", "model.preset=deepseek-llm-7b", "--set", "data.seq_len=4096",
+            "--set", "train.micro_batch_size=1", "--gpus", "8", "--gpu-memory", "24GB"]
+    s1, zero1 = _published([*base, "--deepspeed_config", "ds_configs/zero1_bf16.json"], capsys)
+    s3, zero3 = _published([*base, "--deepspeed_config", "ds_configs/zero3_bf16.json",
+                            "--set", "model.activation_checkpoint_interval=1"], capsys)
+    # 6.9B parameters: ZeRO-1 keeps 2 + 2 bytes of each whole (~26 GiB) and does not fit; ZeRO-3 with checkpointing does.
+    assert (s1, zero1["fits"]) == (1, False) and (s3, zero3["fits"]) == (0, True)
