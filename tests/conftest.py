@@ -8,7 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from helpers import checkpoint_sets, deepspeed, losses, read_metrics, router_biases, snapshot, train
+from helpers import (
+    STRAIGHT_STEPS,
+    checkpoint_sets,
+    deepspeed,
+    losses,
+    read_metrics,
+    resuming_sets,
+    router_biases,
+    snapshot,
+    train,
+)
 
 KINDS = ("unit", "launch", "multihost")
 
@@ -90,6 +100,15 @@ def pipeline(tmp_path_factory, data_dir) -> dict:
                               "ds_configs/zero1_pp.json"))
     return {"out": out, "losses": run_losses,
             "step2": snapshot(Path(out) / "checkpoints", "step00000002", root / "snap")}
+
+
+@pytest.fixture(scope="session")
+def straight(tmp_path_factory, data_dir) -> list[dict]:
+    """helpers.resuming_sets for STRAIGHT_STEPS steps in one launch, saving only at the end: the metrics records that
+    the resumed runs must repeat. tiny-v3's warm-up (20 steps) outlasts it, so the learning rate of its first steps
+    does not depend on train.steps: a shorter run follows the same schedule."""
+    out = tmp_path_factory.mktemp("straight") / "out"
+    return train(2, str(out), resuming_sets(data_dir, STRAIGHT_STEPS, 0))
 
 
 # ----------------------------------------------------------------------------------------------- DeepSeek tokenizer

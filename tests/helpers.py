@@ -75,6 +75,17 @@ def checkpoint_sets(data_dir: str, steps: int, interval: int, *extra: str) -> li
             *extra]
 
 
+# The runs resumed again and again (test_resume_chain.py's chain, test_checkpoint_kills.py's killed relaunches) and
+# their one straight reference (conftest.py `straight`): attention dropout on (the tiny presets have none), so every
+# resume must also have restored each rank's torch RNG to repeat the straight run bit for bit.
+DROPOUT = "model.overrides.attention_dropout=0.1"
+STRAIGHT_STEPS = 14
+
+
+def resuming_sets(data_dir: str, steps: int, interval: int) -> list[str]:
+    return checkpoint_sets(data_dir, steps, interval, "data.seq_len=32", "checkpoint.keep=2", DROPOUT)
+
+
 def snapshot(ckpt_dir: Path, tag: str, dest: Path) -> Path:
     """A copy of one step directory, so later runs writing into `ckpt_dir` do not change it."""
     shutil.copytree(ckpt_dir / tag, dest / tag)

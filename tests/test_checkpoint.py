@@ -1,6 +1,6 @@
-"""Checkpoints through the real launcher: a rank killed mid-save, exact resume (ZeRO-1, ZeRO-3, PP=2, and with
-dropout: the RNG), stop on SIGTERM, resharding (2 ranks -> 1, PP=2 -> PP=1), refusal of a foreign checkpoint,
-retention, and the CLI.
+"""Checkpoints through the real launcher: a rank killed mid-save, exact resume (ZeRO-1, ZeRO-3, PP=2; with dropout,
+the RNG, in tests/test_resume_chain.py), stop on SIGTERM, resharding (2 ranks -> 1, PP=2 -> PP=1), refusal of a foreign
+checkpoint, retention, and the CLI.
 
 Launches are few and shared: each reference run also provides the checkpoints that the resume runs and
 tests/test_export.py start from (session fixtures in conftest.py)."""
@@ -36,12 +36,10 @@ from helpers import (
     losses,
     read_metrics,
     router_biases,
-    snapshot,
     train,
 )
 
 GLOBAL_BATCH = 16  # recipes/tiny-v3.yaml
-DROPOUT = "model.overrides.attention_dropout=0.1"  # the tiny presets have none
 
 
 # ----------------------------------------------------------------------------------------------- atomic + exact
@@ -95,26 +93,6 @@ def test_resume_on_one_rank_reshards_zero1(zero1, tmp_path, data_dir):
     assert bias == pytest.approx(zero1["biases"][3], abs=1e-7)
     assert is_converted(universal_dir(str(ckpt / "step00000002"), "sequential"))
     assert checkpoint.read_meta(str(ckpt / "step00000004"))["layout"]["data_parallel"] == 1
-
-
-@pytest.fixture(scope="module")
-def dropout(tmp_path_factory, data_dir) -> dict:
-    """zero1's run without the kill and with attention dropout on: the dropout masks come from each rank's torch RNG,
-    so a resume repeats the run only if the checkpoint restored that RNG."""
-    root = tmp_path_factory.mktemp("dropout")
-    out = root / "out"
-    run_losses = losses(train(2, str(out), checkpoint_sets(data_dir, 4, 2, DROPOUT)))
-    return {"losses": run_losses, "step2": snapshot(out / "checkpoints", "step00000002", root / "snap")}
-
-
-@pytest.mark.launch
-def test_resume_with_dropout_restores_the_rng_bitwise(dropout, zero1, tmp_path, data_dir):
-    """4 steps straight == 2 steps + resume + 2 steps, bit for bit, with dropout drawing from the RNG every step."""
-    assert dropout["losses"][1] != zero1["losses"][1]  # the same run without dropout: dropout is really on
-    ckpt = fresh_ckpt_dir(dropout["step2"], tmp_path / "ckpt")
-    resumed = losses(train(2, str(tmp_path / "out"), checkpoint_sets(data_dir, 4, 2, DROPOUT,
-                                                                      f"checkpoint.dir={ckpt}")))
-    assert resumed == {3: dropout["losses"][3], 4: dropout["losses"][4]}
 
 
 @pytest.mark.launch

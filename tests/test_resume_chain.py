@@ -2,6 +2,7 @@
 
 The drift came from DeepSpeed's CPU Adam kernel: it keeps beta^t as a float32 running product, which a resume
 recomputed with pow(); 0.95^6 is where the two first part (tested below, in-process and through 4 launches).
+With attention dropout on, the chain also checks that every resume restores each rank's torch RNG.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 
 from deepseek_ds.checkpoint.state import replay_cpu_adam_steps
-from helpers import checkpoint_sets, train
+from deepseek_ds.config import load_run_config
+from helpers import STRAIGHT_STEPS, resuming_sets, train, training_loss
+from reference import reference_model
 
 BETAS = (0.9, 0.95)  # the recipes' AdamW betas (train.beta1, train.beta2)
 CHAIN = (2, 4, 6, 8)  # train.steps of the chain's launches: resumes at steps 2, 4 and 6
@@ -68,22 +71,20 @@ def test_replay_makes_a_resumed_cpu_adam_step_bitwise():
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, data_dir) -> dict:
-    """recipes/tiny-v3.yaml (ZeRO-1, 2 ranks, MoE with the router-bias update and the balance loss) for 8 steps
-    straight, and the same run as a chain of 4 launches into one output directory, each raising train.steps.
-    Its warm-up (20 steps) outlasts every launch, so the learning rate does not depend on train.steps: the
-    chain and the straight run follow the same schedule (asserted through `lr`)."""
-    root = tmp_path_factory.mktemp("resume_chain")
-    extra = ("train.seed=21", "checkpoint.keep=3")
-    straight = train(2, str(root / "straight"), checkpoint_sets(data_dir, CHAIN[-1], 1, *extra))
+def runs(tmp_path_factory, data_dir, straight) -> dict:
+    """recipes/tiny-v3.yaml (ZeRO-1, 2 ranks, MoE with the router-bias update and the balance loss, dropout) as a
+    chain of 4 launches into one output directory, each raising train.steps, against the first steps of the straight
+    run (conftest.py): the same schedule, since the warm-up outlasts both (asserted through `lr`)."""
+    out = tmp_path_factory.mktemp("resume_chain") / "chain"
     for steps in CHAIN:
-        chain = train(2, str(root / "chain"), checkpoint_sets(data_dir, steps, 1, *extra))
-    log = (root / "chain" / "logs" / "rank0.log").read_text()
-    return {"straight": straight, "chain": chain, "log": log}
+        chain = train(2, str(out), resuming_sets(data_dir, steps, 1))
+    log = (out / "logs" / "rank0.log").read_text()
+    return {"straight": [r for r in straight if r["step"] <= CHAIN[-1]], "chain": chain, "log": log}
 
 
 @pytest.mark.launch
 def test_chain_of_resumes_is_bitwise(runs):
+    assert CHAIN[-1] <= STRAIGHT_STEPS
     for step in CHAIN[:-1]:
         assert f"resumed from step{step:08d} at step {step}" in runs["log"]
     straight = {r["step"]: [r[k] for k in COMPARED] for r in runs["straight"]}
@@ -91,3 +92,14 @@ def test_chain_of_resumes_is_bitwise(runs):
     assert sorted(chain) == sorted(straight) == list(range(1, CHAIN[-1] + 1))
     for step in straight:  # ==, not approx: the steps after each resume must be the straight run's
         assert chain[step] == straight[step], f"step {step}: chain {chain[step]} != straight {straight[step]}"
+
+
+@pytest.mark.launch
+def test_dropout_is_really_on_in_the_straight_run(straight, data_dir):
+    """The chain's RNG check can fail only if dropout draws from the RNG: step 1 (the seeded initial weights) logs
+    another loss than the same model without dropout (transformers, in-process), which training would log to ~1e-5."""
+    cfg = load_run_config("recipes/tiny-v3.yaml", resuming_sets(data_dir, STRAIGHT_STEPS, 0))
+    model, _ = reference_model(cfg)
+    without_dropout = training_loss(model.eval(), data_dir, 1, seq_len=cfg.data.seq_len)
+    print(f"step 1: {straight[0]['loss']:.6f} with dropout, {without_dropout:.6f} without")
+    assert abs(straight[0]["loss"] - without_dropout) > 1e-4
