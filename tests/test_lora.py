@@ -190,6 +190,8 @@ def _toolkit_logits(base_dir: str, adapters: dict[str, torch.Tensor], section, i
 def test_exported_adapter_and_merged_model_give_the_toolkit_logits(tmp_path, zero1, data_dir, base):
     from peft import PeftModel
 
+    from deepseek_ds.inference.generate import load_model
+
     ckpt = zero1["out"] / "checkpoints"
     assert cli(["export", "lora", str(ckpt), "--out", str(tmp_path / "adapter")]) == 0
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(tmp_path / "adapter"))
@@ -204,6 +206,9 @@ def test_exported_adapter_and_merged_model_give_the_toolkit_logits(tmp_path, zer
         assert (peft(input_ids=ids).logits - want).abs().max() < 1e-5
         assert (merged(input_ids=ids).logits - want).abs().max() < 1e-5
         assert (plain(input_ids=ids).logits - want).abs().max() > 1e-4  # the adapters change the model
+        for source in (tmp_path / "adapter", ckpt):  # what generate and eval --task load
+            model, _ = load_model(str(source))
+            assert (model(input_ids=ids).logits - want).abs().max() < 1e-5
 
 
 @pytest.mark.unit

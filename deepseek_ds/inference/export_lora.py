@@ -10,8 +10,8 @@ import os
 import torch
 from deepspeed.pipe import TiedLayerSpec
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-from peft import PeftModel, get_peft_model
-from transformers import PretrainedConfig
+from peft import PeftConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from ..checkpoint.format import read_meta, saved_layout, tag_dir_of
 from ..checkpoint.safe_load import trusted_types_only
@@ -25,6 +25,7 @@ from ..models.presets import build_model_config
 from ..utils.errors import UserError
 
 _BASE_PREFIX = "base_model.model."  # where a PeftModel holds the transformers model
+ADAPTER_CONFIG = "adapter_config.json"  # what makes a directory peft's adapter directory
 
 
 class LoraExportError(UserError):
@@ -115,3 +116,14 @@ def merged_model_from_checkpoint(checkpoint: str, experts_implementation: str = 
     """(fp32 transformers CausalLM with the adapters merged into the base by peft, the checkpoint's metadata)."""
     model, meta = peft_model_from_checkpoint(checkpoint, experts_implementation)
     return model.merge_and_unload(), meta
+
+
+def adapter_model(adapter_dir: str):
+    """fp32 transformers CausalLM in eval mode: the base named in a peft adapter directory with the adapter merged
+    (peft's own loading, as a user's PeftModel.from_pretrained)."""
+    base = PeftConfig.from_pretrained(adapter_dir).base_model_name_or_path
+    if not base or not os.path.isdir(base):
+        raise LoraExportError(f"the adapter in {adapter_dir} names its base model {base!r}, which is not a local "
+                              f"directory; set base_model_name_or_path in its {ADAPTER_CONFIG}")
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    return PeftModel.from_pretrained(model, adapter_dir).merge_and_unload().eval()

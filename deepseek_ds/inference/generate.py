@@ -16,6 +16,7 @@ from ..data.layout import META as DATASET_META
 from ..data.tokenizer import backend_json, tokenizer_hash
 from ..models.hf_io import to_hf_model
 from .eval import model_from_checkpoint, run_config_for
+from .export_lora import ADAPTER_CONFIG, adapter_model, is_lora_checkpoint, merged_model_from_checkpoint
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -37,6 +38,9 @@ def load_model(model: str, tokenizer: str | None = None, config: str | None = No
     if os.path.isfile(os.path.join(model, "config.json")) and not os.path.isfile(os.path.join(model, META)):
         tok = load_tokenizer_from(tokenizer or model, model)
         return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval(), tok
+    if os.path.isfile(os.path.join(model, ADAPTER_CONFIG)):  # `export lora`: peft's adapter on its base, merged
+        tok = load_tokenizer_from(tokenizer or model, model)
+        return adapter_model(model), tok
     tag_dir = tag_dir_of(model)
     meta = read_meta(tag_dir)
     source = tokenizer or meta["dataset_dir"]
@@ -45,6 +49,8 @@ def load_model(model: str, tokenizer: str | None = None, config: str | None = No
     if found != meta["tokenizer_hash"]:
         raise DataError(f"the tokenizer of {source} (hash {found[:12]}) is not the one {tag_dir} was trained with "
                         f"(hash {meta['tokenizer_hash'][:12]})", hint="pass the tokenizer of its training data")
+    if is_lora_checkpoint(tag_dir):
+        return merged_model_from_checkpoint(tag_dir)[0], tok
     seq_model, mcfg = model_from_checkpoint(tag_dir, run_config_for(tag_dir, config, sets or []))
     return to_hf_model(seq_model.layers, mcfg), tok
 
