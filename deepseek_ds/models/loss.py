@@ -107,11 +107,14 @@ class TokenWeightedLoss:
         self._parts = None  # detached scaled losses per depth, summed over this rank's micro-batches
 
     def set_global_tokens(self, global_valid_tokens, dp_size: int, grad_accum: int) -> None:
-        """global_valid_tokens: valid targets of the global batch, an int, or one per depth (count_valid_tokens)."""
-        counts = global_valid_tokens if isinstance(global_valid_tokens, (list, tuple)) else [global_valid_tokens]
-        if len(counts) != 1 + self.mtp_depth:
-            raise ValueError(f"expected valid-token counts for the main loss and {self.mtp_depth} MTP depths, got {counts}")
-        self.scales = [dp_size * grad_accum / max(int(c), 1) for c in counts]
+        """global_valid_tokens: valid targets of the global batch, an int, one per depth (count_valid_tokens), or a
+        tensor of those, which stays where it is (the training loop's all-reduced counts: no host-device sync)."""
+        counts = torch.as_tensor(global_valid_tokens, dtype=torch.float64).reshape(-1)
+        if counts.numel() != 1 + self.mtp_depth:
+            raise ValueError(f"expected valid-token counts for the main loss and {self.mtp_depth} MTP depths, got "
+                             f"{global_valid_tokens}")
+        # fp32, the dtype of each summed loss it scales (as a Python float scale would be applied).
+        self.scales = (dp_size * grad_accum / counts.clamp(min=1)).float()
 
     def __call__(self, logits, labels) -> torch.Tensor:
         """logits: a tensor, the tuple of (main, MTP depth 1..D) logits, or the head's Projection of them.

@@ -39,8 +39,8 @@ def train_step(run: Run, micro_batches: list) -> float:
     # Collectives take device tensors (NCCL refuses host ones).
     n_valid = torch.tensor(count_valid_tokens(micro_batches, run.loss_fn.mtp_depth), dtype=torch.float64,
                            device=engine.device)
-    n_global = [int(c) for c in _all_reduce(n_valid, run.dp_group).tolist()]
-    run.loss_fn.set_global_tokens(n_global, run.dp_size, run.grad_accum)
+    # The summed counts stay on the device: the loss scales need no host-device sync.
+    run.loss_fn.set_global_tokens(_all_reduce(n_valid, run.dp_group), run.dp_size, run.grad_accum)
     # Micro-batches with position ids (packed sequences) give the model (input_ids, position_ids).
     split = [split_micro_batch(mb, mtp=run.loss_fn.mtp_depth > 0) for mb in micro_batches]
     if run.pipeline:
@@ -56,12 +56,9 @@ def train_step(run: Run, micro_batches: list) -> float:
     return float(_all_reduce(total, run.dp_group).item() / (run.dp_size * run.grad_accum))
 
 
-def mtp_loss_breakdown(run: Run) -> dict[str, float]:
-    """The main LM loss and each MTP depth's loss of the step that just ended (a collective: every rank calls it).
+def mtp_record(parts: list[float]) -> dict[str, float]:
+    """The main LM loss and each MTP depth's loss of the step from their global-batch means [main, depth 1..D].
     `loss` is what was optimised, lm_loss + mtp_loss_weight x mtp_loss."""
-    parts = run.loss_fn.take_parts(run.engine.device)
-    dist.all_reduce(parts)  # pipeline: only the last stage of each replica holds them; zeros elsewhere
-    parts = (parts / (run.dp_size * run.grad_accum)).tolist()
     record = {"lm_loss": parts[0], "mtp_loss": sum(parts[1:]) / len(parts[1:])}
     if len(parts) > 2:
         record.update({f"mtp_loss_{k}": v for k, v in enumerate(parts[1:], start=1)})
@@ -80,18 +77,37 @@ def recorded_step(run: Run, batches, sampler: GlobalBatchSampler, meter: StepMet
     record = {
         "step": step, "loss": loss, "lr": lr,
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
-        **meter.stop(),
+        **meter.stop(), "memory_gb": None,  # with the reduced metrics below
         # DeepSpeed discarded the update (fp16 overflow, non-finite gradients): no optimizer/scheduler step.
         "skipped": engine.skipped_steps > skipped_before, "skipped_steps": engine.skipped_steps,
         "consumed_samples": sampler.consumed_samples,
     }
-    if run.loss_fn.mtp_depth:
-        record.update(mtp_loss_breakdown(run))
     if run.balancer:  # router bias update from this step's load (before the stats that report the bias)
         record.update(run.balancer.after_step(record["skipped"]))
-    if routers:
-        record.update(routers.collect())
+    record.update(_reduced_metrics(run, meter, routers))
     return record
+
+
+def _reduced_metrics(run: Run, meter: StepMeter, routers: RouterStats | None) -> dict[str, float]:
+    """memory_gb (the largest over ranks), the MTP losses and the expert-load statistics of the step: one SUM and one
+    MAX all-reduce (every rank calls it) and one read to the host, not one of each per metric."""
+    device, depth = run.engine.device, run.loss_fn.mtp_depth
+    # MTP parts: pipeline stages other than the last hold zeros.
+    summed = ([run.loss_fn.take_parts(device)] if depth else []) + ([routers.local()] if routers else [])
+    summed = torch.cat(summed) if summed else torch.zeros(0, dtype=torch.float64, device=device)
+    peak = meter.memory()
+    if dist.is_initialized():
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        if summed.numel():
+            dist.all_reduce(summed)
+    host = torch.cat([peak, summed]).cpu()
+    out, rest = {"memory_gb": float(host[0])}, host[1:]
+    if depth:
+        out.update(mtp_record((rest[:1 + depth] / (run.dp_size * run.grad_accum)).tolist()))
+        rest = rest[1 + depth:]
+    if routers:
+        out.update(routers.metrics(rest))
+    return out
 
 
 def router_stats(run: Run) -> RouterStats | None:

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import psutil
 import torch
-import torch.distributed as dist
 
 from ..models import flops
 from ..models.pipeline import layer_costs
@@ -53,7 +52,8 @@ def flops_per_token(model_config, seq_len: int) -> float:
 
 class StepMeter:
     """Times one optimizer step (start/stop around it on every rank) and turns it into throughput, TFLOPs per
-    device, MFU and memory (the largest over ranks: stop() is a collective)."""
+    device and MFU; memory() is this rank's memory, which the loop reduces (largest over ranks) with the step's
+    other metrics."""
 
     def __init__(self, flops_per_step: float, tokens_per_step: int, samples_per_step: int, world: int,
                  device: torch.device, peak: float | None):
@@ -68,13 +68,13 @@ class StepMeter:
 
     def stop(self) -> dict:
         dt = time.perf_counter() - self._t0
-        mem = torch.tensor([memory_gb(self.device)], dtype=torch.float64, device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
         tflops = self.flops / dt / self.world / 1e12
         return {"tokens_per_sec": self.tokens / dt, "samples_per_sec": self.samples / dt,
-                "tflops_per_device": tflops, "mfu": tflops / self.peak if self.peak else None,
-                "step_time": dt, "memory_gb": float(mem.item())}
+                "tflops_per_device": tflops, "mfu": tflops / self.peak if self.peak else None, "step_time": dt}
+
+    def memory(self) -> torch.Tensor:
+        """memory_gb of this rank as a one-element device tensor (for the step's MAX all-reduce)."""
+        return torch.tensor([memory_gb(self.device)], dtype=torch.float64, device=self.device)
 
 
 def console_line(record: dict) -> str:

@@ -1,8 +1,8 @@
 """Per-layer expert load and router-bias statistics of MoE models, for the per-step metrics.
 
 The load is the one counter of models/moe.py (`ExpertLoad`, a forward hook on each router, shared with the load
-balancer when there is one). Counts stay on the device during the step and cross to the host once, in the single
-all_reduce of `collect()`.
+balancer when there is one). Counts stay on the device during the step; `local()` packs them, the training loop
+sums them over ranks together with the step's other metrics and reads them to the host once (`metrics()`).
 """
 
 from __future__ import annotations
@@ -58,16 +58,25 @@ class RouterStats:
                     stats[row] = torch.stack([b.min(), b.max(), b.mean(), b.std(unbiased=False)])
         return stats
 
-    def collect(self) -> dict[str, float]:
-        """Metrics of the step that just ended (the load since the previous collect(), summed over all ranks)."""
+    def local(self) -> torch.Tensor:
+        """This rank's part of the step's statistics, flat (the load since the previous call, the bias statistics):
+        summed over all ranks, metrics() reads it."""
         counts = torch.zeros(len(self.layers), self.num_experts, dtype=torch.float64, device=self.device)
         counts[self._rows] = self._load.take()
-        packed = torch.cat([counts.flatten(), self._local_bias().flatten()])
+        return torch.cat([counts.flatten(), self._local_bias().flatten()])
+
+    def collect(self) -> dict[str, float]:
+        """Metrics of the step that just ended, on their own (a collective: every rank calls it)."""
+        packed = self.local()
         if dist.is_initialized():
             dist.all_reduce(packed)
+        return self.metrics(packed.cpu())
+
+    def metrics(self, summed: torch.Tensor) -> dict[str, float]:
+        """Flat metrics from local() summed over all ranks (a host tensor)."""
         n = len(self.layers) * self.num_experts
-        counts = packed[:n].view(len(self.layers), self.num_experts).cpu()
-        bias = packed[n:].view(len(self.layers), len(BIAS_STATS)).cpu()
+        counts = summed[:n].view(len(self.layers), self.num_experts)
+        bias = summed[n:].view(len(self.layers), len(BIAS_STATS))
         out: dict[str, float] = {}
         for row, layer in enumerate(self.layers):
             c = counts[row]
