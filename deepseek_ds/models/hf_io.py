@@ -10,7 +10,10 @@ from __future__ import annotations
 import json
 import os
 
+import deepspeed
 import torch
+import torch.distributed as dist
+from deepspeed.runtime.zero.partition_parameters import is_zero_param
 from safetensors import safe_open
 from torch import nn
 
@@ -169,8 +172,23 @@ def load_hf_weights(layers, hf_dir: str, config) -> int:
     """Fill the given (local) pipeline layers of a model with this config from an HF safetensors directory, reading
     only their own tensors; FP8 weights (fp8.py) are dequantized into the parameters' dtype. A tensor or parameter
     without its counterpart is refused (_check_one_for_one). Returns the number of bytes read, so callers and tests
-    can see a stage reads only its share."""
+    can see a stage reads only its share.
+
+    Parameters partitioned by deepspeed.zero.Init (ZeRO-3) are gathered one layer at a time: rank 0 reads and fills
+    that layer, and leaving the gather partitions it over the ranks again, so no rank ever holds more than its share
+    plus one layer."""
     layers = list(layers)
+    if not any(is_zero_param(p) for layer in layers for p in layer.parameters()):
+        return _load_layers(layers, hf_dir, config)
+    read = 0
+    for layer in layers:
+        with deepspeed.zero.GatheredParameters(list(layer.parameters()), modifier_rank=0):
+            if dist.get_rank() == 0:
+                read += _load_layers([layer], hf_dir, config)
+    return read
+
+
+def _load_layers(layers: list, hf_dir: str, config) -> int:
     weight_map = _weight_map(hf_dir)
     fp8 = read_quantization(hf_dir)
     wanted = hf_state_dict(layers, keep_vars=True)  # hf name -> destination tensor

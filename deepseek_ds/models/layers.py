@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import deepspeed
 import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask
@@ -49,6 +50,16 @@ def init_weights_(module: nn.Module, std: float, seed: int) -> None:
     into stages or which rank builds them. Written by hand because transformers initialises a whole model from
     the global RNG; the distribution is the same as its `_init_weights` (normal(0, std), norms 1, biases 0)."""
     gen = torch.Generator().manual_seed(seed)
+    # Under deepspeed.zero.Init (ZeRO-3) each parameter is partitioned as soon as its own module is built: initialise
+    # the whole tensor, then rank 0's values are partitioned again (every rank draws the same). A no-op otherwise.
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
+        _init_parameters(module, std, gen)
+    for name, b in module.named_buffers():
+        if name.endswith("e_score_correction_bias") and b.device.type != "meta":
+            b.zero_()
+
+
+def _init_parameters(module: nn.Module, std: float, gen: torch.Generator) -> None:
     for name, p in module.named_parameters():
         if p.device.type == "meta":
             continue
@@ -60,9 +71,6 @@ def init_weights_(module: nn.Module, std: float, seed: int) -> None:
                 p.zero_()
             else:
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std).to(p.dtype))
-    for name, b in module.named_buffers():
-        if name.endswith("e_score_correction_bias") and b.device.type != "meta":
-            b.zero_()
 
 
 class EmbeddingPipe(nn.Module):

@@ -1,0 +1,122 @@
+"""Start-up host memory per rank, ZeRO-3 (deepspeed.zero.Init) against ZeRO-1, on 2 local ranks:
+
+    python scripts/zero3_startup_memory.py [--hidden 1024 --layers 12 --vocab 32256]
+
+Each stage is one `deepspeed` launch of this file's rank side, which runs the training set-up (build_run) and
+records, on every rank: the process's peak RSS once the model is built (before the engine: what zero.Init saves),
+whether its parameters were partitioned then, the parameter elements it holds, and the peak RSS once the engine
+(optimizer state included) exists. A table of both stages is printed; nothing is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def rss_gib() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**30
+
+
+def rank_side(args: argparse.Namespace) -> int:
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.runtime.zero.partition_parameters import is_zero_param
+
+    from deepseek_ds.config import load_and_validate
+    from deepseek_ds.training import setup
+
+    record = {}
+    initialize = deepspeed.initialize
+
+    def recording_initialize(*a, model, **kw):  # the moment between building the model and building the engine
+        params = list(model.parameters())
+        record.update(model_built_peak_gib=peak_rss_gib(), model_built_rss_gib=rss_gib(),
+                      partitioned=all(is_zero_param(p) for p in params),
+                      held_elements=sum(p.ds_tensor.numel() if is_zero_param(p) else p.numel() for p in params),
+                      model_elements=sum(p.ds_numel if is_zero_param(p) else p.numel() for p in params))
+        return initialize(*a, model=model, **kw)
+
+    setup.deepspeed.initialize = recording_initialize
+    cfg, ds = load_and_validate(os.path.join(ROOT, "recipes/tiny-v3.yaml"), args.ds_config, args.set,
+                                int(os.environ["WORLD_SIZE"]))
+    record["before_rss_gib"] = rss_gib()
+    setup.build_run(cfg, ds)
+    record["engine_built_peak_gib"] = peak_rss_gib()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, record)
+    if dist.get_rank() == 0:
+        with open(args.result, "w") as f:
+            json.dump(gathered, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def driver(args: argparse.Namespace) -> int:
+    from deepseek_ds.utils.net import free_port
+    from deepseek_ds.utils.system import deepspeed_executable, launch_env
+
+    sets = ["model.preset=tiny-dense", f"model.overrides.hidden_size={args.hidden}",
+            f"model.overrides.intermediate_size={args.hidden * 11 // 4}",
+            f"model.overrides.num_hidden_layers={args.layers}", f"model.overrides.vocab_size={args.vocab}",
+            f"data.path={args.data}", "eval.interval=0", f"train.output_dir={args.work_dir}/out"]
+    rows = []
+    for stage in (1, 3):
+        result = os.path.join(args.work_dir, f"zero{stage}.json")
+        cmd = [deepspeed_executable(), "--num_gpus", "2", "--master_port", str(free_port()), os.path.abspath(__file__),
+               "--rank-side", "--result", result, "--ds-config", os.path.join(ROOT, f"ds_configs/zero{stage}.json")]
+        for s in sets:
+            cmd += ["--set", s]
+        print(f"ZeRO-{stage}: 2 ranks ...", flush=True)
+        proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(OMP_NUM_THREADS="1"), capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(proc.stdout[-3000:] + proc.stderr[-3000:], file=sys.stderr)
+            return 1
+        with open(result) as f:
+            rows += [(stage, rank, r) for rank, r in enumerate(json.load(f))]
+    print("\n| ZeRO | rank | params (model) | params held | partitioned when built | RSS before build | "
+          "RSS, model built | peak RSS, model built | peak RSS, engine built |\n|---|---|---|---|---|---|---|---|---|")
+    for stage, rank, r in rows:
+        print(f"| {stage} | {rank} | {r['model_elements'] / 1e6:.0f}M | {r['held_elements'] / 1e6:.0f}M | "
+              f"{'yes' if r['partitioned'] else 'no'} | {r['before_rss_gib']:.2f} GiB | "
+              f"{r['model_built_rss_gib']:.2f} GiB | {r['model_built_peak_gib']:.2f} GiB | "
+              f"{r['engine_built_peak_gib']:.2f} GiB |")
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--vocab", type=int, default=32256)
+    p.add_argument("--data", default=os.path.join(ROOT, "data_cache/stdlib-v2048-8.0mb"))
+    p.add_argument("--work-dir", default=None)
+    p.add_argument("--rank-side", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--ds-config", help=argparse.SUPPRESS)
+    p.add_argument("--set", action="append", default=[], help=argparse.SUPPRESS)
+    p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.rank_side:
+        return rank_side(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        args.work_dir = args.work_dir or tmp
+        return driver(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
