@@ -1,6 +1,7 @@
 """Checkpoints survive the whole job being killed: SIGKILL to the launcher's process group at seeded random moments
 while it saves every step, three times in a row, each relaunch resuming; after every kill each complete tag
-verifies (sizes and checksums), and the final resume to the end gives the straight run's losses bitwise."""
+verifies (sizes and checksums), and the final resume to the end gives the straight run's losses bitwise (conftest.py
+`straight`, with dropout: the ranks' RNG states survive the kills too)."""
 
 from __future__ import annotations
 
@@ -16,16 +17,17 @@ import pytest
 from deepseek_ds.checkpoint.format import complete_tags
 from deepseek_ds.checkpoint.integrity import check_tag
 from deepseek_ds.utils.net import free_port
-from helpers import BIN, ROOT, checkpoint_sets, cli, deepspeed, launch_env, losses, read_metrics
+from helpers import BIN, ROOT, STRAIGHT_STEPS, cli, deepspeed, launch_env, losses, read_metrics, resuming_sets
 
-STEPS = 14
+STEPS = STRAIGHT_STEPS  # the straight run's: its losses are the reference
 KILLS = 3
 SEED = 14  # the random moments, reproducible
 
 
-def _args(out: Path, data_dir: str, interval: int) -> list[str]:
+def _args(out: Path, data_dir: str) -> list[str]:
+    """train.py on the straight run's settings, saving every step."""
     args = ["train.py", "--config", "recipes/tiny-v3.yaml", "--set", f"train.output_dir={out}"]
-    for s in checkpoint_sets(data_dir, STEPS, interval, "data.seq_len=32", "checkpoint.keep=2"):
+    for s in resuming_sets(data_dir, STEPS, 1):
         args += ["--set", s]
     return args
 
@@ -40,7 +42,7 @@ def _kill_while_saving(out: Path, data_dir: str, rng: random.Random) -> None:
     ckpt = out / "checkpoints"
     resumed_at = _newest_checkpoint(ckpt)
     cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
-    proc = subprocess.Popen(cmd + _args(out, data_dir, 1), cwd=ROOT, env=launch_env(), start_new_session=True,
+    proc = subprocess.Popen(cmd + _args(out, data_dir), cwd=ROOT, env=launch_env(), start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     # Wait for this run's first checkpoint (so every relaunch gets further), then kill at a random moment of the
@@ -68,9 +70,8 @@ def _group_alive(pgid: int) -> bool:
 
 
 @pytest.mark.launch
-def test_sigkill_at_random_moments_while_saving_every_step(tmp_path, data_dir):
-    deepspeed(2, _args(tmp_path / "straight", data_dir, 0))
-    straight = losses(read_metrics(str(tmp_path / "straight")))
+def test_sigkill_at_random_moments_while_saving_every_step(tmp_path, data_dir, straight):
+    straight = losses(straight)
     assert sorted(straight) == list(range(1, STEPS + 1))
 
     out, rng = tmp_path / "killed", random.Random(SEED)
@@ -87,7 +88,7 @@ def test_sigkill_at_random_moments_while_saving_every_step(tmp_path, data_dir):
         newest.append(int(tags[-1][4:]))
     assert newest == sorted(newest) and newest[-1] < STEPS  # each relaunch got further, none finished
 
-    final = deepspeed(2, _args(out, data_dir, 1))
+    final = deepspeed(2, _args(out, data_dir))
     log = final.stdout + final.stderr
     assert f"resumed from step{newest[-1]:08d} at step {newest[-1]}" in log
     assert "taking over the stale lock" in log  # the killed job's lock: its pid is dead on this host
