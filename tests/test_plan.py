@@ -17,17 +17,19 @@ from deepseek_ds.models.presets import build_model_config
 from deepseek_ds.plan import activations
 from deepseek_ds.plan.cli import PlanError, layout_sets, memory_size, run_verdict
 from deepseek_ds.plan.estimate import buffer_bytes, element_bytes, estimate, layout_of, model_config, zero_settings
-from deepseek_ds.plan.params import SpecParams, rank_params, stage_bounds
+from deepseek_ds.plan.params import SpecParams, rank_params
 from deepseek_ds.plan.states import state_bytes
 from helpers import cli, deepspeed
 
 # ------------------------------------------------------------------------------------------- model states, measured
-# (recipe, DeepSpeed JSON, extra --set): ZeRO 0-3 for every family, expert parallelism (ZeRO 1/2), bf16, two pipeline
-# stages. Pipeline variants run last: a plain engine built after a pipeline engine in one process fails.
+# (recipe, DeepSpeed JSON, extra --set): ZeRO 0-3 for every family, expert parallelism (ZeRO 1/2), bf16, tensor
+# parallelism (AutoTP), two pipeline stages. Pipeline variants run last: a plain engine built after a pipeline engine in one process fails.
 MODELS = ("tiny-v3", "tiny-v2", "tiny-dense")
 VARIANTS = ([(m, f"ds_configs/zero{z}.json", []) for m in MODELS for z in (0, 1, 2, 3)]
             + [(m, f"ds_configs/zero{z}.json", ["parallel.expert_parallel=2"]) for m in MODELS[:2] for z in (1, 2)]
             + [("tiny-v3", f"ds_configs/zero{z}_bf16.json", []) for z in (1, 3)]
+            + [(m, f"ds_configs/zero{z}.json", ["parallel.tensor_parallel=2"])
+               for m, z in (("tiny-v3", 1), ("tiny-v2", 0), ("tiny-dense", 2))]
             + [(m, "ds_configs/zero1_pp.json", ["parallel.pipeline_stages=2"]) for m in MODELS]
             + [("tiny-v3", "ds_configs/zero1_pp_bf16.json", ["parallel.pipeline_stages=2"])])
 # micro 2 x 2 ranks, global 8: gradient accumulation 2 (ZeRO-1 then holds whole gradients between micro-batches).
@@ -84,15 +86,16 @@ def _run(variant, data_dir):
 @pytest.mark.launch
 def test_model_state_bytes_equal_measured_to_the_byte(measured, data_dir):
     """Every rank of every variant: parameters, gradients and optimizer states as the plan lays them out (DeepSpeed's
-    padding, ZeRO-2's whole parameters at slice edges, ZeRO-3's persistent parameters, AutoEP's expert group,
-    the pipeline stage's layers) equal the bytes the engine holds; and plan's per-stage rows are the fullest rank's."""
+    padding, ZeRO-2's whole parameters at slice edges, ZeRO-3's persistent parameters, AutoEP's expert group, the
+    AutoTP shards, the pipeline stage's layers) equal the bytes the engine holds; and plan's per-stage rows are the
+    fullest rank's."""
     assert len(measured) == len(VARIANTS)
     checked = 0
     for variant, reports in zip(VARIANTS, measured):
         cfg, ds = _run(variant, data_dir)
         lay = layout_of(cfg, ds, 2)
         model = SpecParams(model_config(cfg))
-        bounds = stage_bounds(model.mcfg, lay.pp, cfg.model.partition_method, cfg.data.seq_len)
+        bounds = model.bounds(lay.pp, cfg.model.partition_method, cfg.data.seq_len)
         zero = zero_settings(ds, lay.zero, element_bytes(ds))
         for r in reports:
             params = rank_params(model, bounds, r["stage_id"], lay.ep, lay.tp)

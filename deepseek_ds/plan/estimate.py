@@ -11,7 +11,7 @@ from ..models.lora import target_modules
 from ..models.pipeline import prepare_config
 from ..models.presets import build_model_config, num_routed_experts
 from . import activations
-from .params import SpecParams, rank_params, stage_bounds
+from .params import SpecParams, rank_params
 from .states import PERSISTENCE_DEFAULT, ZeroSettings, state_bytes
 
 # DeepSpeedZeroConfig's defaults (deepspeed/runtime/zero/config.py), for a JSON that leaves them out.
@@ -126,7 +126,7 @@ def estimate(cfg: RunConfig, ds: dict, layout: Layout, gpu_memory: int, fused_at
     model = model or SpecParams(mcfg)
     f = element_bytes(ds)
     z = zero_settings(ds, layout.zero, f)
-    bounds = stage_bounds(mcfg, layout.pp, cfg.model.partition_method, cfg.data.seq_len)
+    bounds = model.bounds(layout.pp, cfg.model.partition_method, cfg.data.seq_len)
     lora = cfg.lora.r
     targets = frozenset(target_modules(cfg.lora, mcfg)) if lora else frozenset()
     ep = layout.ep if num_routed_experts(mcfg) else 1

@@ -1,7 +1,7 @@
 """The parameters one rank of a layout trains, counted on the meta device from the same layer specs and partition
 the run builds (models.pipeline), in DeepSpeed's order: a pipeline stage registers its tied modules first, then its
 layers; expert parallelism (AutoEP) keeps 1/EP of each MoE layer's routed experts in a parameter group of their own;
-tensor parallelism keeps 1/TP of each split matrix (models.tensor_parallel's rule)."""
+tensor parallelism (AutoTP) keeps 1/TP of each matrix models.tensor_parallel splits."""
 
 from __future__ import annotations
 
@@ -11,15 +11,13 @@ from dataclasses import dataclass
 import torch
 from deepspeed.pipe import TiedLayerSpec
 
-from ..models.pipeline import layer_specs, partition
+from ..models.flops import LayerCost
+from ..models.pipeline import layer_costs, layer_specs, partition
+from ..models.tensor_parallel import split_dim
 
 # transformers 5 stores a MoE layer's routed experts fused, as 3-D parameters under `mlp.experts`.
 _ROUTED = re.compile(r"\.mlp\.experts\.")
 _ROUTER = re.compile(r"\.mlp\.gate\.")
-# Column- and row-parallel matrices under tensor parallelism (heads or MLP channels split); everything else
-# (embeddings, norms, MLA's low-rank q_a / kv_a projections, routers, routed experts, the head) is replicated.
-_TP_SPLIT = re.compile(r"\.(self_attn\.(q_b_proj|kv_b_proj|q_proj|k_proj|v_proj|o_proj)"
-                       r"|mlp\.(shared_experts\.)?(gate_proj|up_proj|down_proj))\.weight$")
 
 
 @dataclass(frozen=True)
@@ -31,12 +29,27 @@ class Param:
 
 
 class SpecParams:
-    """(name, elements) of every spec's parameters, each spec built once on the meta device (no memory, any size)."""
+    """(name, elements, shape) of every spec's parameters, each spec built once on the meta device (no memory, any
+    size), and the model's per-layer costs and stage partitions, computed once: a search asks for them per layout."""
 
     def __init__(self, mcfg):
         self.mcfg = mcfg
         self.specs = layer_specs(mcfg, seed=None)
         self._built: dict[int, list[tuple[str, int, tuple[int, ...]]]] = {}
+        self._bounds: dict[tuple, list[int]] = {}
+        self._costs: list[LayerCost] | None = None
+
+    @property
+    def costs(self) -> list[LayerCost]:
+        self._costs = self._costs or layer_costs(self.mcfg)
+        return self._costs
+
+    def bounds(self, pp: int, method: str, seq_len: int) -> list[int]:
+        """Spec indices of each stage's layers (one stage: all of them), as build_run partitions the model."""
+        key = (pp, method, seq_len)
+        if key not in self._bounds:
+            self._bounds[key] = [0, len(self.specs)] if pp == 1 else partition(self.mcfg, pp, method, seq_len)
+        return self._bounds[key]
 
     def __getitem__(self, index: int) -> list[tuple[str, int, tuple[int, ...]]]:
         if index not in self._built:
@@ -44,11 +57,6 @@ class SpecParams:
                 layer = self.specs[index].build()
             self._built[index] = [(name, p.numel(), tuple(p.shape)) for name, p in layer.named_parameters()]
         return self._built[index]
-
-
-def stage_bounds(mcfg, pp: int, method: str, seq_len: int) -> list[int]:
-    """Spec indices of each stage's layers (one stage: all of them), as build_run partitions the model."""
-    return [0, len(layer_specs(mcfg, seed=None))] if pp == 1 else partition(mcfg, pp, method, seq_len)
 
 
 def rank_params(model: SpecParams, bounds: list[int], stage: int, ep: int, tp: int, lora_r: int = 0,
@@ -78,7 +86,8 @@ def rank_params(model: SpecParams, bounds: list[int], stage: int, ep: int, tp: i
         elif ep > 1 and _ROUTER.search(name):
             replaced.append(Param(name, numel, expert=False))
         else:
-            out.append(Param(name, numel // tp if tp > 1 and _TP_SPLIT.search(name) else numel, expert=False))
+            split = tp > 1 and split_dim(name, model.mcfg.model_type) is not None
+            out.append(Param(name, numel // tp if split else numel, expert=False))
     # AutoEP swaps each MoE block for its own module; DeepSpeed drops the swapped parameters (routed experts and the
     # router) from the optimizer's list and appends their replacements at its end, layer by layer.
     return out + replaced

@@ -16,11 +16,10 @@ from dataclasses import dataclass
 
 from ..config import ConfigError, RunConfig, validate
 from ..models import flops
-from ..models.pipeline import layer_costs
 from ..models.presets import num_routed_experts
 from .activations import layer_kinds
 from .estimate import Layout, Plan, estimate, layout_of
-from .params import SpecParams, rank_params, stage_bounds
+from .params import SpecParams, rank_params
 
 
 @dataclass(frozen=True)
@@ -51,8 +50,8 @@ class StepTime:
 def step_time(cfg: RunConfig, plan: Plan, hw: Hardware, model: SpecParams) -> StepTime:
     mcfg, lay = model.mcfg, plan.layout
     seq = cfg.data.seq_len
-    bounds = stage_bounds(mcfg, lay.pp, cfg.model.partition_method, seq)
-    per_layer = flops.layer_flops(layer_costs(mcfg), mcfg, seq)
+    bounds = model.bounds(lay.pp, cfg.model.partition_method, seq)
+    per_layer = flops.layer_flops(model.costs, mcfg, seq)
     replica_tokens = lay.micro * lay.grad_accum * seq
     f = 2 if plan.precision in ("bf16", "fp16") else 4
     stage_flops = [sum(per_layer[a:b]) for a, b in zip(bounds, bounds[1:])]
