@@ -255,4 +255,7 @@ def test_routed_expert_adapters_have_the_names_and_logits_of_peft_on_transformer
             p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
             theirs[name].copy_(p)
         ids = torch.randint(0, mcfg.vocab_size, (2, 17), generator=gen)
-        assert (ours.eval()(ids) - hf.eval()(input_ids=ids).logits).abs().max() < 1e-5
+        want = ours.eval()(ids)
+        assert (want - hf.eval()(input_ids=ids).logits).abs().max() < 1e-5
+        # eval.task during training: transformers' model sharing our layers' tensors, adapters included
+        assert (want - to_hf_model(local_layers(ours), mcfg, section)(input_ids=ids).logits).abs().max() < 1e-5

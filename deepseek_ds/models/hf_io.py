@@ -14,12 +14,14 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.zero.partition_parameters import is_zero_param
+from peft import inject_adapter_in_model
 from safetensors import safe_open
 from torch import nn
 
 from ..utils.errors import UserError
 from .fp8 import FP8_DTYPES, SCALE_SUFFIX, BlockFP8, QuantizationError, read_quantization
 from .layers import EmbeddingPipe, LMHeadPipe, MTPLayerPipe, family_of
+from .lora import ADAPTER, lora_config
 from .names import (
     MTP_EMBED,
     MTP_HEAD,
@@ -35,14 +37,17 @@ from .names import (
 from .presets import num_routed_experts
 
 
-def to_hf_model(layers, config) -> nn.Module:
+def to_hf_model(layers, config, lora=None) -> nn.Module:
     """A transformers CausalLM holding (sharing) the weights of the given layers (MTP modules aside: transformers'
-    CausalLM has none; mtp_hf_state_dict gives their tensors)."""
+    CausalLM has none; mtp_hf_state_dict gives their tensors). lora: the run's lora section when the layers carry
+    peft adapters (lora.r > 0); peft injects the same ones into the CausalLM, which then shares them too."""
     sd = hf_state_dict(l for l in layers if not isinstance(l, MTPLayerPipe))
     if getattr(config, "tie_word_embeddings", False):
         sd["lm_head.weight"] = next(l for l in layers if isinstance(l, EmbeddingPipe)).embed_tokens.weight
     with torch.device("meta"):
         model = family_of(config).causal_lm(config)
+        if lora is not None and lora.r:
+            inject_adapter_in_model(lora_config(lora, config), model, adapter_name=ADAPTER)
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     missing = [k for k in missing if not k.endswith("inv_freq")]
     if missing or unexpected:

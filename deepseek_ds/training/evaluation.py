@@ -211,6 +211,6 @@ def task_scores_run(run: Run) -> dict:
     tokenizer, items = _run_task(cfg.eval.task, run.dataset_dir, cfg.eval.task_items)
     module = run.engine.module
     with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=run.engine.zero_optimization_stage() == 3):
-        model = to_hf_model(module.layers, run.model_config).to(run.engine.device)
+        model = to_hf_model(module.layers, run.model_config, cfg.lora).to(run.engine.device)
         predictions = predict(model, tokenizer, items, cfg.eval.task_max_new_tokens, _TASK_BATCH, run.rank, run.world)
     return scores(predictions, [item.reference for item in items])
