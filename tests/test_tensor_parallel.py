@@ -83,9 +83,10 @@ def test_tiny_v3_tp2_equals_reference_and_splits_by_heads(v3_tp2, data_dir):
 
 
 @pytest.mark.launch
-def test_tiny_v3_tp2_resume_is_bitwise_and_export_gathers_the_shards(v3_tp2, data_dir, tmp_path):
-    """Resuming the TP=2 checkpoint of step 2 repeats steps 3-4 bit for bit; `export hf` of that checkpoint gathers
-    the shards into whole matrices, and transformers' model from them computes step 3's logged loss."""
+def test_tiny_v3_tp2_resume_bitwise_reshard_to_tp1_and_export_gathers_the_shards(v3_tp2, data_dir, tmp_path):
+    """Resuming the TP=2 checkpoint of step 2 repeats steps 3-4 bit for bit, and on TP=1 within 1e-5; `export hf` of
+    that checkpoint gathers the shards into whole matrices, and transformers' model from them computes step 3's
+    logged loss."""
     from transformers import AutoModelForCausalLM
 
     from helpers import training_loss
@@ -95,6 +96,13 @@ def test_tiny_v3_tp2_resume_is_bitwise_and_export_gathers_the_shards(v3_tp2, dat
                                                                        f"checkpoint.dir={ckpt}")))
     first = losses(v3_tp2["records"])
     assert resumed == {3: first[3], 4: first[4]}
+    # TP=2 -> TP=1 on one rank: resharded through a universal checkpoint (AutoTP's own conversion info, saved with
+    # the checkpoint, says which tensors are split); step 4 also checks that Adam's moments followed.
+    ckpt = fresh_ckpt_dir(v3_tp2["step2"], tmp_path / "ckpt_tp1")
+    resharded = losses(train(1, str(tmp_path / "out_tp1"), checkpoint_sets(data_dir, 4, 2, *SETS,
+                                                                             f"checkpoint.dir={ckpt}")))
+    assert sorted(resharded) == [3, 4]
+    assert all(abs(resharded[s] - first[s]) < 1e-5 for s in (3, 4)), (resharded, first)
     assert cli(["export", "hf", str(v3_tp2["step2"]), "--out", str(tmp_path / "hf"), "--dtype", "fp32",
                 "--work-dir", str(tmp_path)]) == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()

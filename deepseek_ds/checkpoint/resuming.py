@@ -99,13 +99,6 @@ def _loads_natively(saved: Layout, now: Layout) -> bool:
 def _check_reshardable(tag_dir: str, saved: Layout, now: Layout) -> None:
     fix = ("resume with the saved layout, or `deepseek-ds export hf` it and start a new run from the export "
            "with model.path")
-    if saved.tensor_parallel != now.tensor_parallel:
-        # DeepSpeed's universal conversion of our AutoTP checkpoints is untested here; export hf gathers the shards.
-        raise CheckpointError(f"checkpoint {tag_dir} ({saved.describe()}) cannot be resumed as {now.describe()}: "
-                              f"parallel.tensor_parallel = {now.tensor_parallel} but the checkpoint was trained with "
-                              f"{saved.tensor_parallel}; set parallel.tensor_parallel = {saved.tensor_parallel}, or "
-                              "`deepseek-ds export hf` it (the TP shards are gathered) and start a new run from the "
-                              "export with model.path")
     if saved.expert_parallel != now.expert_parallel:
         # Refused, not resharded: with EP 1 and > 1 the MoE blocks are different modules (transformers' gate and fused
         # experts; AutoEP's router and grouped w1/w2/w3), which DeepSpeed's universal loader does not map onto each

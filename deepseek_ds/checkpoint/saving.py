@@ -56,9 +56,10 @@ def save(run: TrainingRun, step: int, consumed_samples: int) -> str:
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
     client_state = {"step": step, "consumed_samples": consumed_samples}
-    if not engine.has_moe_layers:
+    if not engine.has_moe_layers and not hasattr(engine.module, UNIVERSAL_CHECKPOINT_INFO):
         # ds_to_universal refuses checkpoints without it (resharding needs it); DeepSpeed's expert-parallel
-        # save path writes this key itself and refuses it from the client.
+        # save path writes this key itself and refuses it from the client, and AutoTP's module carries its own
+        # (which TP dimension each tensor was split on), which this would replace.
         client_state[UNIVERSAL_CHECKPOINT_INFO] = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
     with _recording_saves(engine.checkpoint_engine) as written:
         # LoRA: the frozen base stays out (resume reads it from model.path), so the checkpoint holds what changes.

@@ -7,6 +7,10 @@ PreTrainedModel (a SequentialLM of our pipeline layers, names `layers.N.layer.se
 applies reliably. Its `deepseek_v2` preset targets per-expert Linear names (`mlp.experts.0.up_proj`) while
 transformers 5 stores the routed experts fused (3-D `gate_up_proj` / `down_proj` parameters, no Linear), which
 AutoTP then leaves alone; the specs below say that explicitly (routed experts replicated in the TP group).
+
+The split attention computes with num_heads / tp heads although it read num_heads from the config: transformers 5's
+MLA and Llama attention reshape the projections' outputs as (batch, seq, -1, head_dim), so the head count follows
+the shard (tested: the TP=2 losses equal the unsplit reference).
 """
 
 from __future__ import annotations

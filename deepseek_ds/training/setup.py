@@ -214,6 +214,9 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
     dp = cfg.data_parallel_size(world)
     loss_fn = TokenWeightedLoss(mtp_depth(mcfg), cfg.train.mtp_loss_weight)
     torch.manual_seed(cfg.train.seed)
+    tp = cfg.parallel.tensor_parallel
+    # DeepSpeed's config (zero.Init's and the engine's) counts data-parallel ranks through the TP mesh.
+    tp_groups = init_tensor_parallel_groups(tp) if tp > 1 else None
     if pp > 1:
         parts = partition(mcfg, pp, cfg.model.partition_method, cfg.data.seq_len)
         if rank == 0:
@@ -221,16 +224,8 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
         model = build_model(mcfg, pp, cfg.train.seed, parts=parts, topology=PipeDataParallelTopology(num_pp=pp, num_dp=dp),
                             activation_checkpoint_interval=cfg.model.activation_checkpoint_interval, loss_fn=loss_fn)
     else:
-        # ZeRO-3: each layer is partitioned over the ranks as it is built, so no rank holds the whole model at start.
-        # Not with AutoEP or LoRA, which rebuild modules of an ordinary model.
-        zero_init = zero_stage(ds) == 3 and not cfg.lora.r and cfg.parallel.expert_parallel == 1
-        with deepspeed.zero.Init(config_dict_or_path=ds, enabled=zero_init):
-            model = build_model(mcfg, 1, cfg.train.seed,
-                                activation_checkpoint_interval=cfg.model.activation_checkpoint_interval)
-        if zero_init:
-            params = list(model.parameters())
-            log.info("ZeRO-3: built partitioned (deepspeed.zero.Init): this rank holds %d of %d parameter elements",
-                     sum(p.ds_tensor.numel() for p in params), sum(p.ds_numel for p in params))
+        model = build_model(mcfg, 1, cfg.train.seed,
+                            activation_checkpoint_interval=cfg.model.activation_checkpoint_interval)
     if zero_stage(ds) < 3:  # the chunked loss; ZeRO-3 gathers the head's weight only inside the head's own module
         defer_logits(model)
     if cfg.train.compile:
@@ -248,12 +243,11 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
     if cfg.parallel.expert_parallel > 1:
         ds = {**ds, "expert_parallel": autoep_section(mcfg, cfg.parallel.expert_parallel)}
         model.config = mcfg  # AutoEP reads the expert count, top-k and routing from model.config
-    tp = cfg.parallel.tensor_parallel
     if tp > 1:
         model.config = mcfg  # AutoTP reads the head counts from model.config
     biases = snapshot_biases(model)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                           config=ds, mpu=init_tensor_parallel_groups(tp) if tp > 1 else None)
+                                           config=ds, mpu=tp_groups)
     restore_fp32_biases(engine.module, biases)
     timeouts = apply_timeout_to_all_groups(cfg.train.dist_timeout_s)
     log.info("%d process groups, each with a %s s timeout (train.dist_timeout_s)", len(timeouts),
