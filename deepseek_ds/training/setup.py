@@ -224,8 +224,16 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
         model = build_model(mcfg, pp, cfg.train.seed, parts=parts, topology=PipeDataParallelTopology(num_pp=pp, num_dp=dp),
                             activation_checkpoint_interval=cfg.model.activation_checkpoint_interval, loss_fn=loss_fn)
     else:
-        model = build_model(mcfg, 1, cfg.train.seed,
-                            activation_checkpoint_interval=cfg.model.activation_checkpoint_interval)
+        # ZeRO-3: each layer is partitioned over the ranks as it is built, so no rank holds the whole model at start.
+        # Not with AutoEP or LoRA, which rebuild modules of an ordinary model.
+        zero_init = zero_stage(ds) == 3 and not cfg.lora.r and cfg.parallel.expert_parallel == 1
+        with deepspeed.zero.Init(config_dict_or_path=ds, mpu=tp_groups, enabled=zero_init):
+            model = build_model(mcfg, 1, cfg.train.seed,
+                                activation_checkpoint_interval=cfg.model.activation_checkpoint_interval)
+        if zero_init:
+            params = list(model.parameters())
+            log.info("ZeRO-3: built partitioned (deepspeed.zero.Init): this rank holds %d of %d parameter elements",
+                     sum(p.ds_tensor.numel() for p in params), sum(p.ds_numel for p in params))
     if zero_stage(ds) < 3:  # the chunked loss; ZeRO-3 gathers the head's weight only inside the head's own module
         defer_logits(model)
     if cfg.train.compile:
