@@ -18,11 +18,11 @@ from .launch import add_launch_args, launch, step_metrics
 from .report import Column
 
 COLUMNS = [
-    Column("run", "run", "s"), Column("trainable", "trainable params / rank", ",d"),
-    Column("trainable_share", "share", ".2%"), Column("params", "params (MB/rank)", ".2f"),
-    Column("grads", "grads (MB/rank)", ".3f"), Column("optimizer", "optimizer (MB/rank)", ".3f"),
-    Column("optimizer_per_trainable", "optimizer B / trainable param", ".1f"),
-    Column("tokens_per_s", "tokens/s", ",.0f"), Column("step_time_s", "step (s)", ".3f"),
+    Column("run", "run"), Column("trainable", "trainable params / rank", "{:,d}"),
+    Column("trainable_share", "share", "{:.1%}"), Column("params", "params (MB/rank)", "{:.2f}"),
+    Column("grads", "grads (MB/rank)", "{:.3f}"), Column("optimizer", "optimizer (MB/rank)", "{:.3f}"),
+    Column("optimizer_per_trainable", "optimizer B / trainable param x N", "{:.1f}"),
+    Column("tokens_per_s", "tokens/s", "{:,.0f}"), Column("step_time_s", "step (s)", "{:.3f}"),
 ]
 MB = 2**20
 
@@ -49,7 +49,7 @@ def run_lora_bench(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
                           "recipes/lora-tiny-v3.yaml)")
     global_batch = cfg.train.micro_batch_size * world * args.grad_accum
     common = args.set + [f"train.global_batch_size={global_batch}", f"train.steps={args.warmup + args.steps + 1}",
-                         "eval.interval=0"]
+                         "eval.interval=0", "eval.task=null"]
     plans = [("full fine-tuning", ["lora.r=0"]), (f"LoRA r={r}", [f"lora.r={r}"])]
     for name, extra in plans:  # both checked before the first launch
         try:
