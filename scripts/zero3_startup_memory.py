@@ -5,7 +5,8 @@
 Each stage is one `deepspeed` launch of this file's rank side, which runs the training set-up (build_run) and
 records, on every rank: the process's peak RSS once the model is built (before the engine: what zero.Init saves),
 whether its parameters were partitioned then, the parameter elements it holds, and the peak RSS once the engine
-(optimizer state included) exists. A table of both stages is printed; nothing is timed.
+(optimizer state included) exists. A table of both stages is printed; nothing is timed. The ranks run with
+MALLOC_MMAP_THRESHOLD_=1048576 (see driver) so that RSS shows what is held, not what glibc kept after a free.
 """
 
 from __future__ import annotations
@@ -82,7 +83,10 @@ def driver(args: argparse.Namespace) -> int:
         for s in sets:
             cmd += ["--set", s]
         print(f"ZeRO-{stage}: 2 ranks ...", flush=True)
-        proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(OMP_NUM_THREADS="1"), capture_output=True, text=True)
+        # glibc keeps freed blocks below its self-raising mmap threshold in the heap, so RSS would still count the
+        # layers zero.Init has already partitioned and freed; a fixed 1 MiB threshold hands them back to the OS.
+        env = launch_env(OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=os.environ.get("MALLOC_MMAP_THRESHOLD_", "1048576"))
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             print(proc.stdout[-3000:] + proc.stderr[-3000:], file=sys.stderr)
             return 1
