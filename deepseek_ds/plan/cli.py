@@ -15,7 +15,7 @@ from ..launcher.world import world_size
 from ..utils.cli_args import add_hostfile, add_num_gpus, add_run_args, add_slot_filters, positive_int, spellings
 from ..utils.errors import UserError
 from . import report
-from .estimate import Layout, estimate, layout_of, model_config
+from .estimate import estimate, layout_of, model_config
 from .params import SpecParams
 from .steptime import Hardware, search, step_time
 
@@ -157,5 +157,3 @@ def register(sub) -> None:
                                                       "kernel for MLA)")
     p.set_defaults(func=cmd_plan)
 
-
-__all__ = ["Layout", "PlanError", "add_verdict_args", "memory_size", "register", "run_verdict"]

@@ -4,7 +4,7 @@ GPU's memory."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..config import RunConfig, precision, zero_stage
 from ..models.lora import target_modules
@@ -66,7 +66,6 @@ class Plan:
     layout: Layout
     gpu_memory: int
     ranks: list[RankEstimate]
-    notes: list[str] = field(default_factory=list)
 
     @property
     def fullest(self) -> RankEstimate:

@@ -18,7 +18,7 @@ from ..config import ConfigError, RunConfig, validate
 from ..models import flops
 from ..models.presets import num_routed_experts
 from .activations import layer_kinds
-from .estimate import Layout, Plan, estimate, layout_of
+from .estimate import Plan, estimate, layout_of
 from .params import SpecParams, rank_params
 
 
@@ -115,5 +115,3 @@ def search(cfg: RunConfig, ds: dict, world: int, gpu_memory: int, hw: Hardware, 
             ranked.append((plan, step_time(c, plan, hw, model)))
     return sorted(ranked, key=lambda ps: ps[1].total_s)
 
-
-__all__ = ["Hardware", "Layout", "StepTime", "candidates", "search", "step_time"]
