@@ -170,11 +170,20 @@ def test_lora_checkpoint_holds_only_adapters_and_resumes_bitwise(tmp_path_factor
     assert all(torch.equal(final[n], again[n]) for n in final)
 
 
-def _toolkit_logits(base_dir: str, adapters: dict[str, torch.Tensor], section, ids: torch.Tensor) -> torch.Tensor:
-    """Our own model: the pipeline layers in one process, the base from base_dir, peft's adapters holding `adapters`."""
+def _toolkit_logits(base_dir: str, adapters: dict[str, torch.Tensor], section, ids: torch.Tensor,
+                    tag_dir) -> torch.Tensor:
+    """Our own model: the pipeline layers in one process, the base from base_dir, the router biases training moved
+    (the checkpoint's buffers), peft's adapters holding `adapters`."""
+    from deepseek_ds.checkpoint.state import read_buffers
+    from deepseek_ds.models.names import hf_state_dict
+
     mcfg = prepare_config(build_model_config(path=base_dir))
     model = build_model(mcfg, 1, 0)
     load_hf_weights(local_layers(model), base_dir, mcfg)
+    state = hf_state_dict(local_layers(model))
+    with torch.no_grad():
+        for name, t in read_buffers(str(tag_dir)).items():
+            state[name].copy_(t)
     apply_lora(model, section, mcfg, 0)
     from deepseek_ds.models.lora import trainable_hf_state_dict
 
@@ -198,7 +207,7 @@ def test_exported_adapter_and_merged_model_give_the_toolkit_logits(tmp_path, zer
     assert cli(["export", "hf", str(ckpt), "--out", str(tmp_path / "merged"), "--dtype", "fp32"]) == 0
     cfg = load_run_config("recipes/tiny-v3.yaml", _sets(data_dir, base))
     ids = torch.randint(0, 2048, (2, 33), generator=torch.Generator().manual_seed(5))
-    want = _toolkit_logits(base, _merged(zero1["ranks"], "final"), cfg.lora, ids)
+    want = _toolkit_logits(base, _merged(zero1["ranks"], "final"), cfg.lora, ids, ckpt / f"step{STEPS:08d}")
     with torch.no_grad():
         peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(tmp_path / "adapter")).eval()
         merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from ..checkpoint.format import read_meta, saved_layout, tag_dir_of
 from ..checkpoint.safe_load import trusted_types_only
+from ..checkpoint.state import read_buffers
 from ..config.schema import LoraSection
 from ..data import load_tokenizer
 from ..models.hf_io import load_hf_weights, to_hf_model
@@ -76,7 +77,7 @@ def _peft_name(hf: str, modules_to_save) -> str:
 
 def peft_model_from_checkpoint(checkpoint: str, experts_implementation: str = "grouped_mm") -> tuple[PeftModel, dict]:
     """(fp32 PeftModel in eval mode: the base read from the run's model.path as training read it, the checkpoint's
-    adapters and modules_to_save; the checkpoint's metadata)."""
+    adapters, modules_to_save and persistent buffers; the checkpoint's metadata)."""
     tag_dir = tag_dir_of(checkpoint)
     meta = read_meta(tag_dir)
     section = LoraSection(**meta["run_config"]["lora"])
@@ -88,8 +89,12 @@ def peft_model_from_checkpoint(checkpoint: str, experts_implementation: str = "g
     layers = [spec.build() for spec in layer_specs(config, seed=None)
               if not (isinstance(spec, TiedLayerSpec) and spec.forward_fn is not None)]
     load_hf_weights(layers, base_path, config)
-    model = get_peft_model(to_hf_model(layers, config), lora_config(section, config, modules_to_save=True),
-                           adapter_name=ADAPTER)
+    base = to_hf_model(layers, config)
+    # The persistent buffers training moved (the routers' e_score_correction_bias): the checkpoint's, not the base's.
+    _, unexpected = base.load_state_dict(read_buffers(tag_dir), strict=False)
+    if unexpected:
+        raise LoraExportError(f"{tag_dir}/buffers holds tensors its model lacks, e.g. {unexpected[:3]}")
+    model = get_peft_model(base, lora_config(section, config, modules_to_save=True), adapter_name=ADAPTER)
     model.peft_config[ADAPTER].base_model_name_or_path = os.path.abspath(base_path)
     params = dict(model.named_parameters())
     wanted = {name for name, p in params.items() if p.requires_grad}
