@@ -112,6 +112,13 @@ def export_lora(checkpoint: str, out: str, data_dir: str | None = None) -> str:
     """peft's adapter directory of a LoRA checkpoint (with the training data's tokenizer), which
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out) loads."""
     model, meta = peft_model_from_checkpoint(checkpoint)
+    base = AutoModelForCausalLM.from_pretrained(meta["run_config"]["model"]["path"], dtype=torch.float32)
+    moved = [name for name, b in model.base_model.model.named_buffers()
+             if name in dict(base.named_buffers()) and not torch.equal(b, dict(base.named_buffers())[name])]
+    if moved:  # a peft adapter cannot carry buffers: on the base alone it would route differently
+        raise LoraExportError(f"training moved {len(moved)} buffers of the base (e.g. {moved[0]}: the router bias "
+                              "updates), which a peft adapter cannot carry; use `export hf` (merged, with them) or "
+                              "train with moe.bias_update_speed=0")
     model.save_pretrained(out)
     load_tokenizer(data_dir or meta["dataset_dir"]).save_pretrained(out)
     return out
