@@ -40,7 +40,7 @@ GLOBAL_BATCH = 8
 MEASURE = """
 import argparse, json, os, sys
 import torch.distributed as dist
-from deepseek_ds.bench.worker import measure, _free_memory
+from deepseek_ds.bench.worker import free_memory, measure
 
 out, data = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
 variants = json.loads(os.environ["PLAN_VARIANTS"])
@@ -52,7 +52,7 @@ for i, (model, ds_config, extra) in enumerate(variants):
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, report)
     results.append(gathered)
-    _free_memory()
+    free_memory()
 if dist.get_rank() == 0:
     with open(os.path.join(out, "measured.json"), "w") as f:
         json.dump(results, f)

@@ -39,7 +39,7 @@ from ..utils.net import free_port
 from . import report
 from .checkpoint_bench import single_process_env
 from .launch import step_metrics
-from .worker import _free_memory, measure
+from .worker import free_memory, measure
 from .zero_bench import zero_formula
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,7 +135,7 @@ def run_variant(v: Variant, work_dir: str) -> dict:
     print(f"gpu check: {v.section}: {v.model}, {v.option} ...", flush=True)
     start = time.perf_counter()
     r = measure(args, 1, v.global_batch)
-    _free_memory()  # before the next variant's model is built
+    free_memory()  # before the next variant's model is built
     psi = sum(r["param_numels"])
     states = sum(zero_formula(psi, 1, r["zero_stage"], r["param_element_size"], True).values())
     return {"section": v.section, "model": v.model, "option": v.option, "precision": r["precision"],

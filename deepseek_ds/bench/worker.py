@@ -213,7 +213,7 @@ def _close_logs(run) -> None:
             handler.close()
 
 
-def _free_memory() -> None:
+def free_memory() -> None:
     """Once a variant's run is unreachable: collect it (the instrumented engine sits in reference cycles) and
     hand its cached GPU memory back, before the next variant is built."""
     gc.collect()
@@ -281,7 +281,7 @@ def main(argv=None) -> int:
     reports = []
     for gbs in args.global_batch_sizes:
         reports.append(measure(args, world, gbs))
-        _free_memory()
+        free_memory()
     gathered: list = [None] * world
     dist.all_gather_object(gathered, reports)
     if dist.get_rank() == 0:

@@ -175,7 +175,7 @@ class LoraSection:
     dropout: float = 0.0
     """Dropout on the adapters' input."""
     target_modules: list[str] | None = None
-    """transformers' module names that get adapters (e.g. q_b_proj, o_proj, gate_proj); null: the model family's
+    """transformers' module names that get adapters (e.g. q_b_proj, kv_b_proj, o_proj); null: the model family's
     default (models/lora.py)."""
     modules_to_save: list[str] = field(default_factory=list)
     """Modules trained in full alongside the adapters (e.g. lm_head)."""
