@@ -227,7 +227,8 @@ def test_validate_prints_the_verdict_and_refuses_with_strict(capsys):
 
 # ------------------------------------------------------------------------------------------- published layouts
 def _published(argv: list[str], capsys) -> tuple[int, dict]:
-    status = cli(["plan", "--set", "data.path=null", "--set", "data.builtin=stdlib", "--json", *argv])
+    """The recipes name data (and eval.task files) this machine does not hold: plan does not need them."""
+    status = cli(["plan", "--json", *argv])
     return status, json.loads(capsys.readouterr().out)
 
 
@@ -240,25 +241,22 @@ def test_deepseek_v3_pp16_ep64_zero1_on_2048_gpus_fits(capsys):
     assert all(2 * 2**30 < r["params_bytes"] < 8 * 2**30 for r in out["ranks"])
 
 
-V2_LITE_SFT = ["--set", "model.path=null", "--set", "model.preset=deepseek-v2-lite", "--set", "eval.interval=0",
-               "--set", "eval.task=null"]
+V2_LITE_SFT = ["--set", "model.path=null", "--set", "model.preset=deepseek-v2-lite"]
 
 
 @pytest.mark.unit
 def test_v2_lite_full_zero3_vs_lora_on_8_gpus(capsys):
-    """The V2-Lite fine-tuning recipe (ZeRO-3 bf16) in full, through the CLI; with LoRA through the same estimate
-    (validate() wants a model.path with weights for LoRA, which the meta device does not need)."""
-    status, full = _published(["--config", "recipes/sft-deepseek-v2-lite.yaml", *V2_LITE_SFT, "--gpus", "8",
-                               "--gpu-memory", "80GB"], capsys)
+    """The V2-Lite fine-tuning recipe (ZeRO-3 bf16) in full and with LoRA, through the CLI (the recipe's model.path,
+    data and eval.task are not on this machine: the preset stands in for the HF directory)."""
+    argv = ["--config", "recipes/sft-deepseek-v2-lite.yaml", *V2_LITE_SFT, "--gpus", "8", "--gpu-memory", "80GB"]
+    status, full = _published(argv, capsys)
     assert status == 0 and full["fits"]
-    sets = [s for s in V2_LITE_SFT if s != "--set"] + ["data.path=null", "data.builtin=stdlib"]
-    cfg = load_run_config("recipes/sft-deepseek-v2-lite.yaml", [*sets, "lora.r=16"])
-    ds = load_ds_config(cfg.deepspeed_config)
-    lora = estimate(cfg, ds, layout_of(cfg, ds, 8), 80 * 2**30, fused_attention=True).ranks[0]
-    f = full["ranks"][0]
-    assert lora.optimizer < f["optimizer_bytes"] / 50 and lora.grads < f["grads_bytes"] / 50
+    status, lora_out = _published([*argv, "--set", "lora.r=16"], capsys)
+    lora, f = lora_out["ranks"][0], full["ranks"][0]
+    assert status == 0 and lora_out["fits"]
+    assert lora["optimizer_bytes"] < f["optimizer_bytes"] / 50 and lora["grads_bytes"] < f["grads_bytes"] / 50
     # The frozen base stays (1/8 of it under ZeRO-3, in bf16): as many parameter bytes, give or take the adapters.
-    assert 0.95 < lora.params / f["params_bytes"] < 1.1
+    assert 0.95 < lora["params_bytes"] / f["params_bytes"] < 1.1
 
 
 @pytest.mark.unit

@@ -31,13 +31,17 @@ from .deepspeed_json import (
 from .schema import ConfigError, RunConfig
 
 
-def validate(cfg: RunConfig, ds: dict, world_size: int, cuda_available: bool | None = None) -> None:
+def validate(cfg: RunConfig, ds: dict, world_size: int, cuda_available: bool | None = None,
+             files: bool = True) -> None:
     """Every check that can be made before processes start. Raises ConfigError listing all problems; DeepSpeed's
-    own config model runs last, only when these rules pass (its complaints would otherwise restate theirs)."""
+    own config model runs last, only when these rules pass (its complaints would otherwise restate theirs).
+    files=False leaves out the dataset, the eval.task file and model.path's weights (`deepseek-ds plan` checks a
+    layout for a cluster from a machine that may hold none of them); model.path's config.json is still read."""
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()
     errors = (unknown_top_level_keys(ds) + _layout_errors(cfg, world_size) + _deepspeed_errors(cfg, ds, cuda_available)
-              + _model_errors(cfg, ds) + _data_errors(cfg) + _task_errors(cfg) + _nan_policy_errors(cfg, ds) + missing_monitor_packages(ds)
+              + _model_errors(cfg, ds, files) + (_data_errors(cfg) if files else []) + _task_errors(cfg, files)
+              + _nan_policy_errors(cfg, ds) + missing_monitor_packages(ds)
               + asynchronous_checkpoint_engines(ds) + _tensor_parallel_errors(cfg, ds))
     if not errors:
         try:
@@ -114,13 +118,13 @@ def _deepspeed_errors(cfg: RunConfig, ds: dict, cuda_available: bool) -> list[st
     return errors
 
 
-def _model_errors(cfg: RunConfig, ds: dict) -> list[str]:
+def _model_errors(cfg: RunConfig, ds: dict, files: bool = True) -> list[str]:
     """The model (its path, or its preset with overrides) against the layout, the sequence length and the MoE and
     MTP settings."""
     p = cfg.parallel
     if cfg.model.path and not os.path.isdir(cfg.model.path):
         return [f"model.path {cfg.model.path!r} does not exist; point it at a local HF model directory"]
-    pickled = pickled_weights(cfg.model.path) if cfg.model.path and not has_weights(cfg.model.path) else []
+    pickled = pickled_weights(cfg.model.path) if files and cfg.model.path and not has_weights(cfg.model.path) else []
     if pickled:
         return [f"model.path {cfg.model.path!r} holds only PyTorch pickle weights ({pickled[0]}), "
                 "which deepseek-ds does not read (training would start from random weights); convert it once with "
@@ -144,7 +148,7 @@ def _model_errors(cfg: RunConfig, ds: dict) -> list[str]:
     if cfg.data.seq_len > mcfg.max_position_embeddings:
         errors.append(f"data.seq_len ({cfg.data.seq_len}) exceeds the model's max_position_embeddings "
                       f"({mcfg.max_position_embeddings})")
-    return errors + _moe_errors(cfg, ds, mcfg) + _mtp_errors(cfg, mcfg) + _lora_errors(cfg, mcfg)
+    return errors + _moe_errors(cfg, ds, mcfg) + _mtp_errors(cfg, mcfg) + _lora_errors(cfg, mcfg, files)
 
 
 def _data_errors(cfg: RunConfig) -> list[str]:
@@ -181,7 +185,7 @@ def _data_errors(cfg: RunConfig) -> list[str]:
     return options + errors + _vocab_errors(cfg, info)
 
 
-def _task_errors(cfg: RunConfig) -> list[str]:
+def _task_errors(cfg: RunConfig, files: bool = True) -> list[str]:
     """eval.task that could never be scored: generation needs the whole model on one rank, and an evaluation to run."""
     e, p = cfg.eval, cfg.parallel
     if not e.task:
@@ -193,7 +197,7 @@ def _task_errors(cfg: RunConfig) -> list[str]:
                       "remove eval.task and score checkpoints with `deepseek-ds eval --task`")
     if not e.interval:
         errors.append(f"eval.task {e.task!r} is never scored with eval.interval 0; set eval.interval to N > 0 steps")
-    if not os.path.isfile(e.task):
+    if files and not os.path.isfile(e.task):
         errors.append(f"eval.task {e.task!r} does not exist; point it at a JSON Lines task file (e.g. one from "
                       "`deepseek-ds data synth-task`)")
     return errors
@@ -220,10 +224,10 @@ def _nan_policy_errors(cfg: RunConfig, ds: dict) -> list[str]:
     return []
 
 
-def _lora_errors(cfg: RunConfig, mcfg) -> list[str]:
+def _lora_errors(cfg: RunConfig, mcfg, files: bool = True) -> list[str]:
     p = cfg.parallel
     return lora_errors(cfg.lora.r, cfg.lora.target_modules, cfg.lora.routed_experts, p.expert_parallel,
-                       bool(cfg.model.path and has_weights(cfg.model.path)), mcfg.model_type,
+                       not files or bool(cfg.model.path and has_weights(cfg.model.path)), mcfg.model_type,
                        bool(num_routed_experts(mcfg)))
 
 

@@ -80,7 +80,7 @@ def _plan(args: argparse.Namespace) -> tuple:
     ds = load_ds_config(cfg.deepspeed_config)
     if zero is not None:
         ds.setdefault("zero_optimization", {})["stage"] = zero
-    validate(cfg, ds, world, cuda_available=not args.cpu)
+    validate(cfg, ds, world, cuda_available=not args.cpu, files=False)
     return cfg, ds, world
 
 

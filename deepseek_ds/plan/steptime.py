@@ -98,7 +98,7 @@ def candidates(cfg: RunConfig, ds: dict, world: int, mcfg) -> list[tuple[RunConf
                     d = copy.deepcopy(ds)
                     d.setdefault("zero_optimization", {})["stage"] = zero
                     try:
-                        validate(c, d, world, cuda_available=True)
+                        validate(c, d, world, cuda_available=True, files=False)
                     except ConfigError:
                         continue
                     out.append((c, d))
