@@ -164,6 +164,9 @@ def test_eval_task_refusals(tmp_path):
                    r"eval.task needs the whole model on every rank.*pipeline_stages = 2")
     assert refused(cfg(eval=ok, parallel={"expert_parallel": 2}), ds(), 2,
                    r"eval.task needs the whole model.*expert_parallel = 2")
+    # AutoTP's shards are not the whole matrices a transformers view needs.
+    assert refused(cfg(eval=ok, parallel={"tensor_parallel": 2}), ds(), 2,
+                   r"eval.task needs the whole model.*tensor_parallel = 2")
     assert refused(cfg(eval={**ok, "interval": 0}), ds(), 2, r"eval.task .* is never scored with eval.interval 0")
     assert refused(cfg(eval={**ok, "task": str(tmp_path / "nope.jsonl")}), ds(), 2,
                    r"eval.task '.*nope.jsonl' does not exist")

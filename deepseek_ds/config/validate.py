@@ -191,10 +191,11 @@ def _task_errors(cfg: RunConfig, files: bool = True) -> list[str]:
     if not e.task:
         return []
     errors = []
-    if p.pipeline_stages > 1 or p.expert_parallel > 1:
+    if p.pipeline_stages > 1 or p.expert_parallel > 1 or p.tensor_parallel > 1:
         errors.append(f"eval.task needs the whole model on every rank for generation, but parallel.pipeline_stages = "
-                      f"{p.pipeline_stages} and parallel.expert_parallel = {p.expert_parallel}; set both to 1, or "
-                      "remove eval.task and score checkpoints with `deepseek-ds eval --task`")
+                      f"{p.pipeline_stages}, parallel.expert_parallel = {p.expert_parallel} and "
+                      f"parallel.tensor_parallel = {p.tensor_parallel}; set all three to 1, or remove eval.task and "
+                      "score checkpoints with `deepseek-ds eval --task`")
     if not e.interval:
         errors.append(f"eval.task {e.task!r} is never scored with eval.interval 0; set eval.interval to N > 0 steps")
     if files and not os.path.isfile(e.task):

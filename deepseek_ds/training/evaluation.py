@@ -202,12 +202,13 @@ _TASK_BATCH = 8  # items generated together per rank during training
 
 def task_scores_run(run: Run) -> dict:
     """eval.task's scores for the training model: every rank generates its share from a transformers view that
-    shares the engine's weights (under ZeRO-3 gathered whole for the duration). Pipeline and expert-parallel layouts
-    split the model itself and cannot generate this way."""
+    shares the engine's weights (under ZeRO-3 gathered whole for the duration). Pipeline, expert- and tensor-parallel
+    layouts split the model itself and cannot generate this way."""
     cfg = run.cfg
-    if run.pipeline or cfg.parallel.expert_parallel > 1:
-        raise ConfigError("eval.task needs the whole model on every rank: use parallel.pipeline_stages=1 and "
-                          "parallel.expert_parallel=1, or score the checkpoints with `deepseek-ds eval --task`")
+    if run.pipeline or cfg.parallel.expert_parallel > 1 or cfg.parallel.tensor_parallel > 1:
+        raise ConfigError("eval.task needs the whole model on every rank: use parallel.pipeline_stages=1, "
+                          "parallel.expert_parallel=1 and parallel.tensor_parallel=1, or score the checkpoints with "
+                          "`deepseek-ds eval --task`")
     tokenizer, items = _run_task(cfg.eval.task, run.dataset_dir, cfg.eval.task_items)
     module = run.engine.module
     with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=run.engine.zero_optimization_stage() == 3):
