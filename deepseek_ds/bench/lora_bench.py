@@ -47,7 +47,7 @@ def run_lora_bench(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     if not r:
         raise ConfigError("bench lora needs a rank: give --r N or a recipe with lora.r > 0 (e.g. "
                           "recipes/lora-tiny-v3.yaml)")
-    global_batch = cfg.train.micro_batch_size * world * args.grad_accum
+    global_batch = cfg.train.micro_batch_size * cfg.data_parallel_size(world) * args.grad_accum
     common = args.set + [f"train.global_batch_size={global_batch}", f"train.steps={args.warmup + args.steps + 1}",
                          "eval.interval=0", "eval.task=null"]
     plans = [("full fine-tuning", ["lora.r=0"]), (f"LoRA r={r}", [f"lora.r={r}"])]
