@@ -37,7 +37,7 @@ ROUTED_EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
 def lora_errors(r: int, target_modules: list[str] | None, routed_experts: bool, expert_parallel: int,
-                has_base: bool, model_type: str, moe: bool) -> list[str]:
+                has_base: bool, model_type: str, moe: bool, mtp_depth: int) -> list[str]:
     """What cannot work with LoRA in a run of these settings (empty with r = 0), each with the reason and the fix
     (LoRA with tensor parallelism: models/tensor_parallel.py's rules)."""
     if r == 0:
@@ -52,6 +52,10 @@ def lora_errors(r: int, target_modules: list[str] | None, routed_experts: bool, 
                         "to the fused routed experts whenever it loads an adapter, so adapters on the dense and "
                         "shared-expert MLPs would not load back; remove them (attention is the default) and set "
                         "lora.routed_experts=true to adapt the experts")
+    if mtp_depth:
+        # peft's suffix matching adapts the MTP modules' attention too, which the exported CausalLM (no MTP) lacks.
+        problems.append(f"lora.r > 0 with {mtp_depth} MTP module(s): the adapters on them could not be exported or "
+                        "evaluated (transformers' CausalLM has no MTP); set model.overrides.num_nextn_predict_layers: 0")
     if routed_experts and not moe:
         problems.append("lora.routed_experts is true but the model has no routed experts: set it to false")
     if routed_experts and expert_parallel > 1:
