@@ -4,6 +4,7 @@ search and verdicts, and the published layouts as sanity checks."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -12,13 +13,16 @@ import torch
 
 from deepseek_ds.config import load_and_validate, load_ds_config, load_run_config
 from deepseek_ds.models.layers import DecoderLayerPipe
+from deepseek_ds.models.lora import apply_lora
 from deepseek_ds.models.pipeline import build_model, prepare_config
 from deepseek_ds.models.presets import build_model_config
 from deepseek_ds.plan import activations
+from deepseek_ds.plan import estimate as plan_estimate
 from deepseek_ds.plan.cli import PlanError, layout_sets, memory_size, run_verdict
 from deepseek_ds.plan.estimate import buffer_bytes, element_bytes, estimate, layout_of, model_config, zero_settings
 from deepseek_ds.plan.params import SpecParams, rank_params
 from deepseek_ds.plan.states import state_bytes
+from deepseek_ds.plan.steptime import Hardware, step_time
 from helpers import cli, deepspeed
 
 # ------------------------------------------------------------------------------------------- model states, measured
@@ -268,3 +272,37 @@ def test_deepseek_llm_7b_on_8_24gb_gpus(capsys):
                             "--set", "model.activation_checkpoint_interval=1"], capsys)
     # 6.9B parameters: ZeRO-1 keeps 2 + 2 bytes of each whole (~26 GiB) and does not fit; ZeRO-3 with checkpointing does.
     assert (s1, zero1["fits"]) == (1, False) and (s3, zero3["fits"]) == (0, True)
+
+
+# ------------------------------------------------------------------------------------------- LoRA
+def _lora_tiny():
+    """recipes/lora-tiny-v3.yaml's LoRA settings (adapters on attention and every routed expert, embedding and head
+    in full) on the tiny-v3 preset (the recipe's start is tiny-v3, which the recipe reads from a directory)."""
+    cfg = load_run_config("recipes/lora-tiny-v3.yaml", ["model.path=null", "model.preset=tiny-v3",
+                                                        "data.builtin=stdlib"])
+    assert cfg.lora.routed_experts and cfg.lora.modules_to_save == ["embed_tokens", "lm_head"]
+    return cfg, model_config(cfg)
+
+
+@pytest.mark.unit
+def test_lora_trainable_bytes_equal_apply_lora_and_zero3_gathers_the_frozen_base():
+    cfg, mcfg = _lora_tiny()
+    model = build_model(mcfg, 1, 0)
+    trainable = apply_lora(model, cfg.lora, mcfg, 0)
+    total = sum(p.numel() for p in model.parameters())
+    ds = load_ds_config("ds_configs/zero1.json")
+    lay = plan_estimate.Layout(pp=1, ep=1, tp=1, zero=1, dp=2, micro=2, grad_accum=1)
+    plan = estimate(cfg, ds, lay, 2**40, fused_attention=False)
+    assert plan.ranks[0].grads == 4 * trainable  # ZeRO-1 holds every fp32 gradient whole
+    params = rank_params(SpecParams(mcfg), [0, len(model.layers)], 0, 1, 1, cfg.lora)
+    assert sum(p.numel for p in params if p.trainable) == trainable and sum(p.numel for p in params) == total
+    embed_head = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" in n or "lm_head" in n)
+    assert trainable > embed_head > 0  # the adapters come on top of the modules trained in full
+    # Communication: the gradients of the trainable parameters (a ring all-reduce: 2 x 1/2 of the bytes with 2
+    # ranks), and under ZeRO-3 one reduce-scatter of them plus two all-gathers of every parameter.
+    hw = Hardware(peak_tflops=1.0, mfu=1.0, bandwidth=1.0, intra_bandwidth=1.0, gpus_per_node=8)
+    specs = SpecParams(mcfg)
+    assert step_time(cfg, plan, hw, specs).comm_s == pytest.approx(2 * 0.5 * 4 * trainable)
+    zero3 = dataclasses.replace(lay, zero=3)
+    plan3 = estimate(cfg, load_ds_config("ds_configs/zero3.json"), zero3, 2**40, fused_attention=False)
+    assert step_time(cfg, plan3, hw, specs).comm_s == pytest.approx(0.5 * 4 * (trainable + 2 * total))

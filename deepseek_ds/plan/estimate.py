@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import RunConfig, precision, zero_stage
-from ..models.lora import target_modules
 from ..models.pipeline import prepare_config
 from ..models.presets import build_model_config, num_routed_experts
 from . import activations
@@ -126,14 +125,12 @@ def estimate(cfg: RunConfig, ds: dict, layout: Layout, gpu_memory: int, fused_at
     f = element_bytes(ds)
     z = zero_settings(ds, layout.zero, f)
     bounds = model.bounds(layout.pp, cfg.model.partition_method, cfg.data.seq_len)
-    lora = cfg.lora.r
-    targets = frozenset(target_modules(cfg.lora, mcfg)) if lora else frozenset()
     ep = layout.ep if num_routed_experts(mcfg) else 1
     tokens = layout.micro * cfg.data.seq_len
     boundary = tokens * mcfg.hidden_size * f
     ranks = []
     for stage in range(layout.pp):
-        params = rank_params(model, bounds, stage, ep, layout.tp, lora, targets)
+        params = rank_params(model, bounds, stage, ep, layout.tp, cfg.lora)
         saved, recompute = activations.stage_micro_batch_bytes(
             mcfg, bounds, stage, tokens, cfg.data.seq_len, f, layout.tp, fused_attention,
             cfg.model.activation_checkpoint_interval, with_loss=True)

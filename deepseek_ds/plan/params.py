@@ -1,7 +1,9 @@
 """The parameters one rank of a layout trains, counted on the meta device from the same layer specs and partition
 the run builds (models.pipeline), in DeepSpeed's order: a pipeline stage registers its tied modules first, then its
 layers; expert parallelism (AutoEP) keeps 1/EP of each MoE layer's routed experts in a parameter group of their own;
-tensor parallelism (AutoTP) keeps 1/TP of each matrix models.tensor_parallel splits."""
+tensor parallelism (AutoTP) keeps 1/TP of each matrix models.tensor_parallel splits. With LoRA, the whole model is built
+on the meta device and models.lora.apply_lora adapts it as training does: its requires_grad flags are the trainable
+parameters (adapters on the targets and the routed experts, lora.modules_to_save in full)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,10 @@ from dataclasses import dataclass
 
 import torch
 from deepspeed.pipe import TiedLayerSpec
+from torch import nn
 
 from ..models.flops import LayerCost
+from ..models.lora import apply_lora
 from ..models.pipeline import layer_costs, layer_specs, partition
 from ..models.tensor_parallel import split_dim
 
@@ -38,6 +42,7 @@ class SpecParams:
         self._built: dict[int, list[tuple[str, int, tuple[int, ...]]]] = {}
         self._bounds: dict[tuple, list[int]] = {}
         self._costs: list[LayerCost] | None = None
+        self._lora: dict[tuple, list[list[tuple[str, int, bool]]]] = {}
 
     @property
     def costs(self) -> list[LayerCost]:
@@ -58,29 +63,44 @@ class SpecParams:
             self._built[index] = [(name, p.numel(), tuple(p.shape)) for name, p in layer.named_parameters()]
         return self._built[index]
 
+    def lora(self, section) -> list[list[tuple[str, int, bool]]]:
+        """(name, elements, trainable) of every spec's parameters after apply_lora with the run's `lora` section."""
+        key = (section.r, section.alpha, section.dropout, tuple(section.target_modules or ()),
+               section.target_modules is None, tuple(section.modules_to_save), section.routed_experts)
+        if key not in self._lora:
+            with torch.device("meta"):
+                layers = nn.ModuleList(spec.build() for spec in self.specs)
+                apply_lora(layers, section, self.mcfg, seed=0)
+            self._lora[key] = [[(name, p.numel(), p.requires_grad) for name, p in layer.named_parameters()]
+                               for layer in layers]
+        return self._lora[key]
 
-def rank_params(model: SpecParams, bounds: list[int], stage: int, ep: int, tp: int, lora_r: int = 0,
-                lora_targets: frozenset[str] = frozenset()) -> list[Param]:
-    """The parameters of one rank of pipeline stage `stage`, in the order DeepSpeed flattens them.
+
+def rank_params(model: SpecParams, bounds: list[int], stage: int, ep: int, tp: int, lora=None) -> list[Param]:
+    """The parameters of one rank of pipeline stage `stage`, in the order DeepSpeed flattens them; `lora`: the run's
+    lora section (r > 0: the base frozen, what apply_lora unfreezes trainable).
     Without a pipeline (SequentialLM) a tied spec's later uses hold no parameters; a pipeline stage builds each tied
     module it uses once and registers it before its layers."""
     specs = model.specs
+    adapted = model.lora(lora) if lora is not None and lora.r else None
     a, b = bounds[stage], bounds[stage + 1]
     pipeline = len(bounds) > 2
     tied, layers, seen = [], [], set()
     for i in range(a, b):
         spec = specs[i]
+        entries = adapted[i] if adapted else [(n, k, True) for n, k, _ in model[i]]
         if isinstance(spec, TiedLayerSpec):
             if spec.key in seen:
                 continue
             seen.add(spec.key)
-            (tied if pipeline else layers).extend((f"tied_modules.{spec.key}.{n}", k, sh) for n, k, sh in model[i])
+            (tied if pipeline else layers).extend((f"tied_modules.{spec.key}.{n}", k, t) for n, k, t in entries)
         else:
-            layers.extend((f"{i}.{n}", k, sh) for n, k, sh in model[i])
+            layers.extend((f"{i}.{n}", k, t) for n, k, t in entries)
     out, replaced = [], []
-    for name, numel, shape in tied + layers:
-        if lora_r:
-            out.extend(_lora(name, numel, shape, lora_r, lora_targets, ep))
+    for name, numel, trainable in tied + layers:
+        if adapted:
+            # lora.routed_experts refuses AutoEP: with it the routed experts are frozen base weights, 1/EP each.
+            out.append(Param(name, numel // ep if ep > 1 and _ROUTED.search(name) else numel, False, trainable))
         elif ep > 1 and _ROUTED.search(name):
             replaced.extend(_autoep_experts(name, numel // ep))
         elif ep > 1 and _ROUTER.search(name):
@@ -91,17 +111,6 @@ def rank_params(model: SpecParams, bounds: list[int], stage: int, ep: int, tp: i
     # AutoEP swaps each MoE block for its own module; DeepSpeed drops the swapped parameters (routed experts and the
     # router) from the optimizer's list and appends their replacements at its end, layer by layer.
     return out + replaced
-
-
-def _lora(name: str, numel: int, shape: tuple[int, ...], r: int, targets: frozenset[str], ep: int) -> list[Param]:
-    """A base weight, frozen, and, on a targeted linear layer (peft matches the module name's last part), its adapters
-    A (r x in) and B (out x r): r x (in + out) trainable elements. Routed experts are fused 3-D weights, no Linear."""
-    module = name.rsplit(".", 2)
-    frozen = Param(name, numel // ep if ep > 1 and _ROUTED.search(name) else numel, expert=False, trainable=False)
-    if len(shape) != 2 or name.rsplit(".", 1)[-1] != "weight" or module[-2] not in targets:
-        return [frozen]
-    out_features, in_features = shape
-    return [frozen, Param(name + ".lora_A", r * in_features, False), Param(name + ".lora_B", out_features * r, False)]
 
 
 def _autoep_experts(name: str, numel: int) -> list[Param]:

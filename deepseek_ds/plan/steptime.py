@@ -3,7 +3,8 @@
 time = the slowest stage's compute (training FLOPs per token from models.flops, the one formula, at a stated MFU of
 the GPU's peak) stretched by the 1F1B bubble, (m + p - 1) / m for p stages and m micro-batches, plus the
 communication a step must move at a stated bandwidth per GPU, not overlapped (an upper bound): gradient reduction
-over the data-parallel group (ring: 2 (n-1)/n x the bytes; ZeRO-3 also all-gathers the parameters twice: 3),
+over the data-parallel group (ring: 2 (n-1)/n x the trainable bytes; ZeRO-3 reduce-scatters them, (n-1)/n, and
+all-gathers every parameter, frozen ones too, twice),
 expert gradients over the expert-data-parallel group, MoE all-to-all (dispatch and combine, forward and backward)
 and tensor-parallel all-reduces (two per layer forward, two backward).
 """
@@ -60,12 +61,13 @@ def step_time(cfg: RunConfig, plan: Plan, hw: Hardware, model: SpecParams) -> St
     comm = 0.0
     ep = lay.ep if num_routed_experts(mcfg) else 1
     for stage in range(lay.pp):
-        params = [p for p in rank_params(model, bounds, stage, ep, lay.tp, cfg.lora.r) if p.trainable]
-        dense = sum(p.numel for p in params if not p.expert) * f
-        expert = sum(p.numel for p in params if p.expert) * f
-        factor = 3 if lay.zero == 3 else 2
+        params = rank_params(model, bounds, stage, ep, lay.tp, cfg.lora)
+        # ZeRO-3 gathers every parameter, frozen (LoRA's base) or not, in the forward and again in the backward.
+        gathers, reductions = (2, 1) if lay.zero == 3 else (0, 2)
+        dense = sum((gathers + reductions * p.trainable) * p.numel for p in params if not p.expert) * f
+        expert = sum((gathers + reductions * p.trainable) * p.numel for p in params if p.expert) * f
         edp = lay.dp // ep
-        between = factor * ((lay.dp - 1) / lay.dp * dense + ((edp - 1) / edp * expert if edp > 1 else 0))
+        between = (lay.dp - 1) / lay.dp * dense + ((edp - 1) / edp * expert if edp > 1 else 0)
         decoders = [i - 1 for i in range(bounds[stage], bounds[stage + 1]) if 1 <= i <= mcfg.num_hidden_layers]
         moe = sum(1 for i in decoders if layer_kinds(mcfg)[i] == "moe")
         token_bytes = replica_tokens * mcfg.hidden_size * f
