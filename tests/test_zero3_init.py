@@ -23,6 +23,11 @@ def test_zero3_partitions_at_build_and_loads_an_hf_directory(data_dir, tmp_path)
     with torch.no_grad():  # other weights than the seeded init: the first loss proves they were loaded
         for p in model.parameters():
             p.mul_(1.5)
+        # Router biases that change which experts are chosen: every rank must route with them, not only the reader.
+        biases = [b for name, b in model.named_buffers() if name.endswith("e_score_correction_bias")]
+        assert biases
+        for b in biases:
+            b.copy_(torch.linspace(-0.5, 0.5, b.numel()))
     hf_dir = tmp_path / "hf"
     model.save_pretrained(hf_dir, max_shard_size="500KB")
     records = train(2, str(tmp_path / "run"), SETS + [f"data.path={data_dir}", f"model.path={hf_dir}",

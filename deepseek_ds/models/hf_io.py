@@ -13,6 +13,7 @@ import os
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.partition_parameters import is_zero_param
 from peft import inject_adapter_in_model
 from safetensors import safe_open
@@ -181,15 +182,30 @@ def load_hf_weights(layers, hf_dir: str, config) -> int:
 
     Parameters partitioned by deepspeed.zero.Init (ZeRO-3) are gathered one layer at a time: rank 0 reads and fills
     that layer, and leaving the gather partitions it over the ranks again, so no rank ever holds more than its share
-    plus one layer."""
+    plus one layer. Buffers (the V3 router's e_score_correction_bias) are not partitioned: rank 0 broadcasts them.
+    A mismatch rank 0 finds is raised on every rank, after the gathers, so no rank is left waiting in one."""
     layers = list(layers)
     if not any(is_zero_param(p) for layer in layers for p in layer.parameters()):
         return _load_layers(layers, hf_dir, config)
-    read = 0
+    read, error = 0, None
+    device = get_accelerator().current_device_name()
     for layer in layers:
         with deepspeed.zero.GatheredParameters(list(layer.parameters()), modifier_rank=0):
-            if dist.get_rank() == 0:
-                read += _load_layers([layer], hf_dir, config)
+            if dist.get_rank() == 0 and error is None:
+                try:
+                    read += _load_layers([layer], hf_dir, config)
+                except UserError as e:  # raised below on every rank
+                    error = e
+        for buffer in layer.buffers():
+            sent = buffer.data.to(device)
+            dist.broadcast(sent, 0)
+            buffer.data.copy_(sent)
+    found = [str(error) if error else None]
+    dist.broadcast_object_list(found, 0)
+    if error is not None:
+        raise error
+    if found[0] is not None:
+        raise WeightsMismatchError(found[0])
     return read
 
 
