@@ -17,7 +17,7 @@ import sys
 
 from ..config import ConfigError, load_and_validate, load_ds_config, load_run_config
 from ..launcher.world import world_size
-from ..utils.cli_args import add_num_gpus, spellings
+from ..utils.cli_args import add_num_gpus, positive_int, spellings
 from . import report
 from .launch import add_launch_args, launch, step_metrics
 from .report import Column
@@ -326,7 +326,7 @@ def register(subparsers) -> None:
     add_launch_args(p)
     p.add_argument("--stages", type=_stages, default=None,
                    help="ZeRO stages to compare (default 0,1,2,3; 0,1,2 with --tp > 1: AutoTP has no ZeRO-3 here)")
-    p.add_argument("--tp", type=int, default=1,
+    p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel ranks per replica (parallel.tensor_parallel); the per-rank parameter, "
                         "gradient and optimizer bytes then hold 1/tp of the split matrices")
     p.add_argument("--offload", action="store_true",

@@ -69,7 +69,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         hidden, weight, targets = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        # Summed over chunks in fp32, cast once: one rounding to a bf16 weight's dtype, as the one-piece matmul has.
+        # Summed over chunks in fp32 and cast once at the end (each chunk's product is in the input dtype, as the
+        # one-piece matmul's would be; its sum over chunks is not rounded to it again).
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
         for start in range(0, hidden.shape[0], ctx.chunk):
             h, t = hidden[start:start + ctx.chunk], targets[start:start + ctx.chunk]
