@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from deepseek_ds.config import load_and_validate, load_ds_config, load_run_config
+from deepseek_ds.models import loss as loss_module
 from deepseek_ds.models.layers import DecoderLayerPipe
 from deepseek_ds.models.lora import apply_lora
-from deepseek_ds.models.pipeline import build_model, prepare_config
+from deepseek_ds.models.loss import TokenWeightedLoss, count_valid_tokens
+from deepseek_ds.models.pipeline import build_model, defer_logits, prepare_config
 from deepseek_ds.models.presets import build_model_config
 from deepseek_ds.plan import activations
 from deepseek_ds.plan import estimate as plan_estimate
@@ -121,10 +123,10 @@ def test_model_state_bytes_equal_measured_to_the_byte(measured, data_dir):
 
 
 # ------------------------------------------------------------------------------------------- activations
-def _saved_bytes(model, input_ids, checkpointing: bool) -> int:
-    """Bytes of the distinct storages autograd saves in one forward (parameters excluded), plus, with activation
-    checkpointing, the inputs each checkpointed layer keeps for its recomputation (the checkpoint's own hooks hide
-    what runs inside it)."""
+def _saved_bytes(model, input_ids, checkpointing: bool, loss=None) -> int:
+    """Bytes of the distinct storages autograd saves in one forward (parameters excluded), and in `loss` of its
+    output if given, plus, with activation checkpointing, the inputs each checkpointed layer keeps for its
+    recomputation (the checkpoint's own hooks hide what runs inside it)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -139,7 +141,9 @@ def _saved_bytes(model, input_ids, checkpointing: bool) -> int:
     hooks = [m.register_forward_pre_hook(keep_inputs) for m in model.modules()
              if checkpointing and type(m) is DecoderLayerPipe]
     with torch.autograd.graph.saved_tensors_hooks(lambda t: add(t) or t, lambda t: t):
-        model(input_ids)
+        out = model(input_ids)
+        if loss:
+            loss(out)
     for h in hooks:
         h.remove()
     return sum(seen.values())
@@ -156,9 +160,39 @@ def test_activation_bytes_within_10_percent_of_autograd(preset, interval):
     saved = _saved_bytes(model, torch.randint(0, mcfg.vocab_size, (batch, seq)), interval > 0)
     bounds = [0, len(model.layers)]
     predicted, recompute = activations.stage_micro_batch_bytes(mcfg, bounds, 0, batch * seq, seq, 4, 1, False,
-                                                               interval, with_loss=False)
+                                                               interval, with_loss=False, zero=1)
     assert abs(predicted - saved) <= 0.1 * saved, (preset, interval, predicted, saved)
     assert (recompute > 0) == (interval > 0)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("preset, overrides", [("tiny-dense", {}), ("tiny-v3", {"num_nextn_predict_layers": 1})])
+def test_chunked_loss_bytes_equal_what_autograd_saves(preset, overrides, monkeypatch):
+    """ZeRO 0-2 with more tokens than one chunk: the loss keeps the targets (and an MTP depth's hidden states), no
+    logits; under ZeRO-3 the plain loss keeps the vocabulary-wide log-softmax."""
+    mcfg = prepare_config(build_model_config(preset, None, overrides))
+    chunk = 5 * mcfg.vocab_size  # 5 tokens a chunk: a 2 x 96 micro-batch takes many
+    monkeypatch.setattr(loss_module, "CHUNK_LOGITS", chunk)
+    monkeypatch.setattr(activations, "CHUNK_LOGITS", chunk)
+    torch.manual_seed(0)
+    model = build_model(mcfg, 1, 1).train()
+    batch, seq, depth = 2, 96, overrides.get("num_nextn_predict_layers", 0)
+    ids = torch.randint(0, mcfg.vocab_size, (batch, seq))
+    positions = torch.arange(seq).expand(batch, seq).contiguous()
+    labels = torch.randint(0, mcfg.vocab_size, (batch, seq))
+    loss_fn = TokenWeightedLoss(depth, 0.3)
+    loss_fn.set_global_tokens(count_valid_tokens([(ids, labels, positions)], depth), dp_size=1, grad_accum=1)
+    defer_logits(model)
+    chunked = _saved_bytes(model, (ids, positions), False, lambda out: loss_fn(out, (labels, positions)))
+    kept, transient = activations.stage_micro_batch_bytes(mcfg, [0, len(model.layers)], 0, batch * seq, seq, 4, 1,
+                                                          False, 0, True, zero=1)
+    # Autograd also keeps the loss's fp32 scales, one per depth. With MTP the layer estimates are within a few
+    # percent (the old count, the full log-softmax per depth, was 35 % over); without it the bytes are exact.
+    assert kept + 4 * (1 + depth) == pytest.approx(chunked, rel=0.05 if depth else 0)
+    assert transient == chunk * (4 + 4)  # one chunk's logits and softmax
+    plain, plain_transient = activations.stage_micro_batch_bytes(mcfg, [0, len(model.layers)], 0, batch * seq, seq,
+                                                                 4, 1, False, 0, True, zero=3)
+    assert plain - kept >= batch * seq * mcfg.vocab_size * 4 * (1 + depth) and plain_transient == 0
 
 
 @pytest.mark.unit

@@ -8,11 +8,15 @@ gate, up, act and down's input (4 x intermediate); attention q, k, v, the log-su
 MLA without a fused kernel (query and value head dims differ, CPU) the score matrix (heads x seq_len); a MoE layer
 the router logits and, for each of the top-k routed copies of a token, its input, gate_up output, activation and
 output. Activation checkpointing keeps only a checkpointed layer's input, and recomputes one layer at a time.
+The loss: with ZeRO 0-2 a micro-batch of more than CHUNK_LOGITS / vocab tokens takes the chunked loss
+(models/loss.py), which keeps the head's input and the targets and holds one chunk's logits at a time; otherwise the
+full logits' fp32 log-softmax.
 """
 
 from __future__ import annotations
 
 from ..models.layers import mtp_depth
+from ..models.loss import CHUNK_LOGITS
 from ..models.presets import is_moe
 
 FP32 = 4
@@ -72,9 +76,24 @@ def spec_bytes(mcfg, seq_len: int, f: int, tp: int, fused: bool) -> list[float]:
             *([INDEX_BYTES] if depth else []), *mtp, f * mcfg.hidden_size]
 
 
-def loss_bytes(mcfg, f: int) -> int:
-    """Per token, the cross-entropy over the vocabulary: the logits and their fp32 log-softmax, per predicted depth."""
-    return (f + FP32) * mcfg.vocab_size * (1 + mtp_depth(mcfg))
+def chunked_loss(mcfg, tokens: int, zero: int) -> bool:
+    """Whether training projects the logits chunk by chunk (models.loss.linear_cross_entropy): not under ZeRO-3,
+    which keeps the plain head (training/setup.py), nor for a micro-batch of at most one chunk."""
+    return zero < 3 and tokens > CHUNK_LOGITS // mcfg.vocab_size
+
+
+def loss_bytes(mcfg, f: int, chunked: bool) -> int:
+    """Per token, what the cross-entropy keeps per predicted depth: chunked, the targets and the MTP depths' hidden
+    states (the main one is the head's input, counted with the head); plain, the logits and their fp32 log-softmax."""
+    depth = mtp_depth(mcfg)
+    if chunked:
+        return INDEX_BYTES * (1 + depth) + f * mcfg.hidden_size * depth
+    return (f + FP32) * mcfg.vocab_size * (1 + depth)
+
+
+def loss_chunk_bytes(mcfg, f: int) -> int:
+    """The chunked loss's working chunk, forward and backward: its logits and their fp32 softmax."""
+    return CHUNK_LOGITS // mcfg.vocab_size * mcfg.vocab_size * (FP32 + f)
 
 
 def checkpointed(spec_index: int, interval: int, is_decoder: bool) -> bool:
@@ -83,9 +102,10 @@ def checkpointed(spec_index: int, interval: int, is_decoder: bool) -> bool:
 
 
 def stage_micro_batch_bytes(mcfg, bounds: list[int], stage: int, tokens: int, seq_len: int, f: int, tp: int,
-                            fused: bool, interval: int, with_loss: bool) -> tuple[int, int]:
-    """(bytes one micro-batch of `tokens` tokens leaves saved on a stage after its forward, the bytes of the largest
-    checkpointed layer while backward recomputes it: once per rank, not per micro-batch)."""
+                            fused: bool, interval: int, with_loss: bool, zero: int) -> tuple[int, int]:
+    """(bytes one micro-batch of `tokens` tokens leaves saved on a stage after its forward, the transient bytes once
+    per rank, not per micro-batch: the largest checkpointed layer while backward recomputes it, or the chunked
+    loss's working chunk)."""
     per_spec = spec_bytes(mcfg, seq_len, f, tp, fused)
     decoder = set(range(1, mcfg.num_hidden_layers + 1))
     saved, recompute = 0.0, 0.0
@@ -95,9 +115,13 @@ def stage_micro_batch_bytes(mcfg, bounds: list[int], stage: int, tokens: int, se
             recompute = max(recompute, per_spec[i])
         else:
             saved += per_spec[i]
+    transient = int(recompute * tokens)
     if with_loss and stage == len(bounds) - 2:
-        saved += loss_bytes(mcfg, f)
-    return int(saved * tokens), int(recompute * tokens)
+        chunked = chunked_loss(mcfg, tokens, zero)
+        saved += loss_bytes(mcfg, f, chunked)
+        if chunked:  # the loss's chunk and a layer's recomputation come one after the other in the backward
+            transient = max(transient, loss_chunk_bytes(mcfg, f))
+    return int(saved * tokens), transient
 
 
 def in_flight(pp: int, stage: int, micro_batches: int) -> int:
