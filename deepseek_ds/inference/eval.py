@@ -15,6 +15,7 @@ import torch.distributed as dist
 from transformers import PretrainedConfig
 
 from ..checkpoint.format import SEQUENTIAL, read_meta, tag_dir_of
+from ..checkpoint.tensor_names import layout_names
 from ..checkpoint.weights import read_weights
 from ..config import RunConfig, apply_overrides, load_run_config, run_config_from_dict
 from ..data import DataError, PackedDataset, dataset_info
@@ -22,6 +23,7 @@ from ..models.pipeline import SequentialLM, build_model, prepare_config
 from ..models.presets import build_model_config
 from ..training.evaluation import EvalResult, eval_sample_count, evaluate, rank_batches
 from ..training.setup import init_distributed
+from .export_lora import is_lora_checkpoint, merged_model_from_checkpoint
 
 
 def run_config_for(tag_dir: str, config: str | None, sets: list[str]) -> RunConfig:
@@ -32,10 +34,15 @@ def run_config_for(tag_dir: str, config: str | None, sets: list[str]) -> RunConf
 
 
 def model_from_checkpoint(tag_dir: str, cfg: RunConfig) -> tuple[SequentialLM, PretrainedConfig]:
-    """(SequentialLM with the checkpoint's fp32 weights, its transformers config), whatever layout wrote it."""
+    """(SequentialLM with the checkpoint's fp32 weights, its transformers config), whatever layout wrote it; a LoRA
+    checkpoint's adapters merged by peft into the base from its model.path."""
     mcfg = prepare_config(build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides),
                           cfg.model.attn_implementation, cfg.model.experts_implementation)
     model = build_model(mcfg, 1, cfg.train.seed)
+    if is_lora_checkpoint(tag_dir):  # it holds no base weights
+        merged = merged_model_from_checkpoint(tag_dir, cfg.model.experts_implementation)[0].state_dict()
+        model.load_state_dict({name: merged[hf] for name, hf in layout_names(mcfg, SEQUENTIAL).items()})
+        return model, mcfg
     with tempfile.TemporaryDirectory() as work_dir:  # a universal conversion, when the checkpoint needs one
         model.load_state_dict(read_weights(tag_dir, mcfg, work_dir, scheme=SEQUENTIAL))
     return model, mcfg
