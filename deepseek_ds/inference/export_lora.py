@@ -40,8 +40,14 @@ def is_lora_checkpoint(checkpoint: str) -> bool:
 def _trainable_tensors(tag_dir: str, meta: dict, config: PretrainedConfig) -> dict[str, torch.Tensor]:
     """HF name -> fp32 tensor of every parameter the checkpoint holds (the trainable ones: DeepSpeed saved it with
     exclude_frozen_parameters). ZeRO 1-3 without pipeline: DeepSpeed's own zero_to_fp32 of the optimizer's fp32
-    masters; ZeRO-0 and pipelines: the model-states files (the module's own tensors, one file per pipeline layer)."""
+    masters; ZeRO-0 and pipelines: the model-states files (the module's own tensors, one file per pipeline layer),
+    which equal the masters in fp32 runs only."""
     saved = saved_layout(meta)
+    if (saved.pipeline_stages > 1 or saved.zero_stage == 0) and saved.precision != "fp32":
+        raise LoraExportError(f"{tag_dir} is a {saved.precision} LoRA checkpoint of a pipeline or ZeRO-0 run, whose "
+                              "saved adapters are rounded copies of the fp32 masters; deepseek-ds reads them exactly "
+                              "from fp32 runs and from ZeRO 1-3 without pipeline: train with an fp32 DeepSpeed config "
+                              "such as ds_configs/zero1.json or ds_configs/zero1_pp.json")
     with torch.device("meta"):
         layers = [spec.build() for spec in layer_specs(config, seed=None)]
     with trusted_types_only():
