@@ -20,7 +20,8 @@ def _fake_checkpoint(out: str, preset: str, tokenizer_hash: str) -> str:
     tag_dir = os.path.join(out, "checkpoints", "step00000004")
     os.makedirs(tag_dir)
     meta = {"format_version": FORMAT_VERSION, "step": 4, "tokenizer_hash": tokenizer_hash,
-            "model_config": model_fingerprint(prepare_config(build_model_config(preset))), "dataset_dir": "elsewhere"}
+            "model_config": model_fingerprint(prepare_config(build_model_config(preset))), "dataset_dir": "elsewhere",
+            "run_config": {"lora": {"r": 0}}}  # a full fine-tuning run's
     with open(os.path.join(tag_dir, META), "w") as f:
         json.dump(meta, f)
     return tag_dir

@@ -14,7 +14,7 @@ from ..data.builtin import builtin_dataset_dir
 from ..data.layout import META as DATASET_META
 from ..models.pipeline import prepare_config
 from ..models.presets import build_model_config
-from .format import check_compatible, read_meta
+from .format import check_compatible, check_lora_compatible, read_meta
 from .integrity import newest_verified_tag
 from .lock import check_free
 
@@ -27,7 +27,7 @@ def _dataset_dir(cfg: RunConfig, vocab_size: int) -> str | None:
 
 def check_existing_checkpoint(cfg: RunConfig) -> str | None:
     """The tag a launch of `cfg` would resume from (None: a fresh run); CheckpointError when checkpoint.dir holds a
-    checkpoint of another model or tokenizer, or when another live job holds checkpoint.dir, with the fix."""
+    checkpoint of another model, tokenizer or lora section, or when another live job holds checkpoint.dir, with the fix."""
     check_free(cfg.checkpoint_dir, cfg.checkpoint.lock_stale_s)
     # Sizes only (a stat per file): every rank runs this before start-up; resume checks the checksums.
     tag = newest_verified_tag(cfg.checkpoint_dir, sizes_only=True)
@@ -40,4 +40,5 @@ def check_existing_checkpoint(cfg: RunConfig) -> str | None:
     dataset = _dataset_dir(cfg, model.vocab_size)
     tokenizer_hash = dataset_info(dataset)["tokenizer_hash"] if dataset else meta["tokenizer_hash"]
     check_compatible(tag_dir, meta, model, tokenizer_hash)
+    check_lora_compatible(tag_dir, meta, cfg.lora)
     return tag

@@ -46,6 +46,8 @@ PARTIAL = re.compile(r"^\..+\.partial$")
 _NOT_MODEL_FIELDS = {"transformers_version", "architectures", "output_hidden_states", "output_attentions",
                      "return_dict", "dtype", "torch_dtype", "use_cache", "id2label", "label2id", "problem_type",
                      "chunk_size_feed_forward", "output_router_logits"}
+# The lora fields that decide which tensors a checkpoint holds and what they mean (dropout changes neither).
+_LORA_FIELDS = ("r", "alpha", "target_modules", "modules_to_save", "routed_experts")
 # The two containers name parameters differently (see tensor_names): SequentialLM, DeepSeekPipelineModule.
 SEQUENTIAL, PIPELINE = "sequential", "pipeline"
 SCHEMES = (SEQUENTIAL, PIPELINE)
@@ -180,3 +182,21 @@ def check_compatible(tag_dir: str, meta: dict, model_config: PretrainedConfig, t
                               + "\nfor a new run choose another train.output_dir (its checkpoints go to "
                               "<output_dir>/checkpoints unless checkpoint.dir is set); to resume this one, restore "
                               "the model and data settings it was trained with")
+
+
+def check_lora_compatible(tag_dir: str, meta: dict, lora) -> None:
+    """CheckpointError when the run's `lora` section (a config.schema.LoraSection) is not the checkpoint's: a full
+    checkpoint holds no adapters, a LoRA one no base, and another r, target_modules or modules_to_save other
+    tensors."""
+    saved = meta["run_config"].get("lora", {"r": 0})  # a checkpoint from before the lora section: full fine-tuning
+    if saved.get("r", 0) == lora.r == 0:
+        return
+    now = dataclasses.asdict(lora)
+    fields = [k for k in _LORA_FIELDS if saved.get(k) != now[k]]
+    if 0 in (saved.get("r", 0), lora.r):  # adapters on one side only: r alone is the difference
+        fields = ["r"]
+    if fields:
+        theirs = ", ".join(f"lora.{k}: {json.dumps(saved.get(k))}" for k in fields)
+        mine = ", ".join(f"lora.{k}: {json.dumps(now[k])}" for k in fields)
+        raise CheckpointError(f"checkpoint {tag_dir} was trained with {theirs}, this run has {mine}: set {theirs} "
+                              "to resume it, or choose another train.output_dir (or checkpoint.dir) for a new run")

@@ -16,6 +16,7 @@ from .format import (
     CheckpointError,
     Layout,
     check_compatible,
+    check_lora_compatible,
     complete_tags,
     current_layout,
     read_meta,
@@ -43,6 +44,7 @@ def resume(run: TrainingRun) -> dict | None:
     tag_dir = os.path.join(ckpt_dir, tag)
     meta = read_meta(tag_dir)
     check_compatible(tag_dir, meta, run.model_config, dataset_info(run.dataset_dir)["tokenizer_hash"])
+    check_lora_compatible(tag_dir, meta, run.cfg.lora)
     saved, now = saved_layout(meta), current_layout(run)
     with trusted_types_only():
         if _loads_natively(saved, now):
@@ -51,7 +53,7 @@ def resume(run: TrainingRun) -> dict | None:
             if path is None:
                 raise CheckpointError(f"DeepSpeed found no model states in {tag_dir}; resume from another step")
         else:
-            _check_reshardable(tag_dir, saved, now)
+            _check_reshardable(tag_dir, saved, now, run.cfg.lora.r)
             if run.rank == 0:
                 run.log.info("layout changed (%s -> %s): resuming %s through a universal checkpoint",
                              saved.describe(), now.describe(), tag)
@@ -96,9 +98,20 @@ def _loads_natively(saved: Layout, now: Layout) -> bool:
                             and saved.tensor_parallel == now.tensor_parallel)
 
 
-def _check_reshardable(tag_dir: str, saved: Layout, now: Layout) -> None:
+def _check_reshardable(tag_dir: str, saved: Layout, now: Layout, lora_r: int) -> None:
     fix = ("resume with the saved layout, or `deepseek-ds export hf` it and start a new run from the export "
            "with model.path")
+    if lora_r:
+        # The universal loader loads strictly (the checkpoint lacks the frozen base) and does not map adapter names.
+        raise CheckpointError(f"checkpoint {tag_dir} ({saved.describe()}) cannot be resumed as {now.describe()}: a "
+                              f"LoRA checkpoint holds only adapters, which DeepSpeed's universal checkpoints do not "
+                              f"reshard; {fix}")
+    if saved.tensor_parallel != now.tensor_parallel and now.tensor_parallel != 1:
+        raise CheckpointError(f"checkpoint {tag_dir} ({saved.describe()}) cannot be resumed as {now.describe()}: "
+                              f"parallel.tensor_parallel = {now.tensor_parallel} but the checkpoint was trained with "
+                              f"{saved.tensor_parallel}, and a tensor-parallel checkpoint is resharded only to "
+                              f"tensor_parallel = 1; set parallel.tensor_parallel = {saved.tensor_parallel} or 1, or "
+                              "`deepseek-ds export hf` it and start a new run from the export with model.path")
     if saved.expert_parallel != now.expert_parallel:
         # Refused, not resharded: with EP 1 and > 1 the MoE blocks are different modules (transformers' gate and fused
         # experts; AutoEP's router and grouped w1/w2/w3), which DeepSpeed's universal loader does not map onto each
