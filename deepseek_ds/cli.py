@@ -58,7 +58,7 @@ def validated(args: argparse.Namespace) -> RunConfig:
           + (f"resumes from {os.path.join(cfg.checkpoint_dir, tag)}" if tag else
              f"a new run in {cfg.train.output_dir}"))
     print("".join(f"note: {line}\n" for line in filled_sections(load_ds_config(cfg.deepspeed_config))), end="")
-    print(plan_cli.run_verdict(cfg, world, args.gpu_memory, args.strict))
+    print(plan_cli.run_verdict(cfg, world, args.gpu_memory, args.strict, args.hostfile))
     return cfg
 
 

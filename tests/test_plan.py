@@ -4,6 +4,7 @@ search and verdicts, and the published layouts as sanity checks."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -20,7 +21,7 @@ from deepseek_ds.models.pipeline import build_model, defer_logits, prepare_confi
 from deepseek_ds.models.presets import build_model_config
 from deepseek_ds.plan import activations
 from deepseek_ds.plan import estimate as plan_estimate
-from deepseek_ds.plan.cli import PlanError, layout_sets, memory_size, run_verdict
+from deepseek_ds.plan.cli import PlanError, gpus_per_node, layout_sets, memory_size, run_verdict
 from deepseek_ds.plan.estimate import buffer_bytes, element_bytes, estimate, layout_of, model_config, zero_settings
 from deepseek_ds.plan.params import SpecParams, rank_params
 from deepseek_ds.plan.states import state_bytes
@@ -248,10 +249,35 @@ def test_layout_and_memory_parsing():
 @pytest.mark.unit
 def test_verdict_warns_or_refuses_with_strict():
     cfg = load_run_config("recipes/tiny-v3.yaml", ["data.builtin=stdlib"])
-    assert run_verdict(cfg, 2, 2**30, strict=False).startswith("plan: FITS")
-    assert run_verdict(cfg, 2, 2**20, strict=False).startswith("warning: plan: DOES NOT FIT")
+    assert run_verdict(cfg, 2, 2**30, strict=False, hostfile=None).startswith("plan: FITS")
+    assert run_verdict(cfg, 2, 2**20, strict=False, hostfile=None).startswith("warning: plan: DOES NOT FIT")
     with pytest.raises(PlanError, match="DOES NOT FIT"):
-        run_verdict(cfg, 2, 2**20, strict=True)
+        run_verdict(cfg, 2, 2**20, strict=True, hostfile=None)
+
+
+@pytest.mark.unit
+def test_verdict_without_gpu_memory_on_a_gpu_less_host(tmp_path, monkeypatch):
+    """A run on this host's CPU accelerator is compared with its RAM; a hostfile run launched from a host without a
+    GPU gets no verdict (not one against the login node's RAM) and is never refused."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = load_run_config("recipes/tiny-v3.yaml", ["data.builtin=stdlib"])
+    assert run_verdict(cfg, 2, None, strict=True, hostfile=None).startswith("plan: FITS")
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node-0 slots=4\nnode-1 slots=4\n")
+    # Against this host's RAM / 2048 ranks the run would be refused.
+    line = run_verdict(cfg, 2048, None, strict=True, hostfile=str(hostfile))
+    assert line.startswith("plan: unknown GPU memory (pass --gpu-memory")
+    assert run_verdict(cfg, 8, 2**20, strict=False, hostfile=str(hostfile)).startswith("warning: plan: DOES NOT FIT")
+
+
+@pytest.mark.unit
+def test_gpus_per_node_from_the_hostfile(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node-0 slots=4\nnode-1 slots=4\nnode-2 slots=2\n")
+    args = argparse.Namespace(hostfile=str(hostfile), include="", exclude="", num_gpus=None, gpus_per_node=None)
+    assert gpus_per_node(args) == 2
+    assert gpus_per_node(argparse.Namespace(**{**vars(args), "exclude": "node-2"})) == 4
+    assert gpus_per_node(argparse.Namespace(**{**vars(args), "hostfile": None, "gpus_per_node": 16})) == 16
 
 
 @pytest.mark.unit

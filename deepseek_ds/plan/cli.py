@@ -9,8 +9,10 @@ import os
 import re
 
 import torch
+from deepspeed.accelerator import get_accelerator
 
 from ..config import ConfigError, load_ds_config, load_run_config, validate
+from ..launcher.hostfile import read_hostfile, select_slots
 from ..launcher.world import world_size
 from ..utils.cli_args import add_hostfile, add_num_gpus, add_run_args, add_slot_filters, positive_int, spellings
 from ..utils.errors import UserError
@@ -52,18 +54,25 @@ def layout_sets(text: str) -> tuple[list[str], int | None]:
     return sets, zero
 
 
-def local_memory(world: int) -> int:
-    """This host's accelerator memory per rank: the first GPU's, or on the CPU the RAM shared by the ranks."""
-    if torch.cuda.is_available():
+def local_memory(world: int, cpu: bool) -> int:
+    """This host's accelerator memory per rank: the first GPU's, or on the CPU accelerator the RAM shared by the
+    ranks."""
+    if not cpu:
         return torch.cuda.get_device_properties(0).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(world, 1)
 
 
-def run_verdict(cfg, world: int, gpu_memory: int | None, strict: bool) -> str:
-    """The plan's verdict for a run validate() accepted; --strict turns DOES NOT FIT into a PlanError."""
+def run_verdict(cfg, world: int, gpu_memory: int | None, strict: bool, hostfile: str | None) -> str:
+    """The plan's verdict for a run validate() accepted; --strict turns DOES NOT FIT into a PlanError. Without
+    --gpu-memory it compares against this host's memory where that is the run's: the ranks run here (no hostfile) on
+    DeepSpeed's accelerator of this process, or this host has a GPU; a GPU-less login node knows nothing of the
+    hostfile's GPUs."""
+    cpu_run = not hostfile and get_accelerator().device_name() == "cpu"
+    if gpu_memory is None and not cpu_run and not torch.cuda.is_available():
+        return "plan: unknown GPU memory (pass --gpu-memory SIZE, e.g. --gpu-memory 80GB, for the plan's verdict)"
     ds = load_ds_config(cfg.deepspeed_config)
-    plan = estimate(cfg, ds, layout_of(cfg, ds, world), gpu_memory or local_memory(world),
-                    fused_attention=torch.cuda.is_available())
+    plan = estimate(cfg, ds, layout_of(cfg, ds, world), gpu_memory or local_memory(world, cpu_run),
+                    fused_attention=not cpu_run)
     line = report.verdict(plan)
     if strict and not plan.fits:
         raise PlanError(line + "; lower train.micro_batch_size, raise the ZeRO stage or parallelism, or see "
@@ -84,6 +93,15 @@ def _plan(args: argparse.Namespace) -> tuple:
     return cfg, ds, world
 
 
+def gpus_per_node(args: argparse.Namespace) -> int:
+    """GPUs of one node: a hostfile's fewest selected slots on a host (a group that fits there fits in every node),
+    --num_gpus (one host), else --gpus-per-node or 8."""
+    if args.hostfile:
+        slots = select_slots(read_hostfile(args.hostfile), args.include or "", args.exclude or "")
+        return min(len(s) for s in slots.values())
+    return args.num_gpus or args.gpus_per_node or 8
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     if args.gpus_per_node and (not args.gpus or args.gpus % args.gpus_per_node):
         raise PlanError(f"--gpus-per-node {args.gpus_per_node} needs --gpus N, a multiple of it")
@@ -91,8 +109,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         cfg, ds, world = _plan(args)
     except ConfigError as e:
         raise PlanError(f"this layout is not valid for {args.config}: {e}") from e
-    hw = Hardware(args.peak_tflops, args.mfu, args.bandwidth * 1e9, args.intra_bandwidth * 1e9,
-                  args.gpus_per_node or 8)
+    hw = Hardware(args.peak_tflops, args.mfu, args.bandwidth * 1e9, args.intra_bandwidth * 1e9, gpus_per_node(args))
     model = SpecParams(model_config(cfg))
     fused = not args.cpu
     if args.search:
@@ -122,7 +139,7 @@ def add_verdict_args(p: argparse.ArgumentParser) -> None:
     """validate / train: the memory the verdict compares against, and --strict."""
     p.add_argument(*spellings("--gpu-memory"), type=memory_size, default=None, metavar="SIZE",
                    help="memory per GPU for the plan's verdict, e.g. 80GB (default: this host's first GPU; on the "
-                        "CPU its RAM / ranks)")
+                        "CPU accelerator its RAM / ranks; with a hostfile and no GPU here: no verdict)")
     p.add_argument("--strict", action="store_true", help="refuse the run when the plan says it does not fit "
                                                          "(default: a warning)")
 
@@ -137,7 +154,7 @@ def register(sub) -> None:
     world.add_argument("--gpus", type=positive_int, default=None, metavar="N", help="GPUs of a cluster (no hostfile)")
     p.add_argument(*spellings("--gpus-per-node"), type=positive_int, default=None, metavar="G",
                    help="with --gpus: GPUs per node (tensor and expert groups inside a node use --intra-bandwidth; "
-                        "default 8)")
+                        "default 8; with --hostfile its slots per host, with --num_gpus all of them)")
     add_slot_filters(p)
     p.add_argument(*spellings("--gpu-memory"), type=memory_size, required=True, metavar="SIZE",
                    help="memory per GPU, e.g. 80GB (GB = GiB)")
