@@ -8,7 +8,6 @@ sums them over ranks together with the step's other metrics and reads them to th
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..models.layers import DecoderLayerPipe, mtp_depth
@@ -64,13 +63,6 @@ class RouterStats:
         counts = torch.zeros(len(self.layers), self.num_experts, dtype=torch.float64, device=self.device)
         counts[self._rows] = self._load.take()
         return torch.cat([counts.flatten(), self._local_bias().flatten()])
-
-    def collect(self) -> dict[str, float]:
-        """Metrics of the step that just ended, on their own (a collective: every rank calls it)."""
-        packed = self.local()
-        if dist.is_initialized():
-            dist.all_reduce(packed)
-        return self.metrics(packed.cpu())
 
     def metrics(self, summed: torch.Tensor) -> dict[str, float]:
         """Flat metrics from local() summed over all ranks (a host tensor)."""
