@@ -33,13 +33,13 @@ class Param:
 
 
 class SpecParams:
-    """(name, elements, shape) of every spec's parameters, each spec built once on the meta device (no memory, any
+    """(name, elements) of every spec's parameters, each spec built once on the meta device (no memory, any
     size), and the model's per-layer costs and stage partitions, computed once: a search asks for them per layout."""
 
     def __init__(self, mcfg):
         self.mcfg = mcfg
         self.specs = layer_specs(mcfg, seed=None)
-        self._built: dict[int, list[tuple[str, int, tuple[int, ...]]]] = {}
+        self._built: dict[int, list[tuple[str, int]]] = {}
         self._bounds: dict[tuple, list[int]] = {}
         self._costs: list[LayerCost] | None = None
         self._lora: dict[tuple, list[list[tuple[str, int, bool]]]] = {}
@@ -56,11 +56,11 @@ class SpecParams:
             self._bounds[key] = [0, len(self.specs)] if pp == 1 else partition(self.mcfg, pp, method, seq_len)
         return self._bounds[key]
 
-    def __getitem__(self, index: int) -> list[tuple[str, int, tuple[int, ...]]]:
+    def __getitem__(self, index: int) -> list[tuple[str, int]]:
         if index not in self._built:
             with torch.device("meta"):
                 layer = self.specs[index].build()
-            self._built[index] = [(name, p.numel(), tuple(p.shape)) for name, p in layer.named_parameters()]
+            self._built[index] = [(name, p.numel()) for name, p in layer.named_parameters()]
         return self._built[index]
 
     def lora(self, section) -> list[list[tuple[str, int, bool]]]:
@@ -88,7 +88,7 @@ def rank_params(model: SpecParams, bounds: list[int], stage: int, ep: int, tp: i
     tied, layers, seen = [], [], set()
     for i in range(a, b):
         spec = specs[i]
-        entries = adapted[i] if adapted else [(n, k, True) for n, k, _ in model[i]]
+        entries = adapted[i] if adapted else [(n, k, True) for n, k in model[i]]
         if isinstance(spec, TiedLayerSpec):
             if spec.key in seen:
                 continue
