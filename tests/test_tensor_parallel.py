@@ -80,6 +80,12 @@ def test_tiny_v3_tp2_equals_reference_and_splits_by_heads(v3_tp2, data_dir):
     _check_against_reference(v3_tp2["records"], reference_losses(cfg, data_dir, moe_log=moe_log), cfg, v3_tp2["out"])
     aux = [r["aux_loss"] for r in v3_tp2["records"]]
     assert aux == pytest.approx([m["aux_loss"] for m in moe_log], rel=1e-5)
+    # Both TP ranks route the replica's tokens: they are counted once (each goes to top_k experts).
+    mcfg = build_model_config(cfg.model.preset)
+    mean = cfg.train.global_batch_size * cfg.data.seq_len * mcfg.num_experts_per_tok / mcfg.n_routed_experts
+    for r in v3_tp2["records"]:
+        for layer in range(mcfg.first_k_dense_replace, mcfg.num_hidden_layers):
+            assert r[f"moe/layer{layer}/load_mean"] == mean
 
 
 @pytest.mark.launch

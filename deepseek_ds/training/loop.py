@@ -114,7 +114,9 @@ def router_stats(run: Run) -> RouterStats | None:
     """The expert-load metrics of an MoE model (None for a dense one)."""
     if not moe_layer_indices(run.model_config):
         return None
-    return RouterStats(run.engine.module, run.model_config, run.engine.device, reports_bias=run.dp_rank == 0,
+    # The TP ranks of a replica route the same tokens: one of them counts (and reports the bias), so sums are exact.
+    return RouterStats(run.engine.module, run.model_config, run.engine.device,
+                       reports_bias=run.dp_rank == 0 and run.tp_rank == 0, counts_load=run.tp_rank == 0,
                        load=run.balancer.load if run.balancer else None)
 
 

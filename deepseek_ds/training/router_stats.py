@@ -26,16 +26,19 @@ def moe_layer_indices(config) -> list[int]:
 
 
 class RouterStats:
-    """Tokens per routed expert for the MoE layers this rank holds; `collect()` (a collective: every rank calls it
-    once per step) combines all ranks and returns flat metrics keyed moe/layer{i}/...
-    load: the model's ExpertLoad if it has one already (the load balancer's); else one is attached here."""
+    """Tokens per routed expert for the MoE layers this rank holds: `local()` once per step, summed over all ranks,
+    gives `metrics()`, flat and keyed moe/layer{i}/...
+    load: the model's ExpertLoad if it has one already (the load balancer's); else one is attached here.
+    counts_load: false on the ranks whose tokens another rank counts already (tensor-parallel peers)."""
 
-    def __init__(self, module: nn.Module, config, device, reports_bias: bool, load: ExpertLoad | None = None):
+    def __init__(self, module: nn.Module, config, device, reports_bias: bool, load: ExpertLoad | None = None,
+                 counts_load: bool = True):
         self.layers = moe_layer_indices(config)
         self.num_experts = int(config.n_routed_experts)
         self.has_bias = config.model_type == "deepseek_v3"  # V2's softmax router has no correction bias
         # Every data-parallel replica holds the same bias: one replica (dp rank 0) reports it, so the sum is exact.
         self.reports_bias = reports_bias
+        self.counts_load = counts_load
         self.device = device
         if load is None:
             load = ExpertLoad(module, self.num_experts, device)
@@ -61,7 +64,9 @@ class RouterStats:
         """This rank's part of the step's statistics, flat (the load since the previous call, the bias statistics):
         summed over all ranks, metrics() reads it."""
         counts = torch.zeros(len(self.layers), self.num_experts, dtype=torch.float64, device=self.device)
-        counts[self._rows] = self._load.take()
+        taken = self._load.take()  # read either way: it starts the next step's count
+        if self.counts_load:
+            counts[self._rows] = taken
         return torch.cat([counts.flatten(), self._local_bias().flatten()])
 
     def metrics(self, summed: torch.Tensor) -> dict[str, float]:

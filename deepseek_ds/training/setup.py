@@ -63,6 +63,7 @@ class Run:
     grad_accum: int
     log: logging.Logger
     balancer: LoadBalancer | None = None  # MoE load balancing: after_step() once per optimizer step
+    tp_rank: int = 0                 # rank within its tensor-parallel group (the replica's TP ranks see one batch)
 
 
 def init_distributed(timeout_s: int = 1800) -> tuple[int, int]:
@@ -261,6 +262,7 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
     log.info("%d process groups, each with a %s s timeout (train.dist_timeout_s)", len(timeouts),
              "/".join(f"{t:g}" for t in sorted(set(timeouts))))
     engine.config = redact(engine.config)  # the dict DeepSpeed saves into every checkpoint's .pt files
+    tp_rank = 0
     if pp > 1:
         dp_rank, dp_size, dp_group = engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size(), \
             engine.grid.get_data_parallel_group()
@@ -268,6 +270,7 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
         # The TP ranks of a replica read the same batch: data-parallel is DeepSpeed's (data x tensor) mesh dimension.
         dp_rank, dp_size, dp_group = groups.get_data_parallel_rank(), groups.get_data_parallel_world_size(), \
             groups.get_data_parallel_group()
+        tp_rank = groups.get_tensor_model_parallel_rank()
         sum_rope_key_grads(engine.module, groups.get_tensor_model_parallel_group())
         log.info("tensor parallel %d: this rank holds %d elements of split weights, %d parameters in all", tp,
                  sum(shard_elements(engine.module).values()), sum(p.numel() for p in engine.module.parameters()))
@@ -284,4 +287,4 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
                 if settings and settings.active else None)
     return Run(cfg=cfg, ds=ds, engine=engine, model_config=mcfg, loss_fn=loss_fn, dataset=dataset,
                dataset_dir=dataset_dir, rank=rank, world=world, dp_rank=dp_rank, dp_size=dp_size, dp_group=dp_group,
-               pipeline=pp > 1, grad_accum=grad_accum, log=log, balancer=balancer)
+               pipeline=pp > 1, grad_accum=grad_accum, log=log, balancer=balancer, tp_rank=tp_rank)
