@@ -66,7 +66,7 @@ def init_tensor_parallel_groups(tp: int):
     deepspeed.initialize and passed to it as `mpu`: its config otherwise counts every rank as data-parallel (the
     batch arithmetic fails). It is the mesh the engine's AutoTP uses (HF Trainer's tp_model_init path makes it the
     same way)."""
-    groups._init_tp_mesh_device(tensor_model_parallel_size=tp)
+    groups._init_tp_mesh_device(tensor_model_parallel_size=tp)  # private in DeepSpeed 0.19.8 (setup.py pins it)
     return groups
 
 
