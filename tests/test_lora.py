@@ -81,9 +81,12 @@ def reference_run(cfg, base_dir: str, data_dir: str, initial: dict[str, torch.Te
     same global batches; transformers' own causal-LM loss plus tests/reference.py's MoE balancing."""
     config = prepare_config(AutoConfig.from_pretrained(base_dir))
     model = AutoModelForCausalLM.from_pretrained(base_dir, config=config, dtype=torch.float32)
-    from peft import inject_adapter_in_model
+    from peft import LoraConfig, inject_adapter_in_model
 
-    inject_adapter_in_model(lora_config(cfg.lora, config), model)
+    # Written out, not models/lora.py's: LORA's r and alpha on the MLA projections (the DeepSeek default targets).
+    assert (cfg.lora.r, cfg.lora.alpha, cfg.lora.target_modules) == (4, 8, None)
+    targets = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+    inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets), model)
     params = dict(model.named_parameters())
     trainable = {n for n, p in params.items() if p.requires_grad}
     assert trainable == set(initial)
