@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up, then run the test suite; extra arguments go to pytest: `-m unit` (about a minute), `-m launch`,
+# Set up, then run the test suite; extra arguments go to pytest: `-m unit` (about five minutes), `-m launch`,
 # `-m multihost` (markers in pyproject.toml), `-k config`, a file.
 set -euo pipefail
 cd "$(dirname "$0")/.."
