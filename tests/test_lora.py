@@ -230,15 +230,15 @@ def test_lora_refusals_name_the_reason_and_the_fix(data_dir, tmp_path):
 
     ds = load_ds_config("ds_configs/zero1.json")
     cfg = load_run_config("recipes/tiny-v3.yaml", [f"data.path={data_dir}", "lora.r=4"])
-    refused(cfg, ds, world=2, match="lora.r > 0 adapts a pretrained model.*set model.path")
+    assert refused(cfg, ds, world=2, match="lora.r > 0 adapts a pretrained model.*set model.path")
     cfg = load_run_config("recipes/tiny-v3.yaml", [f"data.path={data_dir}", "lora.r=4", "lora.routed_experts=true",
                                                    "parallel.expert_parallel=2"])
-    refused(cfg, ds, world=2, match="AutoEP replaces the routed experts.*lora.routed_experts=false")
+    assert refused(cfg, ds, world=2, match="AutoEP replaces the routed experts.*lora.routed_experts=false")
     cfg = load_run_config("recipes/tiny-v3.yaml", [f"data.path={data_dir}", "lora.r=4",
                                                    "lora.target_modules=[o_proj,shared_experts.up_proj]"])
-    refused(cfg, ds, world=2, match=r"\['up_proj'\] on a DeepSeek model: peft .* maps these names to the fused")
+    assert refused(cfg, ds, world=2, match=r"\['up_proj'\] on a DeepSeek model: peft .* maps these names to the fused")
     cfg = load_run_config("recipes/tiny-dense.yaml", [f"data.path={data_dir}", "lora.r=4", "lora.routed_experts=true"])
-    refused(cfg, ds, world=2, match="no routed experts")
+    assert refused(cfg, ds, world=2, match="no routed experts")
 
 
 @pytest.mark.unit

@@ -51,7 +51,7 @@ def test_lora_on_a_model_with_mtp_is_refused(data_dir):
     ds = load_ds_config("ds_configs/zero1.json")
     cfg = load_run_config("recipes/tiny-v3.yaml", [f"data.path={data_dir}", *LORA,
                                                    "model.overrides.num_nextn_predict_layers=1"])
-    refused(cfg, ds, world=2, match=r"1 MTP module.*set model.overrides.num_nextn_predict_layers: 0")
+    assert refused(cfg, ds, world=2, match=r"1 MTP module.*set model.overrides.num_nextn_predict_layers: 0")
 
 
 @pytest.mark.unit
