@@ -15,10 +15,8 @@ import copy
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..config import load_and_validate
@@ -30,8 +28,8 @@ from ..training.loop import recorded_step, router_stats, step_meter
 from ..training.metrics import MetricsWriter
 from ..training.schedule import start_lr_schedule
 from ..training.setup import build_run
-from ..utils.cli_args import add_local_rank, add_run_args
-from ..utils.fs import write_json_atomic
+from ..utils.cli_args import add_run_args
+from .worker import add_timing_args, write_result
 
 
 def _sync(device: torch.device) -> None:
@@ -185,10 +183,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--against", choices=("bare", "trainer"), required=True)
     p.add_argument("--compile", choices=("no", "yes", "both"), default="no", help="bare: train.compile variants")
     p.add_argument("--trainer-deepspeed", choices=("yes", "no"), default="yes")
-    p.add_argument("--warmup", type=int, required=True)
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--result", required=True, help="JSON file rank 0 writes")
-    add_local_rank(p)
+    add_timing_args(p)
     return p.parse_args(argv)
 
 
@@ -199,11 +194,7 @@ def main(argv=None) -> int:
         variants = [against_bare(args, c) for c in {"no": [False], "yes": [True], "both": [False, True]}[args.compile]]
     else:
         variants = [against_trainer(args, world, args.trainer_deepspeed == "yes")]
-    if dist.get_rank() == 0:
-        write_json_atomic(Path(args.result), {"variants": variants})
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return write_result(args.result, variants)
 
 
 if __name__ == "__main__":

@@ -268,11 +268,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_run_args(p)
     p.add_argument("--global-batch-sizes", required=True, type=lambda s: [int(x) for x in s.split(",")],
                    help="comma-separated; the run is built and measured once per size")
+    add_timing_args(p)
+    return p.parse_args(argv)
+
+
+def add_timing_args(p: argparse.ArgumentParser) -> None:
+    """The flags every benchmark rank takes: steps untimed and timed, the result file, DeepSpeed's --local_rank."""
     p.add_argument("--warmup", type=int, required=True, help="untimed optimizer steps first")
     p.add_argument("--steps", type=int, required=True, help="timed optimizer steps")
     p.add_argument("--result", required=True, help="JSON file rank 0 writes")
     add_local_rank(p)
-    return p.parse_args(argv)
+
+
+def write_result(path: str, variants: list) -> int:
+    """Rank 0 writes the measured variants; every rank then leaves the process group. The exit status."""
+    if dist.get_rank() == 0:
+        write_json_atomic(Path(path), {"variants": variants})
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
 
 
 def main(argv=None) -> int:
@@ -284,12 +298,7 @@ def main(argv=None) -> int:
         free_memory()
     gathered: list = [None] * world
     dist.all_gather_object(gathered, reports)
-    if dist.get_rank() == 0:
-        by_variant = [[gathered[r][v] for r in range(world)] for v in range(len(reports))]
-        write_json_atomic(Path(args.result), {"variants": by_variant})
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return write_result(args.result, [[gathered[r][v] for r in range(world)] for v in range(len(reports))])
 
 
 if __name__ == "__main__":
