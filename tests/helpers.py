@@ -54,6 +54,19 @@ def train(nproc: int, output_dir: str, sets: list[str], ds_config: str | None = 
     return read_metrics(output_dir)
 
 
+def train_layouts(nproc: int, root: Path, layouts: list, sets: list[str], worker: str = "tests/layouts_worker.py",
+                  config: str = "recipes/tiny-v3.yaml", timeout: int = 900) -> dict[str, Path]:
+    """Every layout (name, deepspeed config, extra --set values) trained in ONE launch of `worker` (layouts_worker.py
+    or one built on it), one after the other: one start-up instead of one per layout. Returns each layout's
+    train.output_dir (root / name)."""
+    spec = [[ds_config, extra + [f"train.output_dir={root / name}"]] for name, ds_config, extra in layouts]
+    args = [worker, "--config", config, "--layouts", json.dumps(spec)]
+    for s in sets:
+        args += ["--set", s]
+    deepspeed(nproc, args, timeout=timeout)
+    return {name: root / name for name, _, _ in layouts}
+
+
 def read_metrics(output_dir: str) -> list[dict]:
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]

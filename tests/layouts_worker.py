@@ -1,0 +1,67 @@
+"""One rank of several short training runs (layouts) under one `deepspeed` launch, trained one after the other: one
+start-up (~20-40 s here) for all of them. Each layout is train.py's arguments; its run is the real engine set-up
+(build_run) and, by default, the real training loop (training.loop.train: metrics.jsonl, the final save) into its
+own train.output_dir. Other workers pass their own per-run function (packing_worker.py, moe_worker.py).
+
+Between layouts the engine is destroyed and the process-wide state an engine leaves behind is reset, so that
+ZeRO 0-3, pipelines and expert parallelism can follow each other in any order."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable
+
+import deepspeed
+import torch.distributed as dist
+from deepspeed.utils import groups
+
+from deepseek_ds.config import load_and_validate
+from deepseek_ds.training.loop import train
+from deepseek_ds.training.main import parse_args
+from deepseek_ds.training.setup import Run, build_run
+
+
+def build_layout(argv: list[str]) -> Run:
+    """The run train.py's arguments `argv` describe, set up as training.main sets it up."""
+    args = parse_args(argv)
+    cfg, ds = load_and_validate(args.config, args.deepspeed_config, args.set, int(os.environ["WORLD_SIZE"]))
+    os.makedirs(cfg.train.output_dir, exist_ok=True)
+    return build_run(cfg, ds)
+
+
+def tear_down(run: Run) -> None:
+    run.engine.destroy()
+    # A pipeline engine leaves its grid as DeepSpeed's global model-parallel unit: an engine built after it would read
+    # it as 2-way model parallelism (a pipeline engine sets its own again).
+    groups.mpu = None
+    # build_run gives DeepSpeed's logger this layout's rank-log handler: the next layout's lines go to its own log.
+    for handler in logging.getLogger("deepseek_ds").handlers:
+        deepspeed.utils.logger.removeHandler(handler)
+        if isinstance(handler, logging.FileHandler):
+            handler.close()
+
+
+def run_layouts(argv: list[str], train_one: Callable[[Run], object] = train) -> int:
+    """argv: train.py's arguments that every layout shares, and --layouts JSON: [[deepspeed_config, [--set values]],
+    ...]; each layout is built, trained by `train_one(run)` and torn down before the next."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layouts", required=True, type=json.loads)
+    ours, shared = parser.parse_known_args(argv)
+    for ds_config, sets in ours.layouts:
+        run = build_layout(shared + ["--deepspeed_config", ds_config] + [a for s in sets for a in ("--set", s)])
+        train_one(run)
+        dist.barrier()
+        tear_down(run)
+        del run
+        gc.collect()  # the engine's tensors and hooks go before the next layout builds its own
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_layouts(sys.argv[1:]))
