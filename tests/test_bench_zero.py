@@ -10,8 +10,9 @@ import pytest
 
 from deepseek_ds.bench import zero_bench
 from deepseek_ds.bench.launch import WORKER_MODULE, worker_command
-from deepseek_ds.bench.zero_bench import partition_numel, stage_ds_config, zero_formula
+from deepseek_ds.bench.zero_bench import stage_ds_config, zero_formula
 from deepseek_ds.cli import build_parser
+from deepseek_ds.utils.zero_partition import partition_numel
 from helpers import ROOT, cli, launch_env
 
 # Odd sizes on purpose: kv_lora_rank 33 makes two parameters odd and Ψ % 4 == 2, so ZeRO-3's per-parameter

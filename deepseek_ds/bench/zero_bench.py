@@ -18,6 +18,7 @@ import sys
 from ..config import ConfigError, load_and_validate, load_ds_config, load_run_config
 from ..launcher.world import world_size
 from ..utils.cli_args import add_num_gpus, positive_int, spellings
+from ..utils.zero_partition import partition_numel
 from . import report
 from .launch import add_launch_args, launch, step_metrics
 from .report import Column
@@ -26,7 +27,6 @@ from .worker import HELD, MODEL_STATES
 # ---------------------------------------------------------------------------------------------- the formula
 MASTER_AND_ADAM_BYTES = 12  # the paper's K: fp32 master weights + Adam's exp_avg and exp_avg_sq, 4 bytes each
 ADAM_ONLY_BYTES = 8         # fp32 at stage 0: the optimizer updates the fp32 parameters, no master copy
-NCCL_ALIGNMENT = 2          # ZeRO 1/2 pad the flat parameter group to a multiple of 2 x N elements
 
 
 def has_master_copy(stage: int, precision: str) -> bool:
@@ -45,18 +45,6 @@ def zero_formula(psi: float, n: int, stage: int, param_bytes: int, master: bool)
     return {"params": param_bytes * psi / (n if stage >= 3 else 1),
             "grads": param_bytes * psi / (n if stage >= 2 else 1),
             "optimizer": k * psi / (n if stage >= 1 else 1)}
-
-
-def partition_numel(numels: list[int], n: int, stage: int) -> int:
-    """Elements of one rank's optimizer partition as DeepSpeed 0.19 lays it out (one parameter group, as
-    build_run creates). ZeRO-3 pads every parameter to a multiple of N and gives each rank 1/N of each; ZeRO
-    1/2 flatten the group, pad it to a multiple of 2N and give each rank one contiguous 1/N; stage 0 keeps all."""
-    if stage == 0:
-        return sum(numels)
-    if stage == 3:
-        return sum(-(-x // n) for x in numels)
-    align = NCCL_ALIGNMENT * n
-    return -(-sum(numels) // align) * align // n
 
 
 def expected_optimizer_bytes(numels: list[int], n: int, stage: int, master: bool) -> int:

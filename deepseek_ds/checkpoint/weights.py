@@ -11,8 +11,10 @@ import re
 import torch
 from deepspeed.checkpoint.autoep_universal import resolve_expert_ckpt_path
 from deepspeed.pipe import TiedLayerSpec
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from transformers import PretrainedConfig
 
+from ..models.names import hf_name
 from ..models.pipeline import layer_specs
 from ..models.tensor_parallel import split_dim
 from .format import SCHEMES, CheckpointError, Layout, is_converted, read_meta, saved_layout, universal_dir
@@ -77,13 +79,49 @@ def _zero0_weights(tag_dir: str, saved: Layout, config: PretrainedConfig) -> dic
         out.update(states["module"])
         return out
     specs = layer_specs(config, seed=None)
-    for name in os.listdir(tag_dir):
+    for i, layer in _pipeline_layer_files(tag_dir):
+        prefix = f"tied_modules.{specs[i].key}." if isinstance(specs[i], TiedLayerSpec) else f"{i}."
+        out.update({prefix + k: v for k, v in layer.items()})
+    return out
+
+
+def _pipeline_layer_files(tag_dir: str):
+    """(layer index, its state dict) of each per-layer model-states file a pipeline run wrote."""
+    for name in sorted(os.listdir(tag_dir)):
         m = _LAYER_FILE.match(name)
         if m:
-            i = int(m.group(1))
-            prefix = f"tied_modules.{specs[i].key}." if isinstance(specs[i], TiedLayerSpec) else f"{i}."
-            layer = torch.load(os.path.join(tag_dir, name), map_location="cpu", weights_only=True)
-            out.update({prefix + k: v for k, v in layer.items()})
+            yield int(m.group(1)), torch.load(os.path.join(tag_dir, name), map_location="cpu", weights_only=True)
+
+
+def read_trainable_weights(tag_dir: str, config: PretrainedConfig) -> dict[str, torch.Tensor]:
+    """HF name -> fp32 tensor of every parameter a checkpoint saved with DeepSpeed's exclude_frozen_parameters holds
+    (LoRA: the adapters and lora.modules_to_save, no frozen base), not the persistent buffers (read_buffers). ZeRO 1-3
+    without pipeline: DeepSpeed's zero_to_fp32 of the optimizer's fp32 masters (no universal conversion: its
+    converter expects every parameter); ZeRO-0 and pipelines: the module's own tensors, which equal the masters in
+    fp32 runs only, so a bf16 one is refused rather than silently rounded."""
+    saved = saved_layout(read_meta(tag_dir))
+    if (saved.pipeline_stages > 1 or saved.zero_stage == 0) and saved.precision != "fp32":
+        raise CheckpointError(f"{tag_dir} is a {saved.precision} LoRA checkpoint of a pipeline or ZeRO-0 run, whose "
+                              "saved adapters are rounded copies of the fp32 masters; deepseek-ds reads them exactly "
+                              "from fp32 runs and from ZeRO 1-3 without pipeline: train with an fp32 DeepSpeed config "
+                              "such as ds_configs/zero1.json or ds_configs/zero1_pp.json")
+    with torch.device("meta"):
+        layers = [spec.build() for spec in layer_specs(config, seed=None)]
+    with trusted_types_only():
+        if saved.pipeline_stages > 1:  # named as SequentialLM's (layers.<i>.<key>), as the branches below are
+            container = {f"layers.{i}.{k}": v for i, state in _pipeline_layer_files(tag_dir) for k, v in state.items()}
+        elif saved.zero_stage == 0:
+            container = torch.load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), map_location="cpu",
+                                   weights_only=True)["module"]
+        else:
+            container = get_fp32_state_dict_from_zero_checkpoint(os.path.dirname(tag_dir), os.path.basename(tag_dir),
+                                                                  exclude_frozen_parameters=True)
+    out = {}
+    for name, tensor in container.items():
+        _, index, key = name.split(".", 2)
+        layer = layers[int(index)]
+        if ".lora_" in key or key in dict(layer.named_parameters()):  # not the persistent buffers (buffers/ files)
+            out[hf_name(layer, key)] = tensor.float()
     return out
 
 

@@ -9,18 +9,16 @@ import os
 
 import torch
 from deepspeed.pipe import TiedLayerSpec
-from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from peft import PeftConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM
 
-from ..checkpoint.format import read_meta, saved_layout, tag_dir_of
-from ..checkpoint.safe_load import trusted_types_only
+from ..checkpoint.format import read_meta, tag_dir_of
 from ..checkpoint.state import read_buffers
+from ..checkpoint.weights import read_trainable_weights
 from ..config.schema import LoraSection
 from ..data import load_tokenizer
 from ..models.hf_io import load_hf_weights, to_hf_model
 from ..models.lora import ADAPTER, lora_config
-from ..models.names import hf_name
 from ..models.pipeline import layer_specs, prepare_config
 from ..models.presets import build_model_config
 from ..utils.errors import UserError
@@ -35,42 +33,6 @@ class LoraExportError(UserError):
 
 def is_lora_checkpoint(checkpoint: str) -> bool:
     return read_meta(tag_dir_of(checkpoint))["run_config"].get("lora", {}).get("r", 0) > 0
-
-
-def _trainable_tensors(tag_dir: str, meta: dict, config: PretrainedConfig) -> dict[str, torch.Tensor]:
-    """HF name -> fp32 tensor of every parameter the checkpoint holds (the trainable ones: DeepSpeed saved it with
-    exclude_frozen_parameters). ZeRO 1-3 without pipeline: DeepSpeed's own zero_to_fp32 of the optimizer's fp32
-    masters; ZeRO-0 and pipelines: the model-states files (the module's own tensors, one file per pipeline layer),
-    which equal the masters in fp32 runs only."""
-    saved = saved_layout(meta)
-    if (saved.pipeline_stages > 1 or saved.zero_stage == 0) and saved.precision != "fp32":
-        raise LoraExportError(f"{tag_dir} is a {saved.precision} LoRA checkpoint of a pipeline or ZeRO-0 run, whose "
-                              "saved adapters are rounded copies of the fp32 masters; deepseek-ds reads them exactly "
-                              "from fp32 runs and from ZeRO 1-3 without pipeline: train with an fp32 DeepSpeed config "
-                              "such as ds_configs/zero1.json or ds_configs/zero1_pp.json")
-    with torch.device("meta"):
-        layers = [spec.build() for spec in layer_specs(config, seed=None)]
-    with trusted_types_only():
-        if saved.pipeline_stages > 1:
-            container = {}
-            for i in range(len(layers)):
-                path = os.path.join(tag_dir, f"layer_{i:02d}-model_states.pt")
-                if os.path.isfile(path):
-                    state = torch.load(path, map_location="cpu", weights_only=True)
-                    container.update({f"layers.{i}.{k}": v for k, v in state.items()})
-        elif saved.zero_stage == 0:
-            container = torch.load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), map_location="cpu",
-                                   weights_only=True)["module"]
-        else:
-            container = get_fp32_state_dict_from_zero_checkpoint(os.path.dirname(tag_dir), os.path.basename(tag_dir),
-                                                                  exclude_frozen_parameters=True)
-    out = {}
-    for name, tensor in container.items():
-        _, index, key = name.split(".", 2)
-        layer = layers[int(index)]
-        if ".lora_" in key or key in dict(layer.named_parameters()):  # not the persistent buffers (buffers/ files)
-            out[hf_name(layer, key)] = tensor.float()
-    return out
 
 
 def _peft_name(hf: str, modules_to_save) -> str:
@@ -104,7 +66,7 @@ def peft_model_from_checkpoint(checkpoint: str, experts_implementation: str = "g
     model.peft_config[ADAPTER].base_model_name_or_path = os.path.abspath(base_path)
     params = dict(model.named_parameters())
     wanted = {name for name, p in params.items() if p.requires_grad}
-    saved = {_peft_name(hf, section.modules_to_save): t for hf, t in _trainable_tensors(tag_dir, meta, config).items()}
+    saved = {_peft_name(hf, section.modules_to_save): t for hf, t in read_trainable_weights(tag_dir, config).items()}
     if set(saved) != wanted:
         raise LoraExportError(f"{tag_dir} does not hold the adapters of its run's lora section: missing "
                               f"{sorted(wanted - set(saved))[:3]}, unexpected {sorted(set(saved) - wanted)[:3]}")

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..utils.zero_partition import ADAM_BYTES, MASTER_BYTES, zero3_partition_numel, zero12_flat_numel
 from .params import Param
 
-NCCL_START_ALIGNMENT = 2   # stage_1_and_2.py's nccl_start_alignment_factor
-MASTER_BYTES = 4           # fp32 master weights (ZeRO keeps them even when training in fp32)
-ADAM_BYTES = 8             # Adam's exp_avg and exp_avg_sq, fp32
 # DeepSpeed splits a MoE group above this many elements (moe/utils.py split_params_into_different_moe_groups...).
 MAX_MOE_GROUP = 178956971
 PERSISTENCE_DEFAULT = 100000  # DeepSpeedZeroConfig.param_persistence_threshold
@@ -69,8 +67,7 @@ def _overlapping(numels: list[int], start: int, end: int) -> int:
 
 
 def _zero12(numels: list[int], n: int, rank: int, z: ZeroSettings) -> tuple[int, int, int]:
-    align = NCCL_START_ALIGNMENT * n
-    flat = -(-sum(numels) // align) * align
+    flat = zero12_flat_numel(numels, n)
     part = flat // n
     # ZeRO-1: whole gradients in the parameters' .grad until the boundary; ZeRO-2: the partition buffer.
     grads = z.param_bytes * (sum(numels) if z.stage == 1 else _overlapping(numels, rank * part, (rank + 1) * part))
@@ -78,7 +75,7 @@ def _zero12(numels: list[int], n: int, rank: int, z: ZeroSettings) -> tuple[int,
 
 
 def _zero3(numels: list[int], n: int, z: ZeroSettings) -> tuple[int, int, int]:
-    part = sum(-(-x // n) for x in numels)
+    part = zero3_partition_numel(numels, n)
     persistent = sum(x for x in numels if x <= z.persistence_threshold)
     return z.param_bytes * (part + persistent), z.param_bytes * part, (MASTER_BYTES + ADAM_BYTES) * part
 
