@@ -15,7 +15,7 @@ from .prepare import prepare_dataset
 from .sampler import GlobalBatchSampler
 from .sft import DROP, TRUNCATE_LEFT, TRUNCATE_RIGHT, open_dataset
 from .sources import DEFAULT_EXTENSIONS
-from .synthetic import HELDOUT_FILE, TOKENIZER_SUBDIR, TRAIN_FILE, write_task
+from .synthetic import HELDOUT_FILE, TASK_KINDS, TOKENIZER_SUBDIR, TRAIN_FILE, write_task
 
 
 def _extensions(value: str) -> tuple[str, ...] | None:
@@ -78,7 +78,7 @@ def _dump(args: argparse.Namespace) -> int:
 
 
 def _synth_task(args: argparse.Namespace) -> int:
-    root = write_task(args.out, args.n, args.heldout, args.seed, args.min_len, args.max_len)
+    root = write_task(args.out, args.n, args.heldout, args.seed, args.min_len, args.max_len, args.kind)
     print(f"wrote {root / TRAIN_FILE} ({args.n:,} items), {root / HELDOUT_FILE} ({args.heldout:,} items, words not in "
           f"train) and {root / TOKENIZER_SUBDIR}/ (byte-level, DeepSeek chat markers)")
     return 0
@@ -142,4 +142,7 @@ def register(subparsers) -> None:
     s.add_argument("--seed", type=int, default=0, help="seed of the words drawn (default 0)")
     s.add_argument(*spellings("--min-len"), type=int, default=3, help="fewest letters per word (default 3)")
     s.add_argument(*spellings("--max-len"), type=int, default=5, help="most letters per word (default 5)")
+    s.add_argument("--kind", choices=sorted(TASK_KINDS), default="reverse",
+                   help="reverse: the word's letters reversed (default); copy: the word unchanged, a related task "
+                        "to pretrain a base on (scripts/lora_demo.sh)")
     s.set_defaults(func=_synth_task)

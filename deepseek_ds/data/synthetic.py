@@ -2,6 +2,10 @@
 works in minutes on a CPU. Each item asks for the letters of a random lowercase word reversed ("reverse kqzt" ->
 "tzqk"; a short prompt, so most of each sequence is items, not instructions): the answer follows from the prompt alone, so a model can only score by learning the skill,
 and the held-out words never occur in the training items (exact match there measures that, not memory).
+`--kind copy` asks for the word unchanged ("copy kqzt" -> "kqzt"): a related task that teaches the chat format and
+attending to the prompt's letters but not reversal, to pretrain the base that scripts/lora_demo.sh adapts. The words
+drawn do not depend on the kind, so with the same --seed and --heldout a copy task's training words are the reversal
+task's, and neither holds the reversal task's held-out words.
 
 The output directory holds train.jsonl and heldout.jsonl ({"prompt", "response"} lines) and tokenizer/: a byte-level
 BPE with DeepSeek's chat markers and no merges (one token per letter, so reversing the answer's letters reverses its
@@ -28,6 +32,13 @@ def reversal_item(word: str) -> dict:
     return {"prompt": f"reverse {word}", "response": word[::-1]}
 
 
+def copy_item(word: str) -> dict:
+    return {"prompt": f"copy {word}", "response": word}
+
+
+TASK_KINDS = {"reverse": reversal_item, "copy": copy_item}
+
+
 def distinct_words(n: int, seed: int, min_len: int, max_len: int) -> list[str]:
     """n different random lowercase words of min_len..max_len letters, in drawing order."""
     if not 1 <= min_len <= max_len:
@@ -45,15 +56,18 @@ def distinct_words(n: int, seed: int, min_len: int, max_len: int) -> list[str]:
     return words
 
 
-def write_task(out: str, n_train: int, n_heldout: int, seed: int, min_len: int = 3, max_len: int = 5) -> Path:
-    """Write train.jsonl (n_train items), heldout.jsonl (n_heldout items, words disjoint from train's) and the
-    tokenizer under `out`; return its path."""
+def write_task(out: str, n_train: int, n_heldout: int, seed: int, min_len: int = 3, max_len: int = 5,
+               kind: str = "reverse") -> Path:
+    """Write train.jsonl (n_train items of `kind`), heldout.jsonl (n_heldout items, words disjoint from train's) and
+    the tokenizer under `out`; return its path."""
     if n_train < 1 or n_heldout < 1:
         raise DataError(f"--n {n_train} and --heldout {n_heldout}: both must be >= 1")
+    if kind not in TASK_KINDS:
+        raise DataError(f"--kind {kind!r}: choose one of {', '.join(TASK_KINDS)}")
     words = distinct_words(n_train + n_heldout, seed, min_len, max_len)
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
-    items = [reversal_item(w) for w in words]
+    items = [TASK_KINDS[kind](w) for w in words]
     for name, part in ((HELDOUT_FILE, items[:n_heldout]), (TRAIN_FILE, items[n_heldout:])):
         (root / name).write_text("".join(json.dumps(item) + "\n" for item in part), encoding="utf-8")
     texts = [item["prompt"] + item["response"] for item in items]
