@@ -234,8 +234,13 @@ def split_micro_batch(micro_batch: tuple, mtp: bool = False) -> tuple:
 
 
 def to_device(inputs, device):
-    """A tensor or tuple of tensors (split_micro_batch's inputs or labels) on `device`."""
-    return tuple(t.to(device) for t in inputs) if isinstance(inputs, tuple) else inputs.to(device)
+    """A tensor or tuple of tensors (split_micro_batch's inputs or labels) on `device`. Host tensors reach a GPU
+    through pinned memory without blocking: a blocking copy waits for all the work queued before it (a sync)."""
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if torch.device(device).type == "cuda" and t.device.type == "cpu":
+            return t.pin_memory().to(device, non_blocking=True)
+        return t.to(device)
+    return tuple(move(t) for t in inputs) if isinstance(inputs, tuple) else move(inputs)
 
 
 def build_model(config, num_stages: int, seed: int, parts: list[int] | None = None, topology=None,
