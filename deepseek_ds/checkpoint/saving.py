@@ -22,6 +22,7 @@ from deepspeed.checkpoint.constants import (
     UNIVERSAL_CHECKPOINT_VERSION_KEY,
     UNIVERSAL_CHECKPOINT_VERSION_VALUE,
 )
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 from ..data import dataset_info
 from ..utils.fs import write_bytes_atomic, write_json_atomic
@@ -37,7 +38,7 @@ from .format import (
     model_fingerprint,
     tag_for,
 )
-from .integrity import FILES, intact_tags, merge_records, record_written
+from .integrity import FILES, intact_tags, merge_records, record_written, torch_save_hashed
 from .run import TrainingRun
 from .state import save_buffers, save_rng
 
@@ -61,7 +62,7 @@ def save(run: TrainingRun, step: int, consumed_samples: int) -> str:
         # save path writes this key itself and refuses it from the client, and AutoTP's module carries its own
         # (which TP dimension each tensor was split on), which this would replace.
         client_state[UNIVERSAL_CHECKPOINT_INFO] = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
-    with _recording_saves(engine.checkpoint_engine) as written:
+    with _recording_saves(engine.checkpoint_engine) as (written, hashed):
         # LoRA: the frozen base stays out (resume reads it from model.path), so the checkpoint holds what changes.
         engine.save_checkpoint(ckpt_dir, tag=os.path.basename(partial), client_state=client_state, save_latest=False,
                                exclude_frozen_parameters=cfg.lora.r > 0)
@@ -71,7 +72,7 @@ def save(run: TrainingRun, step: int, consumed_samples: int) -> str:
     if run.rank == 0:
         written.append(os.path.join(partial, MODEL_CONFIG))
         run.model_config.to_json_file(written[-1])
-    record = {"host": socket.gethostname(), "files": record_written(partial, written)}
+    record = {"host": socket.gethostname(), "files": record_written(partial, written, hashed)}
     records = [None] * run.world if run.rank == 0 else None
     dist.gather_object(record, records, dst=0)  # every rank's files are written and flushed
     refusal, doomed, failure = [None], [], None
@@ -96,19 +97,27 @@ def save(run: TrainingRun, step: int, consumed_samples: int) -> str:
 
 
 @contextlib.contextmanager
-def _recording_saves(checkpoint_engine) -> Iterator[list[str]]:
-    """The paths DeepSpeed's checkpoint engine writes on this rank while the block runs (its save() is the one
-    place every model, optimizer and layer file goes through)."""
+def _recording_saves(checkpoint_engine) -> Iterator[tuple[list[str], dict[str, dict]]]:
+    """The files DeepSpeed's checkpoint engine writes on this rank while the block runs (its save() is the one
+    place every model, optimizer and layer file goes through): ([paths], {path: record}). DeepSpeed's own torch
+    engine is replaced by the same torch.save through integrity.HashingFile, so its files (nearly all the bytes)
+    are checksummed and flushed as they are written: records without a re-read. Any other engine's files are
+    read back."""
     written: list[str] = []
+    hashed: dict[str, dict] = {}
     original = checkpoint_engine.save
-
-    def save(state_dict, path):
-        original(state_dict, path)
-        written.append(str(path))
+    if type(checkpoint_engine) is TorchCheckpointEngine:
+        def save(state_dict, path):
+            hashed[str(path)] = torch_save_hashed(
+                state_dict, path, _use_new_zipfile_serialization=checkpoint_engine.zipfile_serialization)
+    else:
+        def save(state_dict, path):
+            original(state_dict, path)
+            written.append(str(path))
 
     checkpoint_engine.save = save
     try:
-        yield written
+        yield written, hashed
     finally:
         del checkpoint_engine.save  # the class's method again
 
