@@ -153,6 +153,12 @@ class TokenWeightedLoss:
 def count_valid_tokens(micro_batches, depth: int = 0) -> list[int]:
     """Valid targets of the main loss and of each MTP depth 1..depth over the given micro-batches
     ((input_ids, labels[, position_ids]) each)."""
-    return [sum(int((shift_labels(mb[1], k, mb[2] if len(mb) == 3 else None) != IGNORE_INDEX).sum())
-                for mb in micro_batches)
-            for k in range(depth + 1)]
+    return valid_token_counts(micro_batches, depth).tolist()
+
+
+def valid_token_counts(micro_batches, depth: int = 0) -> torch.Tensor:
+    """count_valid_tokens as an int64 tensor on the micro-batches' device, read by nothing (the training loop
+    all-reduces it on the device: no host-device sync)."""
+    return torch.stack([sum((shift_labels(mb[1], k, mb[2] if len(mb) == 3 else None) != IGNORE_INDEX).sum()
+                            for mb in micro_batches)
+                        for k in range(depth + 1)])
