@@ -44,7 +44,7 @@ class FakeEngine:
 
 
 def run_loop(monkeypatch, step_outcome, max_consecutive_skips: int, saved: list[int]) -> None:
-    """Run loop._steps for STEPS steps, train_step replaced by step_outcome(step, engine) -> loss (or raise);
+    """Run loop._steps for STEPS steps, the step (_local_step) replaced by step_outcome(step, engine) -> loss (or raise);
     the steps the loop saves are appended to `saved`."""
     cfg = run_config_from_dict({
         "model": {"preset": "tiny-dense"}, "data": {"seq_len": 8},
@@ -52,14 +52,17 @@ def run_loop(monkeypatch, step_outcome, max_consecutive_skips: int, saved: list[
                   "max_consecutive_skips": max_consecutive_skips}})
     engine = FakeEngine()
     run = SimpleNamespace(cfg=cfg, engine=engine, model_config=build_model_config("tiny-dense"), world=1, rank=1,
-                          loss_fn=SimpleNamespace(mtp_depth=0), balancer=None, dataset=[np.zeros(9, np.int64)] * 4,
+                          loss_fn=SimpleNamespace(mtp_depth=0), balancer=None, pipeline=False, tp_rank=0, dp_size=1,
+                          grad_accum=1, dataset=[np.zeros(9, np.int64)] * 4,
                           log=logging.getLogger("test_skipped_steps"),
                           ds={"fp16": {"enabled": True, "initial_scale_power": 16, "min_loss_scale": 1}})
     steps = iter(range(1, STEPS + 1))
-    monkeypatch.setattr(loop, "train_step", lambda run, batch: step_outcome(next(steps), engine))
+    monkeypatch.setattr(loop, "_local_step", lambda run, batch: torch.tensor(step_outcome(next(steps), engine),
+                                                                        dtype=torch.float64))
     monkeypatch.setattr(loop, "save", lambda run, step, consumed: saved.append(step) or f"ckpt/step{step}")
     sampler = GlobalBatchSampler(4, 1, 1, 0, 1, seed=0)
-    loop._steps(run, sampler, None, SimpleNamespace(requested=lambda: False), 0)
+    stop = SimpleNamespace(requested=lambda asked: asked, flag=lambda: torch.zeros(1, dtype=torch.float64))
+    loop._steps(run, sampler, None, stop, 0)
 
 
 def test_deepspeeds_min_scale_exception_is_recognised_and_nothing_else():

@@ -60,7 +60,7 @@ class OurLoop:
         self.step += 1
         start = time.perf_counter()
         lr = self.run.engine.get_lr()[0]
-        record = recorded_step(self.run, self.batches, self.sampler, self.meter, self.routers, self.step, lr)
+        record, _ = recorded_step(self.run, self.batches, self.sampler, self.meter, self.routers, self.step, lr)
         if self.metrics:
             self.metrics.write(record)
         return time.perf_counter() - start, record["loss"], lr

@@ -259,27 +259,53 @@ class LoadBalancer:
         return _AuxLossGrad.apply(output, terms.sum(), scale)
 
     def after_step(self, skipped: bool) -> dict[str, float]:
-        """Bias update from this step's load (none when DeepSpeed skipped the step), then start the next step."""
+        """Bias update from this step's load (none when DeepSpeed skipped the step), then start the next step: its
+        own collectives and host read. The training loop instead reduces take_aux() and the load with its other
+        metrics, then calls apply_load() and aux_metrics()."""
         metrics = {}
         if self.s.has_aux:
-            total = self.aux_sums.clone()
+            total = self.take_aux()
             if dist.is_initialized():
                 dist.all_reduce(total)  # every stage's layers, every replica's sequences
-            means = (total / self.global_batch_size).tolist()
-            metrics["aux_loss"] = sum(means)
-            alphas = (self.s.seq_aux_alpha, self.s.device_aux_alpha, self.s.comm_aux_alpha)
-            metrics.update({f"aux_loss_{name}": v for name, v, a in zip(AUX_TERMS, means, alphas) if a > 0})
+            metrics = self.aux_metrics(total.tolist())
         load = self._step_load.take()  # also when skipped: its tokens must not count in the next step
-        if self.s.bias_update_speed > 0 and not skipped and self.routers:
-            if dist.is_initialized():
-                dist.all_reduce(load, group=self.dp_group)
-            with torch.no_grad():
-                for row, router in enumerate(self.routers):
-                    step = torch.sign(load[row].mean() - load[row]) * self.s.bias_update_speed
-                    bias = router_bias(router)
-                    bias.add_(step.to(bias.dtype))
-        self.aux_sums.zero_()
+        if self._updates(skipped) and dist.is_initialized():
+            dist.all_reduce(load, group=self.dp_group)
+        self._update_bias(load, skipped)
         return metrics
+
+    def take_aux(self) -> torch.Tensor:
+        """This rank's balance-loss sums of the step (AUX_TERMS; a device tensor), then zero for the next step:
+        summed over every rank, aux_metrics() reads them."""
+        total = self.aux_sums.clone()
+        self.aux_sums.zero_()
+        return total
+
+    def aux_metrics(self, summed: list[float]) -> dict[str, float]:
+        """aux_loss (the mean over the global batch's sequences) and each active term's, from take_aux() summed over
+        every rank (every stage's layers, every replica's sequences) and read to the host."""
+        means = [v / self.global_batch_size for v in summed]
+        alphas = (self.s.seq_aux_alpha, self.s.device_aux_alpha, self.s.comm_aux_alpha)
+        return {"aux_loss": sum(means),
+                **{f"aux_loss_{name}": v for name, v, a in zip(AUX_TERMS, means, alphas) if a > 0}}
+
+    def apply_load(self, load: torch.Tensor, skipped: bool) -> None:
+        """The bias update from `load`, the step's tokens per expert summed over the data-parallel ranks (rows: this
+        rank's blocks) by the caller with its other sums; on the device, no host read. Starts the next step."""
+        self._step_load.take()
+        self._update_bias(load, skipped)
+
+    def _updates(self, skipped: bool) -> bool:
+        return self.s.bias_update_speed > 0 and not skipped and bool(self.routers)
+
+    def _update_bias(self, load: torch.Tensor, skipped: bool) -> None:
+        if not self._updates(skipped):
+            return
+        with torch.no_grad():
+            steps = torch.sign(load.mean(1, keepdim=True) - load) * self.s.bias_update_speed
+            for row, router in enumerate(self.routers):
+                bias = router_bias(router)
+                bias.add_(steps[row].to(bias.dtype))
 
 
 # ----------------------------------------------------------------------------------------------- expert parallelism

@@ -15,7 +15,7 @@ from ..checkpoint.resuming import resume
 from ..checkpoint.saving import save
 from ..data import GlobalBatchSampler, micro_batches, open_dataset
 from ..launcher.supervise import STOP_RECORD
-from ..models.loss import count_valid_tokens
+from ..models.loss import valid_token_counts
 from ..models.pipeline import split_micro_batch, to_device
 from ..utils.fs import write_json_atomic
 from . import monitors, nan_policy
@@ -33,18 +33,20 @@ def _all_reduce(value: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tenso
     return value
 
 
-def train_step(run: Run, micro_batches: list) -> float:
-    """One optimizer step on this rank's share of the global batch; returns the global-batch loss."""
+def _local_step(run: Run, micro_batches: list) -> torch.Tensor:
+    """One optimizer step on this rank's share of the global batch, nothing read to the host: the sum of this rank's
+    scaled micro losses (dp x gas x its share of the token-weighted global loss; a float64 device scalar, to be
+    summed over the data-parallel ranks), or with a pipeline the global-batch loss DeepSpeed reduced already."""
     engine = run.engine
-    # Collectives take device tensors (NCCL refuses host ones).
-    n_valid = torch.tensor(count_valid_tokens(micro_batches, run.loss_fn.mtp_depth), dtype=torch.float64,
-                           device=engine.device)
+    # Counted on the host (the batches are host tensors) without reading them; collectives take device tensors (NCCL
+    # refuses host ones).
+    n_valid = to_device(valid_token_counts(micro_batches, run.loss_fn.mtp_depth).double(), engine.device)
     # The summed counts stay on the device: the loss scales need no host-device sync.
     run.loss_fn.set_global_tokens(_all_reduce(n_valid, run.dp_group), run.dp_size, run.grad_accum)
     # Micro-batches with position ids (packed sequences) give the model (input_ids, position_ids).
     split = [split_micro_batch(mb, mtp=run.loss_fn.mtp_depth > 0) for mb in micro_batches]
     if run.pipeline:
-        return float(engine.train_batch(iter(split)))
+        return engine.train_batch(iter(split)).detach().double()
     total = torch.zeros((), dtype=torch.float64, device=engine.device)
     for inputs, labels in split:
         logits = engine(to_device(inputs, engine.device))
@@ -52,6 +54,15 @@ def train_step(run: Run, micro_batches: list) -> float:
         engine.backward(loss)
         engine.step()
         total += loss.detach().double()
+    return total
+
+
+def train_step(run: Run, micro_batches: list) -> float:
+    """One optimizer step on this rank's share of the global batch; returns the global-batch loss (a collective and a
+    host read of its own: the training loop reads it with the step's other metrics instead, recorded_step)."""
+    total = _local_step(run, micro_batches)
+    if run.pipeline:
+        return float(total)
     # The scaled micro losses sum to (dp x gas) x this rank's share of the token-weighted global loss.
     return float(_all_reduce(total, run.dp_group).item() / (run.dp_size * run.grad_accum))
 
@@ -66,48 +77,88 @@ def mtp_record(parts: list[float]) -> dict[str, float]:
 
 
 def recorded_step(run: Run, batches, sampler: GlobalBatchSampler, meter: StepMeter, routers: RouterStats | None,
-                  step: int, lr: float) -> dict:
-    """The next global batch of `batches` (timed with the step), train_step, and every per-step metric of
-    metrics.jsonl (collectives: every rank calls it): one loop step, also what `bench overhead` times."""
+                  step: int, lr: float, stop: StopOnSignal | None = None) -> tuple[dict, bool]:
+    """The next global batch of `batches` (timed with the step), the step, and every per-step metric of
+    metrics.jsonl: one loop step, also what `bench overhead` times. Returns (the record, whether any rank asked to
+    stop: `stop`'s flag, reduced with the metrics; False without `stop`).
+
+    On a GPU the step's only host-device sync of ours is the one read of every metric at its end: the loss, MTP
+    parts, balance losses and expert loads go through one SUM all-reduce, the memory, the stop flag and the router
+    bias statistics through one MAX, and the balancer moves the biases on the device from the summed loads.
+    DeepSpeed syncs on its own inside engine.step() (ZeRO 1/2: the overflow check's `.item()`; the pipeline
+    engine's schedule), which we cannot change."""
     engine = run.engine
     skipped_before = engine.skipped_steps
     meter.start()
-    loss = train_step(run, next(batches))
-    grad_norm = engine.get_global_grad_norm()
+    local = _local_step(run, next(batches))
+    # DeepSpeed discarded the update (fp16 overflow, non-finite gradients): no optimizer/scheduler step.
+    skipped = engine.skipped_steps > skipped_before
+    values, stop_asked = _reduced_metrics(run, meter, routers, local, skipped, stop)
     record = {
-        "step": step, "loss": loss, "lr": lr,
-        "grad_norm": float(grad_norm) if grad_norm is not None else None,
-        **meter.stop(), "memory_gb": None,  # with the reduced metrics below
-        # DeepSpeed discarded the update (fp16 overflow, non-finite gradients): no optimizer/scheduler step.
-        "skipped": engine.skipped_steps > skipped_before, "skipped_steps": engine.skipped_steps,
-        "consumed_samples": sampler.consumed_samples,
+        "step": step, "loss": values.pop("loss"), "lr": lr, "grad_norm": values.pop("grad_norm"),
+        **meter.stop(),  # after the read: on a GPU the step's time is its work's, not its launches'
+        "memory_gb": values.pop("memory_gb"), "skipped": skipped, "skipped_steps": engine.skipped_steps,
+        "consumed_samples": sampler.consumed_samples, **values,
     }
-    if run.balancer:  # router bias update from this step's load (before the stats that report the bias)
-        record.update(run.balancer.after_step(record["skipped"]))
-    record.update(_reduced_metrics(run, meter, routers))
-    return record
+    return record, stop_asked
 
 
-def _reduced_metrics(run: Run, meter: StepMeter, routers: RouterStats | None) -> dict[str, float]:
-    """memory_gb (the largest over ranks), the MTP losses and the expert-load statistics of the step: one SUM and one
-    MAX all-reduce (every rank calls it) and one read to the host, not one of each per metric."""
-    device, depth = run.engine.device, run.loss_fn.mtp_depth
+def _reduced_metrics(run: Run, meter: StepMeter, routers: RouterStats | None, local: torch.Tensor, skipped: bool,
+                     stop: StopOnSignal | None) -> tuple[dict, bool]:
+    """loss, grad_norm, memory_gb (the largest over ranks), the MTP and balance losses and the expert-load
+    statistics of the step, and the stop flag: one SUM and one MAX all-reduce (every rank calls it) and one read to
+    the host. Bias statistics are taken after the balancer's update, so they go with the MAX (one rank reports each
+    layer, the others hold -inf)."""
+    engine, device, depth, balancer = run.engine, run.engine.device, run.loss_fn.mtp_depth, run.balancer
+    if balancer and routers is None:
+        raise ValueError("recorded_step: a model with a load balancer needs its RouterStats (loop.router_stats)")
+    gas_dp = run.dp_size * run.grad_accum
+    # The TP ranks of a replica compute the same losses: one of them counts, so the sums are over replicas.
+    replica = 1.0 if run.tp_rank == 0 else 0.0
     # MTP parts: pipeline stages other than the last hold zeros.
-    summed = ([run.loss_fn.take_parts(device)] if depth else []) + ([routers.local()] if routers else [])
-    summed = torch.cat(summed) if summed else torch.zeros(0, dtype=torch.float64, device=device)
-    peak = meter.memory()
+    parts = run.loss_fn.take_parts(device) * replica if depth else None
+    aux = balancer.take_aux() if balancer and balancer.s.has_aux else None
+    summed = _cat([None if run.pipeline else local.reshape(1) * replica, parts, aux,
+                   routers.local_load() if routers else None], device)
+    if dist.is_initialized() and summed.numel():
+        dist.all_reduce(summed)
+    if balancer:  # the router biases move from the step's summed load, on the device, before the bias statistics
+        balancer.apply_load(routers.own_rows(summed[summed.numel() - routers.load_size:]), skipped)
+    maxed = _cat([meter.memory(), stop.flag() if stop else None, routers.local_bias() if routers else None], device)
     if dist.is_initialized():
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        if summed.numel():
-            dist.all_reduce(summed)
-    host = torch.cat([peak, summed]).cpu()
-    out, rest = {"memory_gb": float(host[0])}, host[1:]
-    if depth:
-        out.update(mtp_record((rest[:1 + depth] / (run.dp_size * run.grad_accum)).tolist()))
-        rest = rest[1 + depth:]
+        dist.all_reduce(maxed, op=dist.ReduceOp.MAX)
+    grad_norm = engine.get_global_grad_norm()  # ZeRO 1/2: a device tensor; else a float or None
+    norm_on_device = isinstance(grad_norm, torch.Tensor) and grad_norm.device == device
+    kept = _cat([local.reshape(1) if run.pipeline else None,  # the same on every rank
+                 grad_norm.detach().double().reshape(1) if norm_on_device else None], device)
+    host = torch.cat([summed, maxed, kept]).tolist()  # the step's one host read
+    n_sum, n_max = summed.numel(), maxed.numel()
+    summed, maxed, kept = host[:n_sum], host[n_sum:n_sum + n_max], host[n_sum + n_max:]
+
+    out: dict = {}
+    if run.pipeline:
+        out["loss"], kept = kept[0], kept[1:]
+    else:
+        # The scaled micro losses sum to (dp x gas) x the token-weighted global loss.
+        out["loss"], summed = summed[0] / gas_dp, summed[1:]
+    out["grad_norm"] = kept[0] if norm_on_device else (float(grad_norm) if grad_norm is not None else None)
+    out["memory_gb"] = maxed[0]
+    stop_asked = stop is not None and maxed[1] > 0
+    mtp = mtp_record([p / gas_dp for p in summed[:1 + depth]]) if depth else {}
+    summed = summed[1 + depth:] if depth else summed
+    if aux is not None:
+        out.update(balancer.aux_metrics(summed[:aux.numel()]))
+        summed = summed[aux.numel():]
+    out.update(mtp)
     if routers:
-        out.update(routers.metrics(rest))
-    return out
+        out.update(routers.metrics(summed, maxed[1 + (stop is not None):]))
+    return out, stop_asked
+
+
+def _cat(parts: list, device) -> torch.Tensor:
+    """The given float64 device tensors (None: absent) as one flat tensor, for one collective or one host read."""
+    parts = [p.reshape(-1) for p in parts if p is not None]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
 
 
 def router_stats(run: Run) -> RouterStats | None:
@@ -196,7 +247,7 @@ def _steps(run: Run, sampler: GlobalBatchSampler, metrics: MetricsWriter | None,
     for step in range(start_step + 1, cfg.train.steps + 1):
         lr = engine.get_lr()[0]
         try:
-            record = recorded_step(run, batches, sampler, meter, routers, step, lr)
+            record, stop_asked = recorded_step(run, batches, sampler, meter, routers, step, lr, stop)
         except Exception as e:
             if not nan_policy.at_min_loss_scale(e):
                 raise
@@ -225,7 +276,7 @@ def _steps(run: Run, sampler: GlobalBatchSampler, metrics: MetricsWriter | None,
         if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
             with stop.busy():
                 last_saved = save(run, step, sampler.consumed_samples)
-        if stop.requested():
+        if stop.requested(stop_asked):
             log.info("stop requested (%s): saving step %d and exiting", stop.received or "signal on another rank", step)
             break
     progress.close()

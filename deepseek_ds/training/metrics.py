@@ -73,8 +73,9 @@ class StepMeter:
                 "tflops_per_device": tflops, "mfu": tflops / self.peak if self.peak else None, "step_time": dt}
 
     def memory(self) -> torch.Tensor:
-        """memory_gb of this rank as a one-element device tensor (for the step's MAX all-reduce)."""
-        return torch.tensor([memory_gb(self.device)], dtype=torch.float64, device=self.device)
+        """memory_gb of this rank as a one-element device tensor (for the step's MAX all-reduce): made on the device,
+        so no host-to-device copy (a blocking one syncs a GPU)."""
+        return torch.full((1,), memory_gb(self.device), dtype=torch.float64, device=self.device)
 
 
 def console_line(record: dict) -> str:

@@ -31,8 +31,9 @@ ABORT_STATUS = 1
 
 class StopOnSignal:
     """SIGTERM (a scheduler's preemption; the deepspeed launcher forwards it) and SIGINT (Ctrl-C) set a flag. The
-    training loop asks `requested()` after every step; it is a collective, so all ranks stop after the same step,
-    save, and exit normally.
+    training loop reduces `flag()` with every step's metrics and asks `requested()` after the step, so all ranks stop
+    after the same step, save, and exit normally (a signal that arrives after a step's reduction stops the run after
+    the next step).
 
     Python runs signal handlers only between bytecodes of the main thread, never while it waits in a collective, so
     a watcher thread reads the signals from the wakeup fd and ends the rank at once (one line, ABORT_STATUS, no save)
@@ -92,16 +93,25 @@ class StopOnSignal:
     def _handle(self, signum, _frame) -> None:
         self.received = signal.Signals(signum).name
 
-    def requested(self) -> bool:
+    def flag(self) -> torch.Tensor:
+        """This rank's request as a one-element float64 device tensor, for a MAX over ranks (the training loop's
+        step metrics): made on the device, so no host-to-device copy (a blocking one syncs a GPU)."""
+        return torch.full((1,), 1.0 if self.received else 0.0, dtype=torch.float64, device=self.device)
+
+    def requested(self, reduced: bool | None = None) -> bool:
+        """At a step boundary: did any rank get a signal? `reduced`: flag() maxed over ranks and read already (the
+        loop does it with the step's metrics); None: reduce and read it here (a collective)."""
         now = time.monotonic()
         if self._last_boundary is not None:
             self._slowest_step = max(self._slowest_step, now - self._last_boundary)
         self._last_boundary = now
-        flag = torch.tensor([1.0 if self.received else 0.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item():
+        if reduced is None:
+            flag = self.flag()
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            reduced = bool(flag.item())
+        if reduced:
             self._at_boundary.set()
-        return bool(flag.item())
+        return reduced
 
     def _watch(self) -> None:
         while not self._done.is_set():
