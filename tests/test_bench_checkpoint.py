@@ -3,13 +3,15 @@ torch.save writes them (no re-read, torch's own zip CRC off), xxh3_64 for new re
 checkpoints still verified. References: the checksum of the file's bytes read back and hashed here directly."""
 
 import json
+import os
+import statistics
 import zlib
 
 import pytest
 import torch
 import xxhash
 
-from deepseek_ds.bench.checkpoint_bench import format_table
+from deepseek_ds.bench import checkpoint_bench
 from deepseek_ds.checkpoint.format import FORMAT_VERSION, META
 from deepseek_ds.checkpoint.integrity import FILES, check_tag, record_files, torch_save_hashed
 
@@ -61,8 +63,34 @@ def test_a_checkpoint_recorded_with_crc32_still_verifies(tmp_path):
     assert "checksum differs" in check_tag(str(tmp_path)).problem
 
 
-def test_table_ratios_are_each_rows_rate_over_its_raw_counterpart():
-    rows = [{"operation": name, "GB": 0.5, "seconds": s, "GB/s": 0.5 / s}
-            for name, s in [("save", 1.0), ("raw write", 0.8), ("load", 2.0), ("raw read", 0.5)]]
-    ratios = [line.split()[-1] for line in format_table(rows).splitlines()[2:]]
-    assert ratios == ["80%", "100%", "25%", "100%"]
+def test_vs_raw_is_the_median_of_each_rounds_raw_time_over_ours(tmp_path, monkeypatch):
+    """Three rounds with known times (a fake clock): the ratio is taken per round, so one slow round (the second
+    save) moves the median of the ratios, not the save's median against the raw one's."""
+    monkeypatch.setattr(checkpoint_bench, "single_process_env", lambda: None)
+    monkeypatch.setattr(checkpoint_bench, "load_and_validate", lambda *a, **k: (None, None))
+    monkeypatch.setattr(checkpoint_bench, "build_run", lambda cfg, ds: None)
+    monkeypatch.setattr(checkpoint_bench.dist, "destroy_process_group", lambda: None)
+    tag = tmp_path / "tag"
+    tag.mkdir()
+    (tag / "f.pt").write_bytes(b"x" * 1000)
+    durations = {"save": [1.0, 4.0, 1.0], "load": [2.0, 2.0, 2.0], "write": [0.5, 1.0, 0.8], "read": [0.25, 0.5, 0.4]}
+    calls = {k: iter(v) for k, v in durations.items()}
+    now = [0.0]
+
+    def spend(kind):
+        now[0] += next(calls[kind])
+
+    monkeypatch.setattr(checkpoint_bench.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(checkpoint_bench, "save", lambda run, i, c: (spend("save"), str(tag))[1])
+    monkeypatch.setattr(checkpoint_bench, "resume", lambda run: spend("load"))
+    monkeypatch.setattr(checkpoint_bench, "_raw_write", lambda blobs, d: (os.makedirs(d, exist_ok=True),
+                                                                         next(calls["write"]))[1])
+    monkeypatch.setattr(checkpoint_bench, "_raw_read", lambda paths: next(calls["read"]))
+    rows = checkpoint_bench.run_checkpoint_bench("cfg", [], None, 3, str(tmp_path))
+    save, write, load, read = rows
+    assert save["seconds"] == 1.0 and save["GB"] == 1e-6
+    assert save["vs raw"] == statistics.median([0.5 / 1.0, 1.0 / 4.0, 0.8 / 1.0])  # 0.5, not 0.8 / 1.0
+    assert load["vs raw"] == statistics.median([0.25 / 2, 0.5 / 2, 0.4 / 2])
+    assert write["vs raw"] == read["vs raw"] == 1.0
+    table = checkpoint_bench.format_table(rows).splitlines()
+    assert [line.split()[-1] for line in table[2:]] == ["0.50x", "1.00x", "0.20x", "1.00x"]

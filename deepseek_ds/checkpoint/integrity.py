@@ -16,6 +16,7 @@ that retention and the pre-launch check use cost one stat() per file."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -123,6 +124,35 @@ def torch_save_hashed(obj, path: str, **kwargs) -> dict:
     with HashingFile(path) as f, _without_zip_crc32():
         torch.save(obj, f, **kwargs)
     return f.close()
+
+
+class HashedSaves:
+    """torch_save_hashed for a series of files whose fsyncs run in a background thread: the disk flushes one file
+    while the next is serialized. records() waits for every flush ({path: {"size", CHECKSUM}}); call it (or
+    close()) before anything publishes them."""
+
+    def __init__(self):
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-fsync")
+        self._pending: dict[str, concurrent.futures.Future] = {}
+
+    def save(self, obj, path: str, **kwargs) -> None:
+        f = HashingFile(path)
+        try:
+            with _without_zip_crc32():
+                torch.save(obj, f, **kwargs)
+        except BaseException:
+            f.close()
+            raise
+        self._pending[str(path)] = self._pool.submit(f.close)
+
+    def records(self) -> dict[str, dict]:
+        try:
+            return {path: future.result() for path, future in self._pending.items()}
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)  # no file left open, nor half-flushed, behind a failed save
 
 
 def _without_zip_crc32():

@@ -38,7 +38,7 @@ from .format import (
     model_fingerprint,
     tag_for,
 )
-from .integrity import FILES, intact_tags, merge_records, record_written, torch_save_hashed
+from .integrity import FILES, HashedSaves, intact_tags, merge_records, record_written
 from .run import TrainingRun
 from .state import save_buffers, save_rng
 
@@ -100,16 +100,16 @@ def save(run: TrainingRun, step: int, consumed_samples: int) -> str:
 def _recording_saves(checkpoint_engine) -> Iterator[tuple[list[str], dict[str, dict]]]:
     """The files DeepSpeed's checkpoint engine writes on this rank while the block runs (its save() is the one
     place every model, optimizer and layer file goes through): ([paths], {path: record}). DeepSpeed's own torch
-    engine is replaced by the same torch.save through integrity.HashingFile, so its files (nearly all the bytes)
-    are checksummed and flushed as they are written: records without a re-read. Any other engine's files are
-    read back."""
+    engine is replaced by the same torch.save through integrity.HashedSaves, so its files (nearly all the bytes)
+    are checksummed as they are written (records without a re-read) and each is flushed while the next one is
+    serialized. Any other engine's files are read back."""
     written: list[str] = []
     hashed: dict[str, dict] = {}
+    saves = HashedSaves()
     original = checkpoint_engine.save
     if type(checkpoint_engine) is TorchCheckpointEngine:
         def save(state_dict, path):
-            hashed[str(path)] = torch_save_hashed(
-                state_dict, path, _use_new_zipfile_serialization=checkpoint_engine.zipfile_serialization)
+            saves.save(state_dict, path, _use_new_zipfile_serialization=checkpoint_engine.zipfile_serialization)
     else:
         def save(state_dict, path):
             original(state_dict, path)
@@ -118,7 +118,9 @@ def _recording_saves(checkpoint_engine) -> Iterator[tuple[list[str], dict[str, d
     checkpoint_engine.save = save
     try:
         yield written, hashed
+        hashed.update(saves.records())
     finally:
+        saves.close()
         del checkpoint_engine.save  # the class's method again
 
 
