@@ -26,6 +26,7 @@ setup(
         "ninja",
         "sacrebleu>=2.3",   # corpus BLEU of `deepseek-ds eval --task`
         "peft>=0.17",       # LoRA adapters (lora.r > 0) and their PEFT export
+        "xxhash>=3",        # checkpoint checksums at disk speed (checkpoint/integrity.py)
     ],
     extras_require={
         "test": ["pytest>=7", "datasets>=2.18", "tensorboard", "wandb", "onnx", "onnxruntime", "onnxscript",
