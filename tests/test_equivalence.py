@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from deepseek_ds.config import load_run_config
-from helpers import train
+from helpers import read_metrics, train, train_layouts
 from reference import reference_losses, reference_model
 
 STEPS = 3
@@ -20,23 +20,38 @@ def reference(data_dir):
 
 
 LAYOUTS = [
-    # (id, ranks, deepspeed config, extra overrides)
+    # (id, ranks, deepspeed config, extra overrides); the layouts of one rank count train in one launch.
     ("zero0", 2, "ds_configs/zero0.json", []),
     ("zero1", 2, "ds_configs/zero1.json", []),
     ("zero2", 2, "ds_configs/zero2.json", []),
     ("zero3", 2, "ds_configs/zero3.json", []),
     ("pp2-zero1", 2, "ds_configs/zero1_pp.json", ["parallel.pipeline_stages=2"]),
+    ("pp4-zero1", 4, "ds_configs/zero1_pp.json", ["parallel.pipeline_stages=4"]),
     # 4 ranks: also exercises activation checkpointing inside the pipeline (embedding first layer excluded).
     ("pp2xdp2-zero1-ckpt", 4, "ds_configs/zero1_pp.json", ["parallel.pipeline_stages=2",
                                                            "model.activation_checkpoint_interval=1"]),
-    ("pp4-zero1", 4, "ds_configs/zero1_pp.json", ["parallel.pipeline_stages=4"]),
 ]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_dir):
+    """records(ranks, name): the metrics records of a layout. On first use of a rank count, all its layouts train in
+    one launch of tests/layouts_worker.py (the real training loop, as train.py runs it), one start-up for all."""
+    done: dict[int, dict] = {}
+
+    def records(ranks: int, name: str) -> list[dict]:
+        if ranks not in done:
+            mine = [(n, ds, extra) for n, r, ds, extra in LAYOUTS if r == ranks]
+            done[ranks] = train_layouts(ranks, tmp_path_factory.mktemp(f"ranks{ranks}"), mine,
+                                        SETS + [f"data.path={data_dir}"])
+        return read_metrics(str(done[ranks][name]))
+    return records
 
 
 @pytest.mark.launch
 @pytest.mark.parametrize("name,ranks,ds_config,extra", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
-def test_losses_equal_single_process_reference(name, ranks, ds_config, extra, reference, data_dir, tmp_path):
-    records = train(ranks, str(tmp_path / name), SETS + extra + [f"data.path={data_dir}"], ds_config=ds_config)
+def test_losses_equal_single_process_reference(name, ranks, ds_config, extra, reference, runs):
+    records = runs(ranks, name)
     losses = [r["loss"] for r in records]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     # Step 1 checks the forward pass and loss; steps 2-3 check that gradients, clipping and AdamW agree.
