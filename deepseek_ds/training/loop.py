@@ -85,8 +85,9 @@ def recorded_step(run: Run, batches, sampler: GlobalBatchSampler, meter: StepMet
     On a GPU the step's only host-device sync of ours is the one read of every metric at its end: the loss, MTP
     parts, balance losses and expert loads go through one SUM all-reduce, the memory, the stop flag and the router
     bias statistics through one MAX, and the balancer moves the biases on the device from the summed loads.
-    DeepSpeed syncs on its own inside engine.step() (ZeRO 1/2: the overflow check's `.item()`; the pipeline
-    engine's schedule), which we cannot change."""
+    DeepSpeed syncs on its own inside the step, which we cannot change: ZeRO 1/2's overflow check reads a flag
+    (`.item()`) once per optimizer step unless check_grad_overflow is off; the pipeline engine reads its loss when it
+    logs (steps_per_print) or feeds a monitor."""
     engine = run.engine
     skipped_before = engine.skipped_steps
     meter.start()
