@@ -10,7 +10,8 @@ from helpers import cli
 pytestmark = pytest.mark.unit
 
 RAW = "tokenizers encode_batch, 1 thread (raw)"
-HEADERS = ["method", "seconds", "tokens", "tokens/s", "MB/s", "vs raw/worker", "scaling/worker"]
+HEADERS = ["method", "seconds", "tokens", "tokens/s", "tokens/s/worker", "MB/s", "cores", "vs raw/worker",
+           "scaling/worker", "CPU vs raw"]
 
 
 def test_bench_table_compares_workers_with_raw_tokenizers(tmp_path, capsys):
@@ -30,7 +31,16 @@ def test_bench_table_compares_workers_with_raw_tokenizers(tmp_path, capsys):
     assert tokens["prepare, 1 worker"] == tokens["prepare, 2 workers"] == tokens[RAW] + docs
     # The ratio columns are the printed rates' ratios (rounding of the printed tokens/s aside).
     rate = {name: int(r["tokens/s"].replace(",", "")) for name, r in rows.items()}
-    assert raw["vs raw/worker"] == raw["scaling/worker"] == "-"
+    assert raw["vs raw/worker"] == raw["scaling/worker"] == raw["CPU vs raw"] == "-"
+    per_worker = {name: int(r["tokens/s/worker"].replace(",", "")) for name, r in rows.items()}
+    assert per_worker[RAW] == rate[RAW] and per_worker["prepare, 1 worker"] == rate["prepare, 1 worker"]
+    assert per_worker["prepare, 2 workers"] == pytest.approx(rate["prepare, 2 workers"] / 2, abs=1)
+    # One thread: the raw encoder's CPU time cannot exceed its wall time (tokenizers' own thread pool is off).
+    assert float(raw["cores"]) <= 1.05
+    cores = {name: float(r["cores"]) for name, r in rows.items()}
+    for name in ("prepare, 1 worker", "prepare, 2 workers"):  # tokens per CPU second, over the raw encoder's
+        assert float(rows[name]["CPU vs raw"]) == pytest.approx(
+            (rate[name] / cores[name]) / (rate[RAW] / cores[RAW]), rel=0.05)
     assert float(one["vs raw/worker"]) == pytest.approx(rate["prepare, 1 worker"] / rate[RAW], abs=0.011)
     assert float(two["vs raw/worker"]) == pytest.approx(rate["prepare, 2 workers"] / (2 * rate[RAW]),
                                                         abs=0.011)
