@@ -18,9 +18,9 @@ from helpers import STRAIGHT_STEPS, resuming_sets, train, training_loss
 from reference import reference_model
 
 BETAS = (0.9, 0.95)  # the recipes' AdamW betas (train.beta1, train.beta2)
-# train.steps of the chain's launches: resumes at steps 3 and 6. Both resumes are followed by a step whose beta power
-# parts from pow() (step 6, steps 7-8), and the second resumes from a checkpoint that a resumed run wrote: a third,
-# earlier resume (the chain was 2, 4, 6, 8) exercised nothing these two do not, for one more launch.
+# train.steps of the chain's launches: resumes at steps 3 and 6, the second from a checkpoint a resumed run wrote,
+# each followed by optimizer steps whose beta power parts from pow() (6; 7 and 8). Without the replay the chain fails
+# at step 8 (aux_loss). The chain was 2, 4, 6, 8: one more launch, for an early resume that exercised nothing more.
 CHAIN = (3, 6, 8)
 COMPARED = ("loss", "aux_loss", "grad_norm", "lr")
 
