@@ -7,7 +7,8 @@ Under `checkpoint.dir`:
   step00000200/           a complete checkpoint: only ever created by renaming a finished `.partial` directory
     *_model_states.pt, *_optim_states.pt, layer_*-model_states.pt    DeepSpeed's own files
     checkpoint.json       our metadata: step, consumed samples, layout, model fingerprint, tokenizer hash,
-                          resolved run + DeepSpeed config, every other file's size and crc32 (integrity.py)
+                          resolved run + DeepSpeed config, every other file's size and checksum (xxh3_64;
+                          crc32 in older checkpoints) (integrity.py)
                           (written last, by rank 0, after a barrier)
     config.json           the transformers model config (what `export hf` rebuilds the model from)
     rng/rank_00000.pt     RNG states of every rank (python, numpy, torch, accelerator)

@@ -100,6 +100,11 @@ class HashingFile:
     def flush(self) -> None:  # unbuffered: every write() went to the kernel already
         pass
 
+    def __str__(self) -> str:
+        # The path, as torch.save's file argument would be otherwise (what a hook on torch.save looks at). Not
+        # __fspath__: torch.save would then open the path itself, past the checksum.
+        return self.path
+
     def close(self) -> dict:
         """{"size", CHECKSUM} of what was written, after fsync."""
         if self._fd is not None:
