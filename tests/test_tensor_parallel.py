@@ -90,25 +90,31 @@ def test_tiny_v3_tp2_equals_reference_and_splits_by_heads(v3_tp2, data_dir):
 
 @pytest.mark.launch
 def test_tiny_v3_tp2_resume_bitwise_reshard_to_tp1_and_export_gathers_the_shards(v3_tp2, data_dir, tmp_path):
-    """Resuming the TP=2 checkpoint of step 2 repeats steps 3-4 bit for bit, and on TP=1 within 1e-5; `export hf` of
-    that checkpoint gathers the shards into whole matrices, and transformers' model from them computes step 3's
-    logged loss."""
+    """Resuming the TP=2 checkpoint of step 2 repeats steps 3-4 bit for bit, and on TP=1 within 1e-5; the step-4
+    validation of both agrees (the TP ranks of a replica count its tokens once); `export hf` of that checkpoint
+    gathers the shards into whole matrices, and transformers' model from them computes step 3's logged loss."""
     from transformers import AutoModelForCausalLM
 
     from helpers import training_loss
 
+    eval_at_4 = ["eval.interval=4", "eval.batches=2"]
     ckpt = fresh_ckpt_dir(v3_tp2["step2"], tmp_path / "ckpt")
-    resumed = losses(train(2, str(tmp_path / "out"), checkpoint_sets(data_dir, 4, 2, *SETS, *TP2,
-                                                                       f"checkpoint.dir={ckpt}")))
+    records = train(2, str(tmp_path / "out"), checkpoint_sets(data_dir, 4, 2, *SETS, *TP2, *eval_at_4,
+                                                              f"checkpoint.dir={ckpt}"))
+    resumed = losses(records)
     first = losses(v3_tp2["records"])
     assert resumed == {3: first[3], 4: first[4]}
     # TP=2 -> TP=1 on one rank: resharded through a universal checkpoint (AutoTP's own conversion info, saved with
     # the checkpoint, says which tensors are split); step 4 also checks that Adam's moments followed.
     ckpt = fresh_ckpt_dir(v3_tp2["step2"], tmp_path / "ckpt_tp1")
-    resharded = losses(train(1, str(tmp_path / "out_tp1"), checkpoint_sets(data_dir, 4, 2, *SETS,
-                                                                             f"checkpoint.dir={ckpt}")))
+    records_tp1 = train(1, str(tmp_path / "out_tp1"), checkpoint_sets(data_dir, 4, 2, *SETS, *eval_at_4,
+                                                                      f"checkpoint.dir={ckpt}"))
+    resharded = losses(records_tp1)
     assert sorted(resharded) == [3, 4]
     assert all(abs(resharded[s] - first[s]) < 1e-5 for s in (3, 4)), (resharded, first)
+    tp2_eval, tp1_eval = (next(r for r in recs if r.get("eval_loss") is not None) for recs in (records, records_tp1))
+    assert tp2_eval["eval_tokens"] == tp1_eval["eval_tokens"] > 0
+    assert tp2_eval["eval_loss"] == pytest.approx(tp1_eval["eval_loss"], rel=1e-5)
     assert cli(["export", "hf", str(v3_tp2["step2"]), "--out", str(tmp_path / "hf"), "--dtype", "fp32",
                 "--work-dir", str(tmp_path)]) == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()

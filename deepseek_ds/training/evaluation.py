@@ -105,9 +105,10 @@ def _pipeline_eval_loss(engine, sums: TokenSums):
         engine.module.loss_fn, engine.monitor.enabled = loss_fn, monitoring
 
 
-def evaluate(model, batches: list[tuple], device, pipeline: bool = False) -> EvalResult:
+def evaluate(model, batches: list[tuple], device, pipeline: bool = False, counts: bool = True) -> EvalResult:
     """Evaluate `model` (a module, a DeepSpeed engine, or a PipelineEngine with pipeline=True) on this rank's
-    batches and combine all ranks. Every rank must call it, with the same number of batches."""
+    batches and combine all ranks. Every rank must call it, with the same number of batches; `counts=False`: this
+    rank's sums are another's copy (a tensor-parallel rank other than 0 sees its replica's batches) and add nothing."""
     sums = TokenSums()
     batches = [split_micro_batch(mb) for mb in batches]  # packed sequences: the model takes their position ids
     if pipeline:
@@ -120,7 +121,7 @@ def evaluate(model, batches: list[tuple], device, pipeline: bool = False) -> Eva
             for inputs, labels in batches:
                 sums(model(to_device(inputs, device)), labels.to(device))
         model.train(was_training)
-    total = sums.sums(device)
+    total = sums.sums(device) if counts else torch.zeros_like(sums.sums(device))
     if dist.is_initialized():
         dist.all_reduce(total)  # pipeline: only last stages hold sums, one per replica
     ce, tokens, correct = total.tolist()
@@ -133,7 +134,7 @@ def evaluate_run(run: Run, dataset: PackedDataset | ChatDataset) -> EvalResult:
     cfg = run.cfg
     n = eval_sample_count(len(dataset), cfg.eval.batches, cfg.train.global_batch_size)
     batches = rank_batches(dataset, n, cfg.train.micro_batch_size, run.dp_rank, run.dp_size)
-    result = evaluate(run.engine, batches, run.engine.device, pipeline=run.pipeline)
+    result = evaluate(run.engine, batches, run.engine.device, pipeline=run.pipeline, counts=run.tp_rank == 0)
     if cfg.eval.task:
         result = EvalResult(result.loss, result.perplexity, result.accuracy, result.tokens, task_scores_run(run))
     return result
