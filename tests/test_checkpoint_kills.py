@@ -1,5 +1,5 @@
 """Checkpoints survive the whole job being killed: SIGKILL to the launcher's process group at seeded random moments
-while it saves every step, three times in a row, each relaunch resuming; after every kill each complete tag
+while it saves every step, twice in a row, the relaunch resuming; after every kill each complete tag
 verifies (sizes and checksums), and the final resume to the end gives the straight run's losses bitwise (conftest.py
 `straight`, with dropout: the ranks' RNG states survive the kills too)."""
 
@@ -20,7 +20,10 @@ from deepseek_ds.utils.net import free_port
 from helpers import BIN, ROOT, STRAIGHT_STEPS, cli, deepspeed, launch_env, losses, read_metrics, resuming_sets
 
 STEPS = STRAIGHT_STEPS  # the straight run's: its losses are the reference
-KILLS = 3
+# Two kills, a fresh job's and a resumed one's (which took over the dead job's lock), then the resume to the end. A
+# third kill was the second round again (a resumed job killed at another random moment) for one more launch: what a
+# kill can break there (a tag half written, the lock, the saved RNG and optimizer states) is the same in both.
+KILLS = 2
 SEED = 14  # the random moments, reproducible
 
 
