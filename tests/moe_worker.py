@@ -1,31 +1,26 @@
-"""One rank of a short MoE training run under the `deepspeed` launcher: the real engine set-up (build_run) and
-train_step, the balancer's after_step once per step, then DeepSpeed's own save_checkpoint. Rank 0 writes the
-per-step records; every rank writes its own router biases (a checkpoint holds only data-parallel rank 0's).
-With --mask-labels, each sample's labels lose a prompt-like prefix (helpers.mask_prompt)."""
+"""One rank of short MoE training runs under the `deepspeed` launcher, one run per layout in the same launch
+(layouts_worker.py): the real engine set-up (build_run) and train_step, the balancer's after_step once per step,
+then DeepSpeed's own save_checkpoint. Rank 0 writes the per-step records; every rank writes its own router biases
+(a checkpoint holds only data-parallel rank 0's). Each sample's labels lose a prompt-like prefix
+(helpers.mask_prompt)."""
 
 import json
 import os
 import sys
 
 import torch
-import torch.distributed as dist
 
-from deepseek_ds.config import load_and_validate
 from deepseek_ds.data import GlobalBatchSampler, micro_batches
 from deepseek_ds.models.moe import moe_blocks, router_bias
 from deepseek_ds.training.loop import train_step
-from deepseek_ds.training.main import parse_args
 from deepseek_ds.training.schedule import start_lr_schedule
-from deepseek_ds.training.setup import build_run
+from deepseek_ds.training.setup import Run
 from helpers import mask_prompt
+from layouts_worker import run_layouts
 
 
-def main(argv: list[str]) -> int:
-    mask = "--mask-labels" in argv
-    args = parse_args([a for a in argv if a != "--mask-labels"])
-    cfg, ds = load_and_validate(args.config, args.deepspeed_config, args.set, int(os.environ["WORLD_SIZE"]))
-    run = build_run(cfg, ds)
-    engine, out = run.engine, cfg.train.output_dir
+def train_moe(run: Run) -> None:
+    engine, out, cfg = run.engine, run.cfg.train.output_dir, run.cfg
     start_lr_schedule(engine)  # as the training loop does: the first step is not at lr 0
     sampler = GlobalBatchSampler(len(run.dataset), cfg.train.global_batch_size, cfg.train.micro_batch_size,
                                  run.dp_rank, run.dp_size, cfg.train.seed, shuffle=cfg.train.shuffle)
@@ -33,9 +28,7 @@ def main(argv: list[str]) -> int:
     records = []
     for step in range(1, cfg.train.steps + 1):
         skipped_before = engine.skipped_steps
-        batch = next(batches)
-        if mask:
-            batch = [(x, mask_prompt(x, y)) for x, y in batch]
+        batch = [(x, mask_prompt(x, y)) for x, y in next(batches)]
         loss = train_step(run, batch)
         records.append({"step": step, "loss": loss, **run.balancer.after_step(engine.skipped_steps > skipped_before)})
     biases = {name: router_bias(router).detach().cpu().clone() for name, (_, router) in moe_blocks(engine.module).items()}
@@ -44,10 +37,7 @@ def main(argv: list[str]) -> int:
     if run.rank == 0:
         with open(os.path.join(out, "records.json"), "w") as f:
             json.dump({"records": records, "dp_size": run.dp_size}, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+if __name__ == "__main__":  # layouts_worker.py's --layouts, each run trained by train_moe
+    sys.exit(run_layouts(sys.argv[1:], train_moe))

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from deepseek_ds.config import load_run_config
-from helpers import deepspeed, mask_prompt, train
+from helpers import mask_prompt, train, train_layouts
 from reference import reference_losses
 
 pytestmark = pytest.mark.launch
@@ -50,13 +50,24 @@ LAYOUTS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_dir):
+    """out(ranks, name): a layout's output directory. On first use of a rank count, all its layouts train in one
+    launch of tests/moe_worker.py on masked labels (one start-up for all)."""
+    done: dict[int, dict] = {}
+
+    def out(ranks: int, name: str) -> str:
+        if ranks not in done:
+            mine = [(n, ds, extra) for n, r, ds, extra in LAYOUTS if r == ranks]
+            done[ranks] = train_layouts(ranks, tmp_path_factory.mktemp(f"ranks{ranks}"), mine,
+                                        SETS + [f"data.path={data_dir}"], worker="tests/moe_worker.py")
+        return str(done[ranks][name])
+    return out
+
+
 @pytest.mark.parametrize("name,ranks,ds_config,extra", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
-def test_layout_equals_reference(name, ranks, ds_config, extra, reference, data_dir, tmp_path):
-    out = str(tmp_path / name)
-    deepspeed(ranks, ["tests/moe_worker.py", "--mask-labels", "--config", "recipes/tiny-v3.yaml",
-                      "--deepspeed_config", ds_config, "--set", f"train.output_dir={out}",
-                      "--set", f"data.path={data_dir}",
-                      *[a for s in SETS + extra for a in ("--set", s)]])
+def test_layout_equals_reference(name, ranks, ds_config, extra, reference, runs):
+    out = runs(ranks, name)
     with open(os.path.join(out, "records.json")) as f:
         records = json.load(f)["records"]
     assert [r["loss"] for r in records] == pytest.approx(reference["losses"], rel=1e-5)
