@@ -14,7 +14,7 @@ from deepseek_ds.models.layers import MTPLayerPipe, document_attention
 from deepseek_ds.models.loss import TokenWeightedLoss, count_valid_tokens
 from deepseek_ds.models.pipeline import build_model, local_layers, prepare_config
 from deepseek_ds.models.presets import build_model_config
-from helpers import IGNORE_INDEX, deepspeed
+from helpers import IGNORE_INDEX, train_layouts
 from reference import mtp_logits, mtp_reference, pack, packed_reference_losses, random_samples
 
 SEQ_LEN = 32
@@ -110,8 +110,6 @@ def reference(data_dir):
     return packed_reference_losses(load_run_config("recipes/tiny-v3.yaml", SETS + [f"data.path={data_dir}"]))
 
 
-# The pipeline last: its engine leaves its grid as DeepSpeed's global model-parallel unit (deepspeed.utils.groups.mpu),
-# which an engine built after it in the same process would read as 2-way model parallelism.
 LAYOUTS = [("zero1", "ds_configs/zero1.json", []), ("zero3", "ds_configs/zero3.json", []),
            ("pp2", "ds_configs/zero1_pp.json", ["parallel.pipeline_stages=2"])]
 
@@ -119,13 +117,9 @@ LAYOUTS = [("zero1", "ds_configs/zero1.json", []), ("zero3", "ds_configs/zero3.j
 @pytest.fixture(scope="module")
 def packed_runs(tmp_path_factory, data_dir) -> dict:
     """Every layout's losses, all trained in one launch of packing_worker.py (one start-up instead of three)."""
-    root = tmp_path_factory.mktemp("packed")
-    layouts = [[ds_config, extra + [f"train.output_dir={root / name}"]] for name, ds_config, extra in LAYOUTS]
-    args = ["tests/packing_worker.py", "--config", "recipes/tiny-v3.yaml", "--layouts", json.dumps(layouts)]
-    for s in SETS + [f"data.path={data_dir}"]:
-        args += ["--set", s]
-    deepspeed(2, args)
-    return {name: json.loads((root / name / "losses.json").read_text()) for name, _, _ in LAYOUTS}
+    dirs = train_layouts(2, tmp_path_factory.mktemp("packed"), LAYOUTS, SETS + [f"data.path={data_dir}"],
+                         worker="tests/packing_worker.py")
+    return {name: json.loads((out / "losses.json").read_text()) for name, out in dirs.items()}
 
 
 @pytest.mark.launch
