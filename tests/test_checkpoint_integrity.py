@@ -28,7 +28,7 @@ from deepseek_ds.checkpoint.integrity import (
 from deepseek_ds.checkpoint.lock import LOCK, acquire
 from deepseek_ds.config import load_ds_config, run_config_from_dict, validate
 from deepseek_ds.config.deepspeed_json import asynchronous_checkpoint_engines
-from helpers import ROOT, checkpoint_sets, cli, deepspeed, losses, read_metrics, refused
+from helpers import ROOT, cli, deepspeed, losses, read_metrics, refused, resuming_sets
 
 STALE_S = 300  # checkpoint.lock_stale_s's default
 
@@ -327,8 +327,9 @@ def test_waiting_for_rank_0s_conversion_is_bounded_by_its_progress_not_a_timeout
 
 # ----------------------------------------------------------------------------------------------- through the launcher
 def _launch(out: Path, data_dir: str, steps: int, check: bool = True) -> subprocess.CompletedProcess:
+    """The straight run's settings (conftest.py `straight`, dropout on), saving every step."""
     args = ["train.py", "--config", "recipes/tiny-v3.yaml", "--set", f"train.output_dir={out}"]
-    for s in checkpoint_sets(data_dir, steps, 1, "data.seq_len=32"):
+    for s in resuming_sets(data_dir, steps, 1):
         args += ["--set", s]
     return deepspeed(2, args, check=check)
 
@@ -338,9 +339,10 @@ def _tree(path: Path) -> dict[str, tuple[int, int]]:
 
 
 @pytest.mark.launch
-def test_damaged_newest_falls_back_and_a_second_job_is_refused(tmp_path, data_dir):
-    _launch(tmp_path / "straight", data_dir, 5)
-    straight = losses(read_metrics(str(tmp_path / "straight")))
+def test_damaged_newest_falls_back_and_a_second_job_is_refused(tmp_path, data_dir, straight):
+    # The reference: the session's straight run (its schedule does not depend on train.steps), not a launch of its own.
+    straight = {step: loss for step, loss in losses(straight).items() if step <= 5}
+    assert sorted(straight) == [1, 2, 3, 4, 5]
     out = tmp_path / "run"
     _launch(out, data_dir, 3)
     ckpt = out / "checkpoints"
@@ -365,7 +367,7 @@ def test_damaged_newest_falls_back_and_a_second_job_is_refused(tmp_path, data_di
     log = resumed.stdout + resumed.stderr
     assert f"{tag_for(3)} is damaged: {damaged.name}" in log
     assert f"resumed from {tag_for(2)} at step 2" in log
-    assert losses(read_metrics(str(out))) == straight  # bitwise, every step 1-5
+    assert losses(read_metrics(str(out))) == straight  # bitwise, every step 1-5 (dropout: the RNG too)
     assert cli(["checkpoint", "verify", str(ckpt)]) == 0  # step 3 saved again, intact
     assert not (ckpt / LOCK).exists()  # released at the end
 
