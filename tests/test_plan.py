@@ -336,10 +336,12 @@ def test_deepseek_llm_7b_on_8_24gb_gpus(capsys):
 
 # ------------------------------------------------------------------------------------------- LoRA
 def _lora_tiny():
-    """recipes/lora-tiny-v3.yaml's LoRA settings (adapters on attention and every routed expert, embedding and head
-    in full) on the tiny-v3 preset (the recipe's start is tiny-v3, which the recipe reads from a directory)."""
+    """recipes/lora-tiny-v3.yaml's LoRA settings (adapters on attention and every routed expert) plus the embedding
+    and head in full (the recipe's pretrained base keeps them frozen; here they are counted too) on the tiny-v3 preset
+    (the recipe's base is tiny-v3, which the recipe reads from a directory)."""
     cfg = load_run_config("recipes/lora-tiny-v3.yaml", ["model.path=null", "model.preset=tiny-v3",
-                                                        "data.builtin=stdlib"])
+                                                        "data.builtin=stdlib",
+                                                        "lora.modules_to_save=[embed_tokens, lm_head]"])
     assert cfg.lora.routed_experts and cfg.lora.modules_to_save == ["embed_tokens", "lm_head"]
     return cfg, model_config(cfg)
 
