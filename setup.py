@@ -37,5 +37,5 @@ setup(
         "export": ["onnx", "onnxruntime", "onnxscript"],
         "data": ["datasets>=2.18"],
     },
-    entry_points={"console_scripts": ["deepseek-ds=deepseek_ds.cli:main"]},
+    entry_points={"console_scripts": ["deepseek-ds=deepseek_ds.__main__:main"]},
 )

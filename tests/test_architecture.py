@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import grimp
@@ -96,3 +97,15 @@ def test_the_contract_catches_a_cycle_and_an_import_against_the_layers(tmp_path)
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "2 broken" in proc.stdout and "toy.utils.b -> toy.config.a" in proc.stdout, proc.stdout
+
+
+@pytest.mark.unit
+def test_the_console_script_module_is_light():
+    """Spawned processes (data prepare's workers) re-import the `deepseek-ds` script's module: it must not pull in
+    the CLI's deepspeed and transformers (seconds of CPU per worker)."""
+    from importlib.metadata import entry_points
+
+    (script,) = [e for e in entry_points(group="console_scripts") if e.name == "deepseek-ds"]
+    code = f"import sys, {script.module}; print(sorted({{'deepspeed', 'transformers'}} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
