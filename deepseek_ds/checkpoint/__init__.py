@@ -9,7 +9,7 @@ universal checkpoints when the parallel layout changed), refusal of foreign chec
   tensor_names.py  DeepSpeed's tensor names of each container (and AutoEP's) <-> HF names
   universal.py     conversion into a DeepSpeed universal checkpoint for another layout
   weights.py       THE reader of a checkpoint's weights (export, eval, generate)
-  integrity.py     every file's size and crc32 in checkpoint.json; verification, fallback to an intact tag
+  integrity.py     every file's size and checksum (xxh3_64) in checkpoint.json; verification, fallback to an intact tag
   lock.py          one job per checkpoint.dir (a lock file naming its holder; stale ones taken over)
   cli.py           `deepseek-ds checkpoint list|verify|reshard`
 
