@@ -1,18 +1,19 @@
 """Integrity of a published tag: checkpoint.json's "files" records every other file of the tag directory (path
-relative to it, size, and a checksum of its bytes: xxh3_64, or zlib.crc32 in checkpoints from before it or saved
-where the xxhash package is missing; the record names its algorithm, so both stay readable). Resume verifies the tag it chooses and falls back to the newest one
+relative to it, size, and a checksum of its bytes: xxh3_64, or zlib.crc32 in checkpoints from before it; the record
+names its algorithm, so both stay readable). Resume verifies the tag it chooses and falls back to the newest one
 that verifies; retention counts only intact tags; `deepseek-ds checkpoint verify` checks a whole directory.
 
 Saving: every rank flushes (fsync) and checksums the files it wrote itself, in parallel, before any collective:
-DeepSpeed's model and optimizer files are checksummed as torch.save writes them (HashingFile: no re-read), the small
-rest is read back (record_written); rank 0 merges those records (merge_records), checking that it sees every rank's files with their
-sizes (a checkpoint.dir that is not one shared filesystem is refused there, before the tag is published) and
-checksumming only what no rank claimed (DeepSpeed's copied recovery scripts).
+DeepSpeed's model and optimizer files are checksummed as torch.save writes them (HashingFile: no re-read), the
+small rest is read back (record_written); rank 0 merges those records (merge_records), checking that it sees every
+rank's files with their sizes (a checkpoint.dir that is not one shared filesystem is refused there, before the tag
+is published) and checksumming only what no rank claimed (DeepSpeed's copied recovery scripts).
 
 Cost: xxh3_64 runs at 3-10 GB/s on one core (zlib.crc32 at 0.7-2.3 GB/s; both measured on this busy 2-core
 machine). Hashing while writing costs a save less than torch.save's own zip CRC-32 did, which HashingFile turns off
-(torch.load never checks it; checkpoint.json's checksum covers every byte); a resume costs each rank about a second per GB of its share of the tag (the ranks split its files); the size checks
-that retention and the pre-launch check use cost one stat() per file."""
+(torch.load never checks it; checkpoint.json's checksum covers every byte); a resume costs each rank about a second
+per GB of its share of the tag (the ranks split its files); the size checks that retention and the pre-launch
+check use cost one stat() per file."""
 
 from __future__ import annotations
 
@@ -26,17 +27,13 @@ import zlib
 from pathlib import Path
 
 import torch
+import xxhash  # several times zlib.crc32's speed
 
 from .format import META, CheckpointError, complete_tags, read_meta
 
-try:
-    import xxhash  # installed with datasets and wandb; several times zlib.crc32's speed
-except ImportError:
-    xxhash = None
-
 FILES = "files"
 CHECKSUMS = ("xxh3_64", "crc32")  # what a file's record may hold, newest first
-CHECKSUM = CHECKSUMS[0] if xxhash is not None else CHECKSUMS[1]  # what new records hold
+CHECKSUM = CHECKSUMS[0]  # what new records hold
 _CHUNK = 16 << 20
 # How long rank 0 keeps looking for another host's files before calling the storage unshared: a network
 # filesystem's attribute and lookup caches can lag a few seconds behind another client's writes.
@@ -57,12 +54,7 @@ class _Crc32:
 
 
 def _hasher(name: str):
-    if name == "crc32":
-        return _Crc32()
-    if xxhash is None:
-        raise CheckpointError(f"checkpoint files are checksummed with {name}, which needs the xxhash package",
-                              hint="pip install xxhash (it comes with `pip install datasets`)")
-    return xxhash.xxh3_64()
+    return _Crc32() if name == "crc32" else xxhash.xxh3_64()
 
 
 def checksum_of(path: str, name: str = CHECKSUM) -> int:
