@@ -22,13 +22,14 @@ def test_lora_demo_script_connects_its_pieces(tmp_path):
     env = {**launch_env(), "LORA_DIR": str(out), "LORA_BASE_STEPS": "4", "LORA_FULL": "0", "SFT_N": "300",
            "SFT_HELDOUT": "8", "SFT_STEPS": "4"}
     # Its own port: a demo running at the same time holds deepspeed's default one.
-    proc = subprocess.run(["bash", "scripts/lora_demo.sh", "--master_port", str(free_port())], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(["bash", "scripts/lora_demo.sh", "--master_port", str(free_port())], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     # The base trained on the copy task; LoRA trained on the reversal task from its export, with the recipe's
     # adapters and nothing else trainable.
     assert json.loads((out / "base" / "task" / "train.jsonl").read_text().splitlines()[0])["prompt"].startswith("copy ")
-    assert json.loads((out / "lora" / "task" / "train.jsonl").read_text().splitlines()[0])["prompt"].startswith("reverse ")
+    first_lora_item = json.loads((out / "lora" / "task" / "train.jsonl").read_text().splitlines()[0])
+    assert first_lora_item["prompt"].startswith("reverse ")
     resolved = yaml.safe_load((out / "lora" / "train" / "resolved_config.yaml").read_text())["run"]
     assert resolved["model"]["path"] == str(out / "base-hf") and resolved["lora"]["r"] > 0
     assert resolved["lora"]["modules_to_save"] == []
