@@ -231,9 +231,11 @@ def test_lora_refusals_name_the_reason_and_the_fix(data_dir, tmp_path):
     ds = load_ds_config("ds_configs/zero1.json")
     cfg = load_run_config("recipes/tiny-v3.yaml", [f"data.path={data_dir}", "lora.r=4"])
     assert refused(cfg, ds, world=2, match="lora.r > 0 adapts a pretrained model.*set model.path")
-    cfg = load_run_config("recipes/tiny-v3.yaml", [f"data.path={data_dir}", "lora.r=4", "lora.routed_experts=true",
-                                                   "parallel.expert_parallel=2"])
-    assert refused(cfg, ds, world=2, match="AutoEP replaces the routed experts.*lora.routed_experts=false")
+    for routed in ("true", "false"):  # attention-only adapters too: DeepSpeed refuses frozen AutoEP experts
+        cfg = load_run_config("recipes/tiny-v3.yaml", [f"data.path={data_dir}", "lora.r=4",
+                                                       f"lora.routed_experts={routed}", "parallel.expert_parallel=2"])
+        assert refused(cfg, ds, world=2, match="expert_parallel > 1: AutoEP replaces the routed experts.*"
+                                               "ZeRO optimizer refuses.*set parallel.expert_parallel=1")
     cfg = load_run_config("recipes/tiny-v3.yaml", [f"data.path={data_dir}", "lora.r=4",
                                                    "lora.target_modules=[o_proj,shared_experts.up_proj]"])
     assert refused(cfg, ds, world=2, match=r"\['up_proj'\] on a DeepSeek model: peft .* maps these names to the fused")

@@ -58,10 +58,13 @@ def lora_errors(r: int, target_modules: list[str] | None, routed_experts: bool, 
                         "evaluated (transformers' CausalLM has no MTP); set model.overrides.num_nextn_predict_layers: 0")
     if routed_experts and not moe:
         problems.append("lora.routed_experts is true but the model has no routed experts: set it to false")
-    if routed_experts and expert_parallel > 1:
-        problems.append("lora.routed_experts with parallel.expert_parallel > 1: AutoEP replaces the routed experts "
-                        "by its own grouped-GEMM module, which peft cannot adapt; set lora.routed_experts=false "
-                        "(adapters on attention) or parallel.expert_parallel=1")
+    if expert_parallel > 1:
+        # Tried: with attention-only adapters, DeepSpeed's ZeRO optimizer asserts that an MoE model has a trainable
+        # expert parameter group ("None of the param groups are marked as MoE") on every rank.
+        problems.append("lora.r > 0 with parallel.expert_parallel > 1: AutoEP replaces the routed experts by its "
+                        "own grouped-GEMM module, which peft cannot adapt, and DeepSpeed's ZeRO optimizer refuses "
+                        "an expert-parallel model whose experts are all frozen; set parallel.expert_parallel=1 "
+                        "(lora.routed_experts=true then adapts the experts too)")
     return problems
 
 
