@@ -9,13 +9,13 @@ from helpers import deepspeed
 
 pytestmark = pytest.mark.launch
 
-# train.py with a bug at optimizer step 2 on rank 1 (the step function is patched in the rank).
+# train.py with a bug at optimizer step 2 on rank 1 (the loop's step function is patched in the rank).
 INJECT = '''
 import os, sys
 from deepseek_ds.training import loop
 from deepseek_ds.training.main import main
 
-_step, calls = loop.train_step, [0]
+_step, calls = loop._local_step, [0]
 
 def buggy_step(run, micro_batches):
     calls[0] += 1
@@ -23,7 +23,7 @@ def buggy_step(run, micro_batches):
         raise RuntimeError("injected bug at step 2")
     return _step(run, micro_batches)
 
-loop.train_step = buggy_step
+loop._local_step = buggy_step
 sys.exit(main())
 '''
 
