@@ -13,7 +13,7 @@ import xxhash
 
 from deepseek_ds.bench import checkpoint_bench
 from deepseek_ds.checkpoint.format import FORMAT_VERSION, META
-from deepseek_ds.checkpoint.integrity import FILES, check_tag, record_files, torch_save_hashed
+from deepseek_ds.checkpoint.integrity import FILES, HashedSaves, check_tag, record_files
 
 pytestmark = pytest.mark.unit
 
@@ -22,6 +22,13 @@ def _state() -> dict:
     g = torch.Generator().manual_seed(0)
     return {"module": {"w": torch.randn(300, 70, generator=g), "b": torch.arange(7)}, "step": 3,
             "optimizer": [torch.randn(5000, generator=g).to(torch.bfloat16)]}
+
+
+def torch_save_hashed(obj, path: str, **kwargs) -> dict:
+    """One file saved as checkpoint saving saves DeepSpeed's files; its record."""
+    saves = HashedSaves()
+    saves.save(obj, path, **kwargs)
+    return saves.records()[path]
 
 
 @pytest.mark.parametrize("zipfile", [True, False])

@@ -10,7 +10,7 @@ rank's files with their sizes (a checkpoint.dir that is not one shared filesyste
 is published) and checksumming only what no rank claimed (DeepSpeed's copied recovery scripts).
 
 Cost: xxh3_64 runs at 3-10 GB/s on one core (zlib.crc32 at 0.7-2.3 GB/s; both measured on this busy 2-core
-machine). Hashing while writing costs a save less than torch.save's own zip CRC-32 did, which HashingFile turns off
+machine). Hashing while writing costs a save less than torch.save's own zip CRC-32 did, which HashedSaves turns off
 (torch.load never checks it; checkpoint.json's checksum covers every byte); a resume costs each rank about a second
 per GB of its share of the tag (the ranks split its files); the size checks that retention and the pre-launch
 check use cost one stat() per file."""
@@ -107,26 +107,12 @@ class HashingFile:
                 self._fd = None
         return {"size": self.size, CHECKSUM: self._hash.intdigest()}
 
-    def __enter__(self) -> HashingFile:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def torch_save_hashed(obj, path: str, **kwargs) -> dict:
-    """torch.save(obj, path, **kwargs) through a HashingFile; returns its {"size", CHECKSUM} (fsynced). torch's own
-    zip CRC-32 is off meanwhile: torch.load never checks it, our checksum covers the same bytes, and it cost as
-    much time as writing them."""
-    with HashingFile(path) as f, _without_zip_crc32():
-        torch.save(obj, f, **kwargs)
-    return f.close()
-
 
 class HashedSaves:
-    """torch_save_hashed for a series of files whose fsyncs run in a background thread: the disk flushes one file
-    while the next is serialized. records() waits for every flush ({path: {"size", CHECKSUM}}); call it (or
-    close()) before anything publishes them."""
+    """torch.save of a series of files through HashingFiles, torch's own zip CRC-32 off meanwhile (torch.load never
+    checks it, our checksum covers the same bytes, and it cost as much time as writing them); their fsyncs run in a
+    background thread: the disk flushes one file while the next is serialized. records() waits for every flush
+    ({path: {"size", CHECKSUM}}); call it (or close()) before anything publishes them."""
 
     def __init__(self):
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-fsync")
