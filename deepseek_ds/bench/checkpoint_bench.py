@@ -28,6 +28,7 @@ from ..training.setup import build_run
 from ..utils.cli_args import add_run_args, spellings
 from ..utils.errors import run_command
 from ..utils.fmt import text_table
+from ..utils.fs import fsync_dir
 from ..utils.net import free_port
 
 _CHUNK = 16 * 2**20
@@ -59,11 +60,7 @@ def _raw_write(blobs: list[bytes], out_dir: str) -> float:
             os.fsync(fd)
         finally:
             os.close(fd)
-    fd = os.open(out_dir, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the new names durable too, as a save's are
-    finally:
-        os.close(fd)
+    fsync_dir(out_dir)  # the new names durable too, as a save's are
     return time.perf_counter() - start
 
 

@@ -25,7 +25,7 @@ from deepspeed.checkpoint.constants import (
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 from ..data import dataset_info
-from ..utils.fs import write_bytes_atomic, write_json_atomic
+from ..utils.fs import fsync_dir, write_bytes_atomic, write_json_atomic
 from ..utils.redact import redact
 from .format import (
     FORMAT_VERSION,
@@ -131,12 +131,12 @@ def _publish(run: TrainingRun, partial: str, final: str, files: dict, step: int,
     meta[FILES] = files
     write_json_atomic(Path(partial) / META, meta)
     for d, _, _ in os.walk(partial):  # the files were flushed by their writers; their directory entries here
-        _fsync_dir(d)
+        fsync_dir(d)
     doomed = []
     if os.path.isdir(final):  # the same step saved again (a resumed run re-reaching it): replace it
         doomed.append(_set_aside(final))
     os.rename(partial, final)
-    _fsync_dir(ckpt_dir)
+    fsync_dir(ckpt_dir)
     write_bytes_atomic(Path(ckpt_dir) / LATEST, tag.encode())
     return doomed + _prune(ckpt_dir, run.cfg.checkpoint.keep)
 
@@ -153,14 +153,6 @@ def _meta(run: TrainingRun, tag: str, step: int, consumed_samples: int) -> dict:
                      "transformers": transformers.__version__},
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _set_aside(path: str) -> str:

@@ -62,3 +62,12 @@ def publish_dir(tmp: Path, target: Path) -> bool:
             raise
         shutil.rmtree(tmp, ignore_errors=True)
         return False
+
+
+def fsync_dir(path: str) -> None:
+    """Flush a directory's entries (new and renamed names) to stable storage."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
