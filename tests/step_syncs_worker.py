@@ -1,7 +1,7 @@
 """One rank (started by tests/test_step_syncs.py with a one-rank launch's environment) that counts the host reads our
 code makes in training.loop.recorded_step on the real engine (build_run), the stop flag included, as the training
 loop calls it. A read is a call of a torch.Tensor method that hands a tensor's value to Python (or copies it to the
-host) whose calling frame is in deepseek_ds/; on a GPU each is a host-device sync. torch.tensor / as_tensor calls
+host) whose calling frame is in deepseek_ds/ or transformers/; on a GPU each is a host-device sync. torch.tensor / as_tensor calls
 with a device from our code count too (a host-to-device copy of Python values, blocking: a sync). Writes, per step,
 the reads found ("file:line function method") and the records to argv[1]; the rest of argv is train.py's."""
 
@@ -10,6 +10,7 @@ import os
 import sys
 
 import torch
+import transformers
 
 import deepseek_ds
 from deepseek_ds.config import load_and_validate
@@ -21,6 +22,9 @@ from deepseek_ds.training.setup import build_run
 from deepseek_ds.training.signals import StopOnSignal
 
 PACKAGE = os.path.dirname(os.path.abspath(deepseek_ds.__file__)) + os.sep
+# The model's code as we call it counts too (e.g. its attention-mask builder's packed-sequence check); DeepSpeed's
+# own reads inside the engine do not.
+TRANSFORMERS = os.path.dirname(os.path.abspath(transformers.__file__)) + os.sep
 READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
 FACTORIES = ("tensor", "as_tensor")
 
@@ -32,8 +36,9 @@ class Counter:
     def note(self, what: str) -> None:
         frame = sys._getframe(2)  # the caller of the patched method
         path = os.path.abspath(frame.f_code.co_filename)
-        if self.active and path.startswith(PACKAGE):
-            self.found.append(f"{path[len(PACKAGE):]}:{frame.f_lineno} {frame.f_code.co_name} {what}")
+        if self.active and path.startswith((PACKAGE, TRANSFORMERS)):
+            where = path[len(PACKAGE):] if path.startswith(PACKAGE) else "transformers/" + path[len(TRANSFORMERS):]
+            self.found.append(f"{where}:{frame.f_lineno} {frame.f_code.co_name} {what}")
 
     def patch(self) -> None:
         for name in READS:

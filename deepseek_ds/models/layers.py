@@ -87,11 +87,16 @@ class EmbeddingPipe(nn.Module):
         document); without position ids every sequence is one document."""
         input_ids, position_ids = inputs if isinstance(inputs, tuple) else (inputs, None)
         hidden = self.embed_tokens(input_ids)
-        if position_ids is None:
+        one_document = position_ids is None
+        if one_document:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
+        position_ids = position_ids.contiguous()
+        # Known here without reading the tensor: document_attention then skips transformers' packed-sequence check,
+        # a host-device sync per micro-batch. The mark stays on this stage (a later one receives a new tensor).
+        position_ids._one_document = one_document
         if self.carry_ids:
-            return hidden, position_ids.contiguous(), input_ids
-        return hidden, position_ids.contiguous()
+            return hidden, position_ids, input_ids
+        return hidden, position_ids
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """The tied LM head: logits from the embedding matrix."""
@@ -131,10 +136,14 @@ def document_attention(config, hidden: torch.Tensor, position_ids: torch.Tensor)
     cached = getattr(position_ids, "_document_attention", None)
     if cached is not None and cached[0] == key:
         return cached[1]
+    one_document = getattr(position_ids, "_one_document", False)
     if config._attn_implementation.startswith("flash_attention"):
-        kwargs = _varlen_kwargs(position_ids)
+        kwargs = {"attention_mask": None} if one_document else _varlen_kwargs(position_ids)
     else:
-        kwargs = {"attention_mask": create_causal_mask(config, hidden, None, None, position_ids=position_ids)}
+        # Without position ids transformers builds the plain causal mask (None for SDPA) without looking for packed
+        # sequences in them, which reads them to the host.
+        kwargs = {"attention_mask": create_causal_mask(config, hidden, None, None,
+                                                       position_ids=None if one_document else position_ids)}
     position_ids._document_attention = (key, kwargs)
     return kwargs
 
@@ -217,7 +226,9 @@ class MTPLayerPipe(DecoderLayerPipe):
         # runs on T - k positions. No padding: the balance losses and expert loads then see real tokens only.
         length = embeds.shape[1] - self.depth
         hidden = self.eh_proj(torch.cat([self.enorm(embeds[:, self.depth:]), self.hnorm(previous[:, :length])], dim=-1))
-        hidden = self.shared_head.norm(self.run_layer(hidden, position_ids[:, :length]))
+        positions = position_ids[:, :length]
+        positions._one_document = getattr(position_ids, "_one_document", False)  # a new tensor: see EmbeddingPipe
+        hidden = self.shared_head.norm(self.run_layer(hidden, positions))
         outputs.append(hidden)
         return tuple(outputs) if self.last else (position_ids, embeds, hidden, *outputs)
 
