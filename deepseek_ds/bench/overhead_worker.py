@@ -3,8 +3,9 @@
 `--against bare` (1 rank): the toolkit's loop step (training.loop.recorded_step: the step and every metric of
 metrics.jsonl) and a bare transformers + torch.optim.AdamW step on a copy of the same initial weights, the same
 global batches, in the same process (same threads), alternating step by step so that a shared host's load hits
-both alike. `--against trainer`: the toolkit's steps, then transformers.Trainer on the same model, batches and
-DeepSpeed JSON (its DeepSpeed integration; `--trainer-deepspeed no`: plain Trainer). Rank 0 writes the seconds and
+both alike. `--against trainer`: the toolkit's steps and transformers.Trainer's on the same model, batches and
+DeepSpeed JSON (its DeepSpeed integration; `--trainer-deepspeed no`: plain Trainer), alternating step by step
+too (our step runs in Trainer's step-end callback). Rank 0 writes the seconds and
 losses of every step to --result.
 """
 
@@ -129,30 +130,35 @@ def against_bare(args: argparse.Namespace, compiled: bool) -> dict:
 
 
 def against_trainer(args: argparse.Namespace, world: int, use_deepspeed: bool) -> dict:
+    """Trainer's steps with ours in between: each of our steps runs in Trainer's step-end callback, so both see the
+    same load. Trainer's step is the time from the end of our previous step to its step end (its data loading and
+    logging included, as ours includes our data and metrics)."""
     from transformers import Trainer, TrainerCallback, TrainingArguments  # this mode only: ~2 s of imports
 
     run, ds = build(args, world, False)
+    model = hf_copy(run, False)  # before our first step changes the weights
     ours = OurLoop(run)
-    model = hf_copy(run, False)  # before our steps change the weights
-    steps = [{"ours_s": t, "ours_loss": loss, "timed": i >= args.warmup}
-             for i, (t, loss, _) in enumerate(ours() for _ in range(args.warmup + args.steps))]
     cfg = run.cfg.train
     # This rank's samples of as many global batches (Trainer deals them to the ranks in its own order).
     batches = micro_batches(run.dataset, _sampler(run))
     samples = [s for _ in range(args.warmup + args.steps) for s in _samples(next(batches))] * world
 
-    class Clock(TrainerCallback):
+    class Alternate(TrainerCallback):
         def __init__(self):
-            self.seconds, self.losses = [], []
+            self.steps = []
 
-        def on_step_begin(self, *_, **__):
-            self.start = time.perf_counter()
+        def on_train_begin(self, *_, **__):
+            self.mark = time.perf_counter()
 
         def on_step_end(self, *_, **__):
             _sync(run.engine.device)
-            self.seconds.append(time.perf_counter() - self.start)
+            trainer_s = time.perf_counter() - self.mark
+            ours_s, loss, _ = ours()
+            self.steps.append({"ours_s": ours_s, "ours_loss": loss, "trainer_s": trainer_s,
+                               "timed": len(self.steps) >= args.warmup})
+            self.mark = time.perf_counter()
 
-    clock = Clock()
+    alternate = Alternate()
     # Trainer brings its own (constant) schedule; the rest of the JSON is the run's own.
     trainer_ds = {k: v for k, v in ds.items() if k != "scheduler"} if use_deepspeed else None
     targs = TrainingArguments(
@@ -162,11 +168,12 @@ def against_trainer(args: argparse.Namespace, world: int, use_deepspeed: bool) -
         max_grad_norm=cfg.grad_clip or 0.0, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
         report_to=[], dataloader_num_workers=0, deepspeed=trainer_ds, seed=cfg.seed, disable_tqdm=True,
         use_cpu=run.engine.device.type == "cpu" and not use_deepspeed)
-    trainer = Trainer(model=model, args=targs, train_dataset=samples, callbacks=[clock])
+    trainer = Trainer(model=model, args=targs, train_dataset=samples, callbacks=[alternate])
     result = trainer.train()
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    steps = alternate.steps
     for i, s in enumerate(steps):
-        s.update({"trainer_s": clock.seconds[i], "trainer_loss": losses[i] if i < len(losses) else None})
+        s["trainer_loss"] = losses[i] if i < len(losses) else None
     return {"variant": "trainer+deepspeed" if use_deepspeed else "trainer (no deepspeed)", "steps": steps,
             "threads": torch.get_num_threads(), "trainer_train_loss": result.training_loss}
 
