@@ -6,6 +6,7 @@ dataset that looks complete; a re-run rebuilds only missing or damaged shards.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -119,31 +120,47 @@ def _ensure_tokenizer(out: Path, src_tok, train: Callable[[Path], None]):
     return load_hf_tokenizer(tok_dir)
 
 
-def _run(tasks: list[ShardTask], workers: int, progress: bool) -> None:
+@contextlib.contextmanager
+def _worker_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
+    """`workers` processes started now, so that their start-up (an interpreter, numpy, tokenizers: ~0.4 s each)
+    overlaps the parent's serial part (loading or training the tokenizer, planning, checking finished shards)
+    instead of following it; None for one worker, which tokenizes in this process."""
+    if workers <= 1:
+        yield None
+        return
+    # spawn, not fork: the parent may hold torch / tokenizers thread pools that a fork would corrupt.
+    # An executor (unlike multiprocessing.Pool) raises BrokenProcessPool if a worker dies instead of hanging.
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=init_worker) as pool:
+        for _ in range(workers):  # a spawn-context executor starts a process per submit while none is idle
+            pool.submit(init_worker)
+        yield pool
+
+
+def _run(tasks: list[ShardTask], pool: ProcessPoolExecutor | None, progress: bool) -> None:
     docs = {t.name: len(t.docs) for t in tasks}
     start, tokens = time.perf_counter(), 0
     with tqdm(total=sum(docs.values()), unit="doc", desc="tokenizing", disable=not progress) as bar:
-        for record in _records(tasks, workers):
+        for record in _records(tasks, pool):
             tokens += record["num_tokens"]
             bar.update(docs[record["name"]])
             bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):,.0f} tok/s")
 
 
-def _records(tasks: list[ShardTask], workers: int) -> Iterator[dict]:
-    if workers == 1 or len(tasks) <= 1:
+def _records(tasks: list[ShardTask], pool: ProcessPoolExecutor | None) -> Iterator[dict]:
+    if pool is None or len(tasks) <= 1:
         yield from map(write_shard, tasks)
         return
-    # spawn, not fork: the parent may hold torch / tokenizers thread pools that a fork would corrupt.
-    # An executor (unlike multiprocessing.Pool) raises BrokenProcessPool if a worker dies instead of hanging.
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=context, initializer=init_worker) as pool:
-        futures = [pool.submit(write_shard, t) for t in tasks]
-        try:
-            for future in as_completed(futures):
-                yield future.result()
-        finally:
-            for future in futures:  # on an error, do not wait for the remaining shards
-                future.cancel()
+    futures = [pool.submit(write_shard, t) for t in tasks]
+    try:
+        for future in as_completed(futures):
+            yield future.result()
+    finally:
+        for future in futures:  # on an error, do not wait for the remaining shards
+            future.cancel()
+
+
+def _num_shards(table: DocTable, rows: dict[str, np.ndarray], shard_bytes: int) -> int:
+    return sum(len(group_by_size(table.size[rows[split]], shard_bytes)) for split in SPLITS)
 
 
 def _plan_tasks(out: Path, table: DocTable, rows: dict[str, np.ndarray], field: str, shard_bytes: int,
@@ -209,29 +226,32 @@ def prepare_dataset(inputs: list[str], out_dir: str, tokenizer_dir: str | None =
         rows = split_rows(len(table), valid_fraction, seed)
     else:
         table, rows = _split(scan_inputs(inputs, jsonl_field, extensions), valid_fraction, seed)
-    src_tok = None if tokenizer_dir is None else import_tokenizer(tokenizer_dir)
-    plan = {"format_version": FORMAT_VERSION, "inputs": [str(Path(p).resolve()) for p in inputs],
-            "docs_sha256": hashlib.sha256(json.dumps(table.refs()).encode()).hexdigest(), "num_docs": len(table),
-            "jsonl_field": jsonl_field, "valid_fraction": valid_fraction, "seed": seed, "shard_mb": shard_mb,
-            "tokenizer": ({"bpe_vocab_size": vocab_size} if src_tok is None
-                          else {"imported_hash": tokenizer_hash(backend_json(src_tok))})}
-    if chat:  # text plans keep their old keys, so datasets prepared before chat data existed still re-run
-        plan.update(format=CHAT_FORMAT, train_on=train_on)
-    plan_hash = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
-    out.mkdir(parents=True, exist_ok=True)
-    _check_plan(out, plan)
-    train_docs = table.subset(rows["train"])
-    if chat:
-        # Without --tokenizer: a BPE with BOS and DeepSeek's chat markers, so DeepSeek-V3's chat format renders.
-        tok = _ensure_tokenizer(out, src_tok, lambda d: train_bpe(_iter_chat_texts(train_docs), vocab_size, d,
-                                                                  progress, chat=True))
-        # Rendered here once, so a tokenizer that cannot render conversations fails before any worker starts.
-        encode(tok, read_conversation_rows(table.subset(np.arange(1)))[0], train_on)
-    else:
-        tok = _ensure_tokenizer(out, src_tok, lambda d: train_bpe(_iter_texts(train_docs, jsonl_field), vocab_size, d,
-                                                                  progress))
-    tasks = _plan_tasks(out, table, rows, jsonl_field, int(shard_mb * 2**20), tok, train_on if chat else None)
-    _run([t for t in tasks if not is_done(t)], workers, progress)
+    shard_bytes = int(shard_mb * 2**20)
+    # Workers start before the tokenizer loads, at most one per shard; the pool closes (joining them) before meta.
+    with _worker_pool(min(workers, _num_shards(table, rows, shard_bytes))) as pool:
+        src_tok = None if tokenizer_dir is None else import_tokenizer(tokenizer_dir)
+        plan = {"format_version": FORMAT_VERSION, "inputs": [str(Path(p).resolve()) for p in inputs],
+                "docs_sha256": hashlib.sha256(json.dumps(table.refs()).encode()).hexdigest(), "num_docs": len(table),
+                "jsonl_field": jsonl_field, "valid_fraction": valid_fraction, "seed": seed, "shard_mb": shard_mb,
+                "tokenizer": ({"bpe_vocab_size": vocab_size} if src_tok is None
+                              else {"imported_hash": tokenizer_hash(backend_json(src_tok))})}
+        if chat:  # text plans keep their old keys, so datasets prepared before chat data existed still re-run
+            plan.update(format=CHAT_FORMAT, train_on=train_on)
+        plan_hash = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
+        out.mkdir(parents=True, exist_ok=True)
+        _check_plan(out, plan)
+        train_docs = table.subset(rows["train"])
+        if chat:
+            # Without --tokenizer: a BPE with BOS and DeepSeek's chat markers, so DeepSeek-V3's chat format renders.
+            tok = _ensure_tokenizer(out, src_tok, lambda d: train_bpe(_iter_chat_texts(train_docs), vocab_size, d,
+                                                                      progress, chat=True))
+            # Rendered here once, so a tokenizer that cannot render conversations fails before any shard is tokenized.
+            encode(tok, read_conversation_rows(table.subset(np.arange(1)))[0], train_on)
+        else:
+            tok = _ensure_tokenizer(out, src_tok, lambda d: train_bpe(_iter_texts(train_docs, jsonl_field), vocab_size,
+                                                                      d, progress))
+        tasks = _plan_tasks(out, table, rows, jsonl_field, shard_bytes, tok, train_on if chat else None)
+        _run([t for t in tasks if not is_done(t)], pool, progress)
     meta = _meta(out, tasks, plan_hash, tok)
     meta["skipped_inputs"] = list(table.skipped)
     if chat:
