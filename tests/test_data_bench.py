@@ -4,6 +4,7 @@ import os
 
 import pytest
 
+from deepseek_ds.bench.data_bench import _median_round
 from deepseek_ds.data.builtin import stdlib_files
 from helpers import cli
 
@@ -15,7 +16,9 @@ HEADERS = ["method", "seconds", "tokens", "tokens/s", "tokens/s/worker", "MB/s",
 
 
 def test_bench_table_compares_workers_with_raw_tokenizers(tmp_path, capsys):
-    assert cli(["bench", "data", "--mb", "0.2", "--vocab-size", "300", "--work-dir", str(tmp_path)]) == 0
+    # Two rounds: each row is then its faster one (test_a_row_is_its_median_round_with_that_rounds_cpu_time).
+    assert cli(["bench", "data", "--mb", "0.2", "--vocab-size", "300", "--repeats", "2", "--work-dir",
+                str(tmp_path)]) == 0
     out = capsys.readouterr().out
     lines = out[out.index("method "):].splitlines()  # the table; DeepSpeed may log a line before it
     assert lines[0].split("  ")[0] == "method" and [h.strip() for h in lines[0].split("  ") if h] == HEADERS
@@ -48,3 +51,16 @@ def test_bench_table_compares_workers_with_raw_tokenizers(tmp_path, capsys):
     assert float(two["scaling/worker"]) == pytest.approx(rate["prepare, 2 workers"] / (2 * rate["prepare, 1 worker"]),
                                                          abs=0.011)
     assert "usable cores" in lines[5]
+
+
+def test_a_row_is_its_median_round_with_that_rounds_cpu_time():
+    rounds = [{"seconds": s, "cpu_s": c} for s, c in [(5.0, 4.0), (1.0, 0.5), (3.0, 2.0), (9.0, 1.0)]]
+    assert _median_round(rounds) == {"seconds": 3.0, "cpu_s": 2.0}  # lower middle of four
+    assert _median_round(rounds[:3]) == {"seconds": 3.0, "cpu_s": 2.0}
+    assert _median_round(rounds[1:2]) == {"seconds": 1.0, "cpu_s": 0.5}
+
+
+def test_repeats_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        cli(["bench", "data", "--repeats", "0"])
+    assert "--repeats" in capsys.readouterr().err

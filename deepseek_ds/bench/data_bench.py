@@ -5,7 +5,12 @@ ratios: prepare against N x the raw per-worker rate, and N workers against one.
 Wall-clock rates on a shared machine say as much about the other jobs as about ours, so each row also shows the
 CPU time it got: `cores` (CPU seconds over wall seconds: N workers scale linearly only when they get N cores) and
 `CPU vs raw` (tokens per CPU second over the raw encoder's: the per-worker efficiency, start-up and hand-over of
-the workers included, whatever the load)."""
+the workers included, whatever the load).
+
+Each row is the round of median wall time out of `--repeats` rounds, and every round runs all the rows back to
+back (raw, 1 worker, 2 workers, raw, ...): a load that comes and goes on a shared host then hits every row alike
+instead of whichever ran while it lasted. Each prepare round builds a fresh dataset; its workers' start-up is in
+its row (prepare starts them while it loads the tokenizer), as it is in every `data prepare` run."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import argparse
 import contextlib
 import os
 import resource
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -23,7 +29,7 @@ from ..data import dataset_info, ensure_builtin_dataset, prepare_dataset
 from ..data.builtin import stdlib_files
 from ..data.layout import TOKENIZER_DIR
 from ..data.tokenizer import backend_json, load_hf_tokenizer
-from ..utils.cli_args import spellings
+from ..utils.cli_args import positive_int, spellings
 from ..utils.fmt import text_table
 from ..utils.system import usable_cpus
 
@@ -67,24 +73,39 @@ def _raw_encode(texts: list[str], backend: str) -> dict:
     return row
 
 
-def run_data_bench(workers: list[int], mb: float, vocab_size: int, work_dir: str) -> list[dict]:
+def _prepare(files: list[str], tok_dir: Path, n: int, out: str) -> dict:
+    shutil.rmtree(out, ignore_errors=True)  # a fresh build each round, not a re-run that verifies the last one
+    row = {"method": f"prepare, {n} worker{'s' if n > 1 else ''}", "workers": n}
+    with _timed(row):
+        prepare_dataset(files, out, tokenizer_dir=str(tok_dir), workers=n, valid_fraction=0.0, shard_mb=_SHARD_MB,
+                        progress=False)
+    row["tokens"] = dataset_info(out)["num_tokens"]
+    return row
+
+
+def _median_round(rounds: list[dict]) -> dict:
+    """The round of median wall time (the lower middle one of an even count): a measured round, its CPU time with it."""
+    return sorted(rounds, key=lambda r: r["seconds"])[(len(rounds) - 1) // 2]
+
+
+def run_data_bench(workers: list[int], mb: float, vocab_size: int, work_dir: str, repeats: int = 1) -> list[dict]:
     """Rows of (method, workers, seconds, cpu_s, tokens, tokens/s, per_worker, MB/s, cores) on the built-in corpus
-    of `mb` MB; the first is the raw one-thread baseline, and each prepare row has `vs_raw` (its tokens/s per worker
-    over the raw rate), `vs_one` (its tokens/s per worker over the first prepare row's) and `cpu_vs_raw` (its tokens
-    per CPU second over the raw baseline's)."""
+    of `mb` MB, each the median of `repeats` rounds of all rows; the first is the raw one-thread baseline, and each
+    prepare row has `vs_raw` (its tokens/s per worker over the raw rate), `vs_one` (its tokens/s per worker over the
+    first prepare row's) and `cpu_vs_raw` (its tokens per CPU second over the raw baseline's)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}: pass --repeats 1 or more")
     files = stdlib_files(mb)
     texts = [Path(f).read_text() for f in files]
     text_mb = sum(len(t.encode()) for t in texts) / 2**20
     tok_dir = Path(ensure_builtin_dataset(work_dir, vocab_size, mb, progress=False)) / TOKENIZER_DIR
+    backend = backend_json(load_hf_tokenizer(tok_dir))
+    rounds: list[list[dict]] = []
     with _one_thread_per_worker():
-        rows = [_raw_encode(texts, backend_json(load_hf_tokenizer(tok_dir)))]
-        for n in workers:
-            row = {"method": f"prepare, {n} worker{'s' if n > 1 else ''}", "workers": n}
-            with _timed(row):
-                out = prepare_dataset(files, f"{work_dir}/w{n}", tokenizer_dir=str(tok_dir), workers=n,
-                                      valid_fraction=0.0, shard_mb=_SHARD_MB, progress=False)
-            row["tokens"] = dataset_info(out)["num_tokens"]
-            rows.append(row)
+        for _ in range(repeats):
+            rounds.append([_raw_encode(texts, backend)] + [_prepare(files, tok_dir, n, f"{work_dir}/w{n}")
+                                                           for n in workers])
+    rows = [_median_round([r[k] for r in rounds]) for k in range(len(rounds[0]))]
     for row in rows:
         row["tokens/s"] = row["tokens"] / row["seconds"]
         row["per_worker"] = row["tokens/s"] / row["workers"]
@@ -117,7 +138,7 @@ def format_table(rows: list[dict]) -> str:
 
 def _bench(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
-        print(format_table(run_data_bench(args.workers, args.mb, args.vocab_size, args.work_dir or tmp)))
+        print(format_table(run_data_bench(args.workers, args.mb, args.vocab_size, args.work_dir or tmp, args.repeats)))
     print(f"{usable_cpus()} usable cores, load average {os.getloadavg()[0]:.1f}: N workers scale linearly only "
           "with N cores free (the `cores` column)")
     return 0
@@ -128,6 +149,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("data", help="data preparation throughput vs raw tokenizers")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to compare (default 1 2)")
     p.add_argument("--mb", type=float, default=8.0, help="MB of built-in corpus text (default 8)")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="rounds of all rows, each row showing its median round (default 3)")
     p.add_argument(*spellings("--vocab-size"), type=int, default=2048, help="BPE vocabulary size (default 2048)")
     p.add_argument(*spellings("--work-dir"), help="keep outputs here (default: a temporary directory)")
     p.set_defaults(func=_bench)
