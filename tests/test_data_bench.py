@@ -51,6 +51,12 @@ def test_bench_table_compares_workers_with_raw_tokenizers(tmp_path, capsys):
     assert float(two["scaling/worker"]) == pytest.approx(rate["prepare, 2 workers"] / (2 * rate["prepare, 1 worker"]),
                                                          abs=0.011)
     assert "usable cores" in lines[5]
+    # Round by round, 2 workers against the 1 worker of the same round, and the median of those ratios.
+    by_round = lines[6].split("scaling/worker ")[1]
+    ratios = [float(x) for x in by_round.split(" (median")[0].split()]
+    assert lines[6].startswith("prepare, 2 workers, round by round") and len(ratios) == 2
+    assert float(by_round.split("(median ")[1].split(")")[0]) == pytest.approx(sum(ratios) / 2, abs=0.006)
+    assert len(by_round.split("cores ")[1].split()) == 2
 
 
 def test_a_row_is_its_median_round_with_that_rounds_cpu_time():

@@ -19,6 +19,7 @@ import contextlib
 import os
 import resource
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -83,6 +84,10 @@ def _prepare(files: list[str], tok_dir: Path, n: int, out: str) -> dict:
     return row
 
 
+def _per_worker(row: dict) -> float:
+    return row["tokens"] / row["seconds"] / row["workers"]
+
+
 def _median_round(rounds: list[dict]) -> dict:
     """The round of median wall time (the lower middle one of an even count): a measured round, its CPU time with it."""
     return sorted(rounds, key=lambda r: r["seconds"])[(len(rounds) - 1) // 2]
@@ -106,6 +111,9 @@ def run_data_bench(workers: list[int], mb: float, vocab_size: int, work_dir: str
             rounds.append([_raw_encode(texts, backend)] + [_prepare(files, tok_dir, n, f"{work_dir}/w{n}")
                                                            for n in workers])
     rows = [_median_round([r[k] for r in rounds]) for k in range(len(rounds[0]))]
+    for k in range(2, len(rows)):  # each round's N workers against the 1 worker it ran right after
+        rows[k]["round_scaling"] = [_per_worker(r[k]) / _per_worker(r[1]) for r in rounds]
+        rows[k]["round_cores"] = [r[k]["cpu_s"] / r[k]["seconds"] for r in rounds]
     for row in rows:
         row["tokens/s"] = row["tokens"] / row["seconds"]
         row["per_worker"] = row["tokens/s"] / row["workers"]
@@ -136,11 +144,24 @@ def format_table(rows: list[dict]) -> str:
     return text_table(cells, HEADERS)
 
 
+def format_rounds(rows: list[dict]) -> str:
+    """Per round, each multi-worker row's `scaling/worker` against the one worker of the same round, with its median:
+    side by side in time, so less at the mercy of a load that changed between rounds than the medians' ratio."""
+    def values(xs):
+        return " ".join(f"{x:.2f}" for x in xs)
+
+    return "\n".join(f"{r['method']}, round by round: scaling/worker {values(r['round_scaling'])} (median "
+                     f"{statistics.median(r['round_scaling']):.2f}), cores {values(r['round_cores'])}"
+                     for r in rows[2:])
+
+
 def _bench(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
-        print(format_table(run_data_bench(args.workers, args.mb, args.vocab_size, args.work_dir or tmp, args.repeats)))
+        rows = run_data_bench(args.workers, args.mb, args.vocab_size, args.work_dir or tmp, args.repeats)
+    print(format_table(rows))
     print(f"{usable_cpus()} usable cores, load average {os.getloadavg()[0]:.1f}: N workers scale linearly only "
           "with N cores free (the `cores` column)")
+    print(format_rounds(rows))
     return 0
 
 
