@@ -4,8 +4,9 @@
 loop on the same initial weights, global batches and threads, alternating step by step in one process (eager, and
 with --compile also both regionally compiled). 2 ranks: our step against transformers.Trainer with its DeepSpeed
 integration on the same model, batch shape and DeepSpeed JSON; without CUDA, where that integration cannot run,
-Trainer without DeepSpeed (DDP over gloo) on the same ranks, labelled so. Ratios are reference step time / our step time: above 1 we are faster. Each ratio comes from one
-launch, side by side, because a shared host's load changes from minute to minute.
+Trainer without DeepSpeed (DDP over gloo) on the same ranks, labelled so; Trainer's steps alternate with ours too
+(ours runs in its step-end callback). Ratios are reference step time / our step time: above 1 we are faster. Each
+ratio comes from one launch, side by side, because a shared host's load changes from minute to minute.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ WORKER_MODULE = "deepseek_ds.bench.overhead_worker"
 # (calculated)=8"); with use_cpu it runs DDP over gloo instead.
 CPU_TRAINER_NOTE = ("No CUDA: transformers.Trainer's DeepSpeed integration needs an accelerator (accelerate enables "
                     "DeepSpeed only off the CPU), so the Trainer row is Trainer without DeepSpeed: DDP over gloo on "
-                    "the same ranks, batch and model, against our ZeRO-1 step.")
+                    "the same ranks, batch and model, against our step under the run's DeepSpeed JSON.")
 
 COLUMNS = [
     Column("reference", "against"), Column("variant", "variant"), Column("ranks", "ranks"),
