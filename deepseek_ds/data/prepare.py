@@ -159,12 +159,9 @@ def _records(tasks: list[ShardTask], pool: ProcessPoolExecutor | None) -> Iterat
             future.cancel()
 
 
-def _num_shards(table: DocTable, rows: dict[str, np.ndarray], shard_bytes: int) -> int:
-    return sum(len(group_by_size(table.size[rows[split]], shard_bytes)) for split in SPLITS)
-
-
-def _plan_tasks(out: Path, table: DocTable, rows: dict[str, np.ndarray], field: str, shard_bytes: int,
-                tok, train_on: str | None) -> list[ShardTask]:
+def _plan_tasks(out: Path, table: DocTable, rows: dict[str, np.ndarray], field: str,
+                shards: dict[str, list[tuple[int, int]]], tok, train_on: str | None) -> list[ShardTask]:
+    """shards: per split, its shards' [start, end) ranges of that split's rows (group_by_size)."""
     backend = backend_json(tok)
     tok_hash, dtype = tokenizer_hash(backend), token_dtype(vocab_size_of(tok))
     # Chat shards also depend on how conversations render: the template and the special ids it inserts.
@@ -173,7 +170,7 @@ def _plan_tasks(out: Path, table: DocTable, rows: dict[str, np.ndarray], field: 
     tasks = []
     for split in SPLITS:
         docs = table.subset(rows[split])
-        for k, (a, b) in enumerate(group_by_size(docs.size, shard_bytes)):
+        for k, (a, b) in enumerate(shards[split]):
             part = docs.subset(np.arange(a, b))
             tasks.append(ShardTask(f"{split}-{k:05d}", str(out), part, field, backend, tok.eos_token_id, dtype,
                                    shard_key(part, field, tok_hash, tok.eos_token_id, dtype, chat), train_on))
@@ -226,9 +223,9 @@ def prepare_dataset(inputs: list[str], out_dir: str, tokenizer_dir: str | None =
         rows = split_rows(len(table), valid_fraction, seed)
     else:
         table, rows = _split(scan_inputs(inputs, jsonl_field, extensions), valid_fraction, seed)
-    shard_bytes = int(shard_mb * 2**20)
+    shards = {split: group_by_size(table.size[rows[split]], int(shard_mb * 2**20)) for split in SPLITS}
     # Workers start before the tokenizer loads, at most one per shard; the pool closes (joining them) before meta.
-    with _worker_pool(min(workers, _num_shards(table, rows, shard_bytes))) as pool:
+    with _worker_pool(min(workers, sum(map(len, shards.values())))) as pool:
         src_tok = None if tokenizer_dir is None else import_tokenizer(tokenizer_dir)
         plan = {"format_version": FORMAT_VERSION, "inputs": [str(Path(p).resolve()) for p in inputs],
                 "docs_sha256": hashlib.sha256(json.dumps(table.refs()).encode()).hexdigest(), "num_docs": len(table),
@@ -250,7 +247,7 @@ def prepare_dataset(inputs: list[str], out_dir: str, tokenizer_dir: str | None =
         else:
             tok = _ensure_tokenizer(out, src_tok, lambda d: train_bpe(_iter_texts(train_docs, jsonl_field), vocab_size,
                                                                       d, progress))
-        tasks = _plan_tasks(out, table, rows, jsonl_field, shard_bytes, tok, train_on if chat else None)
+        tasks = _plan_tasks(out, table, rows, jsonl_field, shards, tok, train_on if chat else None)
         _run([t for t in tasks if not is_done(t)], pool, progress)
     meta = _meta(out, tasks, plan_hash, tok)
     meta["skipped_inputs"] = list(table.skipped)
