@@ -1,9 +1,10 @@
 """One rank (started by tests/test_step_syncs.py with a one-rank launch's environment) that counts the host reads our
 code makes in training.loop.recorded_step on the real engine (build_run), the stop flag included, as the training
 loop calls it. A read is a call of a torch.Tensor method that hands a tensor's value to Python (or copies it to the
-host) whose calling frame is in deepseek_ds/ or transformers/; on a GPU each is a host-device sync. torch.tensor / as_tensor calls
-with a device from our code count too (a host-to-device copy of Python values, blocking: a sync). Writes, per step,
-the reads found ("file:line function method") and the records to argv[1]; the rest of argv is train.py's."""
+host) whose calling frame is in deepseek_ds/ or transformers/; on a GPU each is a host-device sync. torch.tensor /
+as_tensor calls with a device from our code count too (a host-to-device copy of Python values, blocking: a sync).
+Writes, per step, the reads found ("file:line function method") and the records to argv[1]; the rest of argv is
+train.py's."""
 
 import json
 import os

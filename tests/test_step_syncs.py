@@ -1,9 +1,9 @@
 """At most one host-device sync of ours per training step (issue 19): recorded_step on the real engine (one rank, an
 MoE model with the load balancer's bias update and sequence-wise loss on, MTP on, two micro-batches per step) reads
-to the host once, the loop's one read of every metric (tests/step_syncs_worker.py counts the reads, ours and those of
-the transformers layers we call: its mask builder's packed-sequence check is skipped when the embedding made the
-positions). DeepSpeed's own syncs inside engine.step() are not ours to count. The records stay whole: every metric, and the balancer's bias
-moved (it is updated on the device from the summed loads)."""
+to the host once, the loop's one read of every metric (tests/step_syncs_worker.py counts the reads, ours and those
+of the transformers layers we call: its mask builder's packed-sequence check is skipped when the embedding made the
+positions). DeepSpeed's own syncs inside engine.step() are not ours to count. The records stay whole: every metric,
+and the balancer's bias moved (it is updated on the device from the summed loads)."""
 
 from __future__ import annotations
 
