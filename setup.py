@@ -15,7 +15,7 @@ setup(
         # Not accelerate: its one helper we would use, init_empty_weights, is torch's own `with torch.device("meta")`,
         # which the model code uses directly.
         "safetensors>=0.4",
-        "tokenizers>=0.20",
+        "tokenizers>=0.22",  # encode_batch_fast (data prepare)
         "pyyaml>=6",
         "tqdm>=4.60",
         "tabulate>=0.9",

@@ -73,22 +73,25 @@ def is_done(task: ShardTask) -> bool:
 @lru_cache(maxsize=1)
 def _backend(tokenizer_json: str) -> Tokenizer:
     # One per process, not per shard: parsing costs ~20 ms a shard, and the BPE's word cache stays warm across a
-    # worker's shards as it does in one encode_batch over the whole corpus (the raw rate `bench data` compares to).
+    # worker's shards as it does in one batch encode over the whole corpus (the raw rate `bench data` compares to).
     return Tokenizer.from_str(tokenizer_json)
 
 
 def _tokenize(task: ShardTask, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     tok = _backend(task.tokenizer_json)
-    pieces, bounds = [], [0]
-    eos = np.array([task.eos_id], task.dtype)
+    pieces, lengths = [], []
     for b in range(0, len(texts), _ENCODE_BATCH):
-        for enc in tok.encode_batch(texts[b:b + _ENCODE_BATCH], add_special_tokens=False):
-            if not enc.ids:
-                continue  # an empty document adds nothing, not even an EOS
-            pieces += [np.asarray(enc.ids, task.dtype), eos]
-            bounds.append(bounds[-1] + len(enc.ids) + 1)
+        flat: list[int] = []  # this call's documents, each followed by EOS: one conversion to numpy per call
+        # encode_batch_fast: encode_batch's ids without the character offsets we never read (~25% fewer
+        # instructions). `enc.ids` builds a new list at each access, hence one read per document.
+        for ids in (enc.ids for enc in tok.encode_batch_fast(texts[b:b + _ENCODE_BATCH], add_special_tokens=False)):
+            if ids:  # an empty document adds nothing, not even an EOS
+                flat += ids
+                flat.append(task.eos_id)
+                lengths.append(len(ids) + 1)
+        pieces.append(np.fromiter(flat, task.dtype, len(flat)))
     tokens = np.concatenate(pieces) if pieces else np.empty(0, task.dtype)
-    return tokens, np.asarray(bounds, np.int64)
+    return tokens, np.cumsum([0, *lengths], dtype=np.int64)
 
 
 @lru_cache(maxsize=1)
