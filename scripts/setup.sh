@@ -23,9 +23,11 @@ python - <<'PY'
 import deepseek_ds  # noqa: F401  (tells DeepSpeed the accelerator before it guesses and warns)
 import torch
 from deepspeed.accelerator import get_accelerator
-names = ["FusedAdamBuilder", "CPUAdamBuilder"]
+names = ["FusedAdamBuilder"]
+# CPUAdam (ZeRO-Offload's optimizer) and the shared-memory collectives serve CPU machines' runs and tests; on a GPU
+# machine only an offload run needs CPUAdam, which JIT-builds then instead of slowing every set-up.
 if not torch.cuda.is_available():
-    names.append("ShareMemCommBuilder")
+    names += ["CPUAdamBuilder", "ShareMemCommBuilder"]
 for name in names:
     builder = get_accelerator().create_op_builder(name)
     if builder is not None and builder.is_compatible():

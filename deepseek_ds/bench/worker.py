@@ -200,6 +200,12 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def peak_reserved_bytes(device: torch.device) -> int | None:
+    """CUDA: the most the caching allocator reserved (allocated plus cached and fragmented blocks), what the
+    device really had to provide; None on CPU."""
+    return int(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else None
+
+
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({cpu_model()})"
 
@@ -221,10 +227,28 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def release(run) -> None:
+    """End a variant's run for good. destroy() removes the gradient hooks DeepSpeed registers on the parameters:
+    autograd keeps those (and through them the engine, its model and optimizer) alive where gc cannot see, so
+    without it every variant's model would stay allocated and inflate the next one's peak memory."""
+    _close_logs(run)
+    run.engine.destroy()
+
+
 def measure(args: argparse.Namespace, world: int, global_batch_size: int) -> dict:
+    """One variant's report; its run is destroyed before returning, whether it ran through or raised."""
     sets = args.set + [f"train.global_batch_size={global_batch_size}"]
     cfg, ds = load_and_validate(args.config, args.deepspeed_config, sets, world)
     run = build_run(cfg, ds)
+    try:
+        return _measure(run, cfg, ds, args.warmup, args.steps)
+    finally:
+        release(run)
+        del run  # a raised exception's traceback keeps this frame, and with it the run, alive
+        free_memory()
+
+
+def _measure(run, cfg, ds: dict, warmup: int, timed: int) -> dict:
     engine = run.engine
     start_lr_schedule(engine)
     clock, probe = PhaseClock(engine.device), StateProbe(engine)
@@ -235,19 +259,22 @@ def measure(args: argparse.Namespace, world: int, global_batch_size: int) -> dic
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(engine.device)
     steps = []
-    total = args.warmup + args.steps + 1
+    total = warmup + timed + 1
     for i in range(total):
         probe.armed = i == total - 1  # the last step is measured, not timed
         clock.reset()
         start = time.perf_counter()
         loss = train_step(run, next(batches))
         steps.append({"loss": loss, "seconds": time.perf_counter() - start, **clock.seconds, "span": clock.span,
-                      "timed": args.warmup <= i < total - 1})
+                      "timed": warmup <= i < total - 1})
     params = [p for p in engine.module.parameters() if p.requires_grad]
-    report = {
+    return {
         "rank": run.rank, "stage_id": int(getattr(engine, "stage_id", 0)), "dp_rank": run.dp_rank,
         "device": device_name(engine.device), "steps": steps, "held": probe.peak,
         "optimizer_device": probe.optimizer_device, "peak_memory": peak_memory_bytes(engine.device),
+        "peak_reserved": peak_reserved_bytes(engine.device),
+        # Optimizer steps fp16's loss scaler skipped on overflow (0 under bf16 and fp32).
+        "skipped_steps": int(getattr(engine, "skipped_steps", 0)),
         # ZeRO-3 leaves partitioned parameters empty; ds_numel is their full size.
         "param_numels": [int(getattr(p, "ds_numel", p.numel())) for p in params],
         "param_element_size": params[0].element_size() if params else 0,
@@ -259,8 +286,6 @@ def measure(args: argparse.Namespace, world: int, global_batch_size: int) -> dic
         "tensor_parallel": cfg.parallel.tensor_parallel,
         "model": cfg.model.preset or cfg.model.path, "threads": torch.get_num_threads(),
     }
-    _close_logs(run)
-    return report
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -295,7 +320,6 @@ def main(argv=None) -> int:
     reports = []
     for gbs in args.global_batch_sizes:
         reports.append(measure(args, world, gbs))
-        free_memory()
     gathered: list = [None] * world
     dist.all_gather_object(gathered, reports)
     return write_result(args.result, [[gathered[r][v] for r in range(world)] for v in range(len(reports))])
