@@ -107,8 +107,11 @@ def test_token_weighted_loss_through_the_model_equals_plain_logits(preset, overr
     assert got == pytest.approx(ref, rel=1e-6)
     assert torch.allclose(parts, ref_parts, rtol=1e-6, atol=0)
     assert grads.keys() == ref_grads.keys()
+    # 1e-5 of each tensor's largest gradient, not 1e-6 as for the head alone above: chunks of 5 tokens round their
+    # matmuls differently from one of 24, and that passes back through every layer (1.2e-6 measured on an AMD EPYC
+    # host for the experts' down_proj; within 1e-6 on the Intel hosts before). A wrong chunk or scale is off by far more.
     for name, g in grads.items():
-        assert (g - ref_grads[name]).abs().max() <= 1e-6 * ref_grads[name].abs().max() + 1e-9, name
+        assert (g - ref_grads[name]).abs().max() <= 1e-5 * ref_grads[name].abs().max() + 1e-9, name
     model.eval()  # evaluation and generation still get logits
     with torch.no_grad():
         assert isinstance(model((ids, positions)), torch.Tensor)
