@@ -20,6 +20,7 @@ STATE_DIR=${DS_TESTCLUSTER_DIR:-/run/deepseek-ds-testcluster}
 # A /24 that cluster networks rarely use; override if it clashes with a route on this machine.
 SUBNET=${DS_TESTCLUSTER_SUBNET:-172.29.213}
 BRIDGE=dsbr0
+FORWARD_RULE=deepseek-ds-testcluster  # the comment that marks our iptables rule, when we add one
 HOST_PREFIX=dsnode
 # Same interface name inside every namespace, as on a homogeneous cluster, so one
 # GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME works on all hosts.
@@ -106,6 +107,9 @@ cmd_down() {
         ip link del "$dev" 2>/dev/null || true
     done
     ip link del "$BRIDGE" 2>/dev/null || true
+    if command -v iptables >/dev/null; then
+        while iptables -D FORWARD -i "$BRIDGE" -o "$BRIDGE" -m comment --comment "$FORWARD_RULE" -j ACCEPT 2>/dev/null; do :; done
+    fi
     rmdir /etc/netns 2>/dev/null || true  # kept if other namespaces still use it
     remove_ssh_config_block
     rmdir "$(dirname "$SSH_CONFIG")" 2>/dev/null || true  # kept unless `up` left it empty
@@ -124,6 +128,11 @@ cmd_up() {
     # The bridge's address lets this (root) namespace, where the launcher and pdsh run, reach the hosts.
     ip addr add "${SUBNET}.1/24" dev "$BRIDGE"
     ip link set "$BRIDGE" up
+    # On a machine running docker, frames crossing the bridge go through iptables' FORWARD chain (bridge netfilter),
+    # whose policy docker sets to DROP: the hosts would not reach each other. Let our bridge's own traffic through.
+    if [[ $(cat /proc/sys/net/bridge/bridge-nf-call-iptables 2>/dev/null) == 1 ]] && command -v iptables >/dev/null; then
+        iptables -I FORWARD -i "$BRIDGE" -o "$BRIDGE" -m comment --comment "$FORWARD_RULE" -j ACCEPT
+    fi
 
     ssh-keygen -q -t ed25519 -N "" -C deepseek-ds-testcluster -f "$STATE_DIR/id_ed25519"
     cp "$STATE_DIR/id_ed25519.pub" "$STATE_DIR/authorized_keys"

@@ -40,7 +40,11 @@ command -v docker >/dev/null || die "no docker client (apt-get install docker.io
 # 1. daemon
 if ! docker info >/dev/null 2>&1; then
   log "no dockerd answers: starting one (log: /var/tmp/docker_check.dockerd.log)"
-  nohup dockerd --storage-driver=overlay2 >/var/tmp/docker_check.dockerd.log 2>&1 &
+  # Host networking only (the build and the run below use --network=host): with its default bridge, dockerd sets
+  # the FORWARD policy to DROP and turns on bridge netfilter, and leaves both after it stops, which cut the
+  # multi-host tests' namespace bridge (launch/testcluster.sh) off.
+  nohup dockerd --storage-driver=overlay2 --iptables=false --bridge=none \
+    >/var/tmp/docker_check.dockerd.log 2>&1 &
   dockerd_pid=$!
   for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
   docker info >/dev/null 2>&1 || die "dockerd did not start (see /var/tmp/docker_check.dockerd.log)"
@@ -83,12 +87,12 @@ COPY wheels/ /opt/wheels/
 RUN mkdir -p /etc/ssl/certs \\
  && find /usr/local/share/ca-certificates -name '*.crt' -exec cat {} + >/etc/ssl/certs/ca-certificates.crt
 DF
-docker build -q -t "$CHECK_BASE" "$ctx" >"$tmp/base.log" 2>&1 || { cat "$tmp/base.log"; die "docker build of $CHECK_BASE"; }
+docker build -q --network=host -t "$CHECK_BASE" "$ctx" >"$tmp/base.log" 2>&1 || { cat "$tmp/base.log"; die "docker build of $CHECK_BASE"; }
 rm -rf "$ctx"
 phase_done check-base
 
 # 4. the project image, CPU flavour
-docker build -f docker/Dockerfile --build-arg CUDA_IMAGE="$CHECK_BASE" --build-arg DS_ACCELERATOR=cpu \
+docker build --network=host -f docker/Dockerfile --build-arg CUDA_IMAGE="$CHECK_BASE" --build-arg DS_ACCELERATOR=cpu \
   -t "$TAG" . 2>&1 | tee "$tmp/build.log" | grep --line-buffered -E '^(Step |Successfully|Sending build context)' || true
 docker image inspect "$TAG" >/dev/null 2>&1 && grep -q '^Successfully tagged' "$tmp/build.log" \
   || { tail -n 40 "$tmp/build.log"; die "docker build"; }
