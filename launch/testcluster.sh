@@ -20,7 +20,8 @@ STATE_DIR=${DS_TESTCLUSTER_DIR:-/run/deepseek-ds-testcluster}
 # A /24 that cluster networks rarely use; override if it clashes with a route on this machine.
 SUBNET=${DS_TESTCLUSTER_SUBNET:-172.29.213}
 BRIDGE=dsbr0
-FORWARD_RULE=deepseek-ds-testcluster  # the comment that marks our iptables rule, when we add one
+# The iptables rule `up` adds when bridge netfilter is on (see cmd_up), marked by its comment; `down` removes it.
+FORWARD_ACCEPT=(FORWARD -i "$BRIDGE" -o "$BRIDGE" -m comment --comment deepseek-ds-testcluster -j ACCEPT)
 HOST_PREFIX=dsnode
 # Same interface name inside every namespace, as on a homogeneous cluster, so one
 # GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME works on all hosts.
@@ -108,7 +109,7 @@ cmd_down() {
     done
     ip link del "$BRIDGE" 2>/dev/null || true
     if command -v iptables >/dev/null; then
-        while iptables -D FORWARD -i "$BRIDGE" -o "$BRIDGE" -m comment --comment "$FORWARD_RULE" -j ACCEPT 2>/dev/null; do :; done
+        while iptables -D "${FORWARD_ACCEPT[@]}" 2>/dev/null; do :; done
     fi
     rmdir /etc/netns 2>/dev/null || true  # kept if other namespaces still use it
     remove_ssh_config_block
@@ -131,7 +132,7 @@ cmd_up() {
     # On a machine running docker, frames crossing the bridge go through iptables' FORWARD chain (bridge netfilter),
     # whose policy docker sets to DROP: the hosts would not reach each other. Let our bridge's own traffic through.
     if [[ $(cat /proc/sys/net/bridge/bridge-nf-call-iptables 2>/dev/null) == 1 ]] && command -v iptables >/dev/null; then
-        iptables -I FORWARD -i "$BRIDGE" -o "$BRIDGE" -m comment --comment "$FORWARD_RULE" -j ACCEPT
+        iptables -I "${FORWARD_ACCEPT[@]}"
     fi
 
     ssh-keygen -q -t ed25519 -N "" -C deepseek-ds-testcluster -f "$STATE_DIR/id_ed25519"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Smoke test of docker/Dockerfile on a GPU-less Debian machine with no Docker Hub: builds the image on a local
 # Debian bookworm base with DS_ACCELERATOR=cpu, then runs the demo in it as the README runs it (minus --gpus).
-# Run as root from anywhere: `bash scripts/docker_check.sh`; about 10-15 min on 2 cores, less when cached.
+# Run as root from anywhere: `bash scripts/docker_check.sh`; 6-11 min on 2 cores (measured), less when cached.
 # Needs docker (client + dockerd; dockerd is started here if none answers, and stopped at the end if so) and,
 # the first time, debootstrap (local/bookworm is made from the mirror in this machine's apt sources).
 # The base adds this machine's CA certificates (a TLS-intercepting proxy's CA reaches pip in the container) and,
