@@ -122,5 +122,4 @@ def write_report(path: str, r: Results, env: dict[str, str]) -> None:
         "## Environment\n\n" + report.environment_markdown(env),
     ]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    report.write_markdown(path + ".tmp", blocks)
-    os.replace(path + ".tmp", path)  # a kill mid-write leaves the previous complete report
+    report.write_markdown(path, blocks)

@@ -10,6 +10,7 @@ import platform
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import deepspeed
@@ -19,6 +20,7 @@ import transformers
 
 from ..utils.fmt import human_bytes
 from ..utils.fmt import markdown_table as _markdown_table
+from ..utils.fs import write_bytes_atomic
 from ..utils.system import cpu_model, usable_cpus
 
 
@@ -119,5 +121,5 @@ def environment_markdown(env: dict[str, str]) -> str:
 
 
 def write_markdown(path: str, blocks: list[str]) -> None:
-    with open(path, "w") as f:
-        f.write("\n\n".join(b.strip("\n") for b in blocks) + "\n")
+    """Atomically: a kill mid-write (a GPU machine's time limit) leaves the previous complete report."""
+    write_bytes_atomic(Path(path), ("\n\n".join(b.strip("\n") for b in blocks) + "\n").encode())
