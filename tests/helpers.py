@@ -131,13 +131,13 @@ def mask_prompt(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def training_loss(model, data_dir: str, step: int, seq_len: int = 128, global_batch: int = 16,
-                  micro_batch: int = 8) -> float:
+                  micro_batch: int = 8, seed: int = 1234) -> float:
     """The token-weighted (main-model) loss of the global batch that training step `step` used (training's
-    TokenWeightedLoss), for a run of the given shape (defaults: recipes/tiny-v3.yaml)."""
+    TokenWeightedLoss), for a run of the given shape and train.seed (defaults: recipes/tiny-v3.yaml)."""
     from deepseek_ds.data import GlobalBatchSampler, PackedDataset, micro_batches
 
     dataset = PackedDataset(data_dir, seq_len)
-    sampler = GlobalBatchSampler(len(dataset), global_batch, micro_batch, 0, 1, 1234,
+    sampler = GlobalBatchSampler(len(dataset), global_batch, micro_batch, 0, 1, seed,
                                  consumed_samples=(step - 1) * global_batch)
     total, tokens = 0.0, 0
     with torch.no_grad():
