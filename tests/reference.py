@@ -98,7 +98,7 @@ BIAS = "e_score_correction_bias"
 # A layout sums in another order than the reference, so its routing scores differ from the reference's: up to ~5e-7
 # measured (EP=2 against ZeRO-1, MTP, with the tests' Adam eps of 1e-5; several 1e-6 at eps 1e-8). A token whose
 # top-k decision is closer than that can go to another expert there: a jump in the loss that no tolerance absorbs.
-# The MoE equivalence tests check that their reference keeps clear of such ties.
+# Every MoE reference (reference_losses) checks that it keeps clear of such ties.
 ROUTING_TIE = 2e-6
 
 
@@ -225,7 +225,8 @@ def reference_losses(cfg: RunConfig, data_dir: str, moe_log: list | None = None,
                      label_mask: Callable | None = None) -> list[float]:
     """moe_log: if given, gets each step's aux_loss (and its terms) and router biases (by block name); mtp_log: each
     step's [L_main, L_1, ..., L_D] (MTP models); label_mask(input_ids, labels) -> labels: masks labels (-100) of
-    each global batch."""
+    each global batch. An MoE reference must keep clear of routing ties (assert_clear_of_routing_ties)."""
+    moe_log = [] if moe_log is None else moe_log
     torch.manual_seed(cfg.train.seed)
     model, mcfg, mtp = reference_model(cfg, with_mtp=True)
     model.train()
@@ -253,12 +254,12 @@ def reference_losses(cfg: RunConfig, data_dir: str, moe_log: list | None = None,
         torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
         opt.step()
         if balancing:
-            logged = balancing.after_step()
-            if moe_log is not None:
-                moe_log.append(logged)
+            moe_log.append(balancing.after_step())
         sched.step()
         opt.zero_grad()
         losses.append(loss.item())
+    if balancing:
+        assert_clear_of_routing_ties(moe_log)
     return losses
 
 

@@ -14,7 +14,7 @@ import torch
 
 from deepseek_ds.config import load_run_config
 from helpers import mask_prompt, train, train_layouts
-from reference import assert_clear_of_routing_ties, reference_losses
+from reference import reference_losses
 
 pytestmark = pytest.mark.launch
 
@@ -23,7 +23,7 @@ STEPS = 4
 # Adam's eps 1e-5 instead of 1e-8: every layout sums gradients in another order than the reference, and at eps 1e-8
 # the first steps turn that last-bit roundoff on near-zero gradient elements into weight differences of up to 5e-5
 # (lr x delta-g / eps), enough to move a token's top-k routing decision by ~1e-5 and flip a near tie to another
-# expert (README, "What is tested"). The reference is checked clear of ties (reference.assert_clear_of_routing_ties).
+# expert (README, "What is tested"). The reference checks that it keeps clear of ties (reference.ROUTING_TIE).
 SETS = [f"train.steps={STEPS}", "train.micro_batch_size=2", "train.global_batch_size=8", "data.seq_len=64",
         "train.warmup_steps=0", "moe.bias_update_speed=0.01", "moe.seq_aux_alpha=0.01", "train.eps=1e-5"]
 
@@ -40,7 +40,6 @@ def reference(data_dir):
     log = []
     losses = reference_losses(load_run_config("recipes/tiny-v3.yaml", SETS + [f"data.path={data_dir}"]), data_dir, log,
                               label_mask=mask_prompt)
-    assert_clear_of_routing_ties(log)
     return {"losses": losses, "aux": [r["aux_loss"] for r in log],
             "biases": {layer_of(k): v for k, v in log[-1]["biases"].items()}}
 
