@@ -148,6 +148,32 @@ def test_expert_parallel_on_dense_model():
     assert refused(cfg(model={"preset": "tiny-dense"}, parallel={"expert_parallel": 2}), ds(), 2, r"dense")
 
 
+def with_zero(name: str, **keys) -> dict:
+    raw = ds(name)
+    raw["zero_optimization"].update(keys)
+    return raw
+
+
+@pytest.mark.parametrize("name,key", [("zero1.json", "contiguous_gradients"), ("zero2.json", "contiguous_gradients"),
+                                      ("zero1_pp.json", "contiguous_gradients"), ("zero1.json", "reduce_scatter"),
+                                      ("zero2.json", "reduce_scatter")])
+def test_expert_parallel_needs_deepspeeds_contiguous_reduce_scatter_gradient_path(name, key):
+    # ZeRO-1 without contiguous gradients trains EP wrong with only a warning; the others assert on every rank.
+    pp = 2 if "pp" in name else 1
+    c = cfg(parallel={"expert_parallel": 2, "pipeline_stages": pp}, train={"micro_batch_size": 1, "global_batch_size": 4})
+    message = refused(c, with_zero(name, **{key: False}), 4, rf"zero_optimization\.{key} = false with "
+                      r"parallel\.expert_parallel > 1 and ZeRO stage [12]")
+    assert message.count("zero_optimization.") == 1
+    validate(c, with_zero(name, **{key: True}), 4)  # said explicitly, as DeepSpeed's default
+    # Without EP, under ZeRO-3, or with the optimizer offloaded (DeepSpeed then forces contiguous gradients), allowed.
+    validate(cfg(parallel={"pipeline_stages": pp}, train={"micro_batch_size": 1, "global_batch_size": 4}),
+             with_zero(name, **{key: False}), 4)
+    ep_only = cfg(parallel={"expert_parallel": 2}, train={"micro_batch_size": 1, "global_batch_size": 4})
+    validate(ep_only, with_zero("zero3.json", **{key: False}), 4)
+    if key == "contiguous_gradients":
+        validate(c, with_zero(name, contiguous_gradients=False, offload_optimizer={"device": "cpu"}), 4)
+
+
 def test_missing_paths():
     assert refused(cfg(data={"path": "/nonexistent/data"}), ds(), 2, r"data.path '/nonexistent/data' does not exist")
     assert refused(cfg(model={"path": "/nonexistent/model", "preset": None}), ds(), 2, r"model.path '/nonexistent/model' does not exist")
