@@ -159,17 +159,16 @@ def with_zero(name: str, **keys) -> dict:
                                       ("zero2.json", "reduce_scatter")])
 def test_expert_parallel_needs_deepspeeds_contiguous_reduce_scatter_gradient_path(name, key):
     # ZeRO-1 without contiguous gradients trains EP wrong with only a warning; the others assert on every rank.
-    pp = 2 if "pp" in name else 1
-    c = cfg(parallel={"expert_parallel": 2, "pipeline_stages": pp}, train={"micro_batch_size": 1, "global_batch_size": 4})
+    pp = 2 if ds(name).get("pipeline") else 1
+    batch = {"micro_batch_size": 1, "global_batch_size": 4}
+    c = cfg(parallel={"expert_parallel": 2, "pipeline_stages": pp}, train=batch)
     message = refused(c, with_zero(name, **{key: False}), 4, rf"zero_optimization\.{key} = false with "
                       r"parallel\.expert_parallel > 1 and ZeRO stage [12]")
     assert message.count("zero_optimization.") == 1
     validate(c, with_zero(name, **{key: True}), 4)  # said explicitly, as DeepSpeed's default
     # Without EP, under ZeRO-3, or with the optimizer offloaded (DeepSpeed then forces contiguous gradients), allowed.
-    validate(cfg(parallel={"pipeline_stages": pp}, train={"micro_batch_size": 1, "global_batch_size": 4}),
-             with_zero(name, **{key: False}), 4)
-    ep_only = cfg(parallel={"expert_parallel": 2}, train={"micro_batch_size": 1, "global_batch_size": 4})
-    validate(ep_only, with_zero("zero3.json", **{key: False}), 4)
+    validate(cfg(parallel={"pipeline_stages": pp}, train=batch), with_zero(name, **{key: False}), 4)
+    validate(cfg(parallel={"expert_parallel": 2}, train=batch), with_zero("zero3.json", **{key: False}), 4)
     if key == "contiguous_gradients":
         validate(c, with_zero(name, contiguous_gradients=False, offload_optimizer={"device": "cpu"}), 4)
 

@@ -12,6 +12,7 @@ from .deepspeed_json import (
     filled_sections,
     load_ds_config,
     missing_monitor_packages,
+    offloads,
     precision,
     resolve_ds_config,
     skips_nonfinite_steps,
@@ -45,7 +46,8 @@ __all__ = [
     "MONITOR_PACKAGES", "NAN_POLICIES", "PROJECT_ROOT", "RESOLVED_NAME", "CheckpointSection", "ConfigError",
     "DataSection", "EvalSection", "ModelSection", "MoESection", "ParallelSection", "RunConfig", "TrainSection",
     "apply_overrides", "deepspeed_refusals", "enabled_monitors", "fill_output_paths", "filled_sections",
-    "load_and_validate", "load_ds_config", "load_run_config", "missing_monitor_packages", "precision", "read_yaml",
+    "load_and_validate", "load_ds_config", "load_run_config", "missing_monitor_packages", "offloads", "precision",
+    "read_yaml",
     "recipe_base_dir", "resolve_ds_config", "resolve_recipe_paths", "run_config_from_dict", "skips_nonfinite_steps",
     "validate", "write_resolved", "zero_stage",
 ]

@@ -156,6 +156,11 @@ def zero_stage(ds: dict) -> int:
     return int(ds.get("zero_optimization", {}).get("stage", 0))
 
 
+def offloads(ds: dict, what: str) -> bool:
+    """Whether ZeRO offloads `what` ("optimizer" or "param": DeepSpeed's offload_<what> section) to CPU or NVMe."""
+    return ds.get("zero_optimization", {}).get(f"offload_{what}", {}).get("device", "none") != "none"
+
+
 def precision(ds: dict) -> str:
     if ds.get("fp16", {}).get("enabled"):
         return "fp16"

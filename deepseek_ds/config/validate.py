@@ -22,6 +22,7 @@ from .deepspeed_json import (
     asynchronous_checkpoint_engines,
     deepspeed_refusals,
     missing_monitor_packages,
+    offloads,
     precision,
     resolve_ds_config,
     skips_nonfinite_steps,
@@ -276,11 +277,9 @@ def _expert_gradient_path_errors(ds: dict) -> list[str]:
     stage 1 all-reduces them over the whole data-parallel group, mixing different experts' gradients (losses 6e-4 off
     the reference after one step, DeepSpeed only warning "experimental"); stage 2, or reduce_scatter off, stops every
     rank with an assertion."""
-    zero = ds.get("zero_optimization", {})
     # DeepSpeed forces contiguous gradients when it offloads the optimizer.
-    offloaded = zero.get("offload_optimizer", {}).get("device", "none") in ("cpu", "nvme")
-    off = [key for key in ("contiguous_gradients", "reduce_scatter")
-           if zero.get(key, True) is False and not (key == "contiguous_gradients" and offloaded)]
+    keys = ("reduce_scatter",) if offloads(ds, "optimizer") else ("contiguous_gradients", "reduce_scatter")
+    off = [key for key in keys if ds.get("zero_optimization", {}).get(key, True) is False]
     return [f"zero_optimization.{key} = false with parallel.expert_parallel > 1 and ZeRO stage {zero_stage(ds)}: "
             "DeepSpeed reduces expert gradients within their expert-data-parallel groups only with it on; remove the "
             "key (DeepSpeed's default is true)" for key in off]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import RunConfig, precision, zero_stage
+from ..config import RunConfig, offloads, precision, zero_stage
 from ..models.pipeline import prepare_config
 from ..models.presets import build_model_config, num_routed_experts
 from . import activations
@@ -96,8 +96,7 @@ def zero_settings(ds: dict, stage: int, param_bytes: int) -> ZeroSettings:
     zero = ds.get("zero_optimization", {})
     return ZeroSettings(stage=stage, param_bytes=param_bytes,
                         persistence_threshold=int(zero.get("stage3_param_persistence_threshold", PERSISTENCE_DEFAULT)),
-                        offload_optimizer=zero.get("offload_optimizer", {}).get("device", "none") != "none",
-                        offload_params=zero.get("offload_param", {}).get("device", "none") != "none")
+                        offload_optimizer=offloads(ds, "optimizer"), offload_params=offloads(ds, "param"))
 
 
 def buffer_bytes(ds: dict, layout: Layout, param_bytes: int, boundary_bytes: int) -> int:
