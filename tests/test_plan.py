@@ -153,7 +153,9 @@ def _saved_bytes(model, input_ids, checkpointing: bool, loss=None) -> int:
 @pytest.mark.unit
 @pytest.mark.parametrize("preset", MODELS)
 @pytest.mark.parametrize("interval", [0, 1])
-def test_activation_bytes_within_10_percent_of_autograd(preset, interval):
+def test_activation_bytes_within_2_percent_of_autograd(preset, interval):
+    """README's claim. Measured without checkpointing: tiny-v3 -1.92% (-1.75% to -1.92% over input seeds 0-3, as
+    the routing moves), tiny-v2 -1.12%, tiny-dense 0.00%; with it -0.22% each."""
     mcfg = prepare_config(build_model_config(preset))
     torch.manual_seed(0)
     model = build_model(mcfg, 1, 1, activation_checkpoint_interval=interval).train()
@@ -162,7 +164,7 @@ def test_activation_bytes_within_10_percent_of_autograd(preset, interval):
     bounds = [0, len(model.layers)]
     predicted, recompute = activations.stage_micro_batch_bytes(mcfg, bounds, 0, batch * seq, seq, 4, 1, False,
                                                                interval, with_loss=False, zero=1)
-    assert abs(predicted - saved) <= 0.1 * saved, (preset, interval, predicted, saved)
+    assert abs(predicted - saved) <= 0.02 * saved, (preset, interval, predicted, saved)
     assert (recompute > 0) == (interval > 0)
 
 
