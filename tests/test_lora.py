@@ -12,16 +12,16 @@ import shutil
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from deepseek_ds.config import load_run_config
-from deepseek_ds.data import GlobalBatchSampler, PackedDataset, micro_batches
 from deepseek_ds.models.hf_io import load_hf_weights
 from deepseek_ds.models.lora import apply_lora, lora_config
+from deepseek_ds.models.names import hf_state_dict
 from deepseek_ds.models.pipeline import build_model, local_layers, prepare_config
 from deepseek_ds.models.presets import build_model_config
 from helpers import cli, deepspeed, losses, read_metrics, refused
-from reference import Balancing, reference_model, reference_optimizer
+from reference import lora_reference_losses, reference_model
 
 STEPS = 3
 LORA = ["lora.r=4", "lora.alpha=8"]
@@ -76,49 +76,10 @@ def _merged(dumps: list[dict], key: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def reference_run(cfg, base_dir: str, data_dir: str, initial: dict[str, torch.Tensor]) -> list[float]:
-    """transformers + peft + torch AdamW over the adapters in one process, from the same initial adapters and the
-    same global batches; transformers' own causal-LM loss plus tests/reference.py's MoE balancing."""
-    config = prepare_config(AutoConfig.from_pretrained(base_dir))
-    model = AutoModelForCausalLM.from_pretrained(base_dir, config=config, dtype=torch.float32)
-    from peft import LoraConfig, inject_adapter_in_model
-
-    # Written out, not models/lora.py's: LORA's r and alpha on the MLA projections (the DeepSeek default targets).
-    assert (cfg.lora.r, cfg.lora.alpha, cfg.lora.target_modules) == (4, 8, None)
-    targets = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
-    inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets), model)
-    params = dict(model.named_parameters())
-    trainable = {n for n, p in params.items() if p.requires_grad}
-    assert trainable == set(initial)
-    with torch.no_grad():
-        for name, t in initial.items():
-            params[name].copy_(t)
-    model.train()
-    t = cfg.train
-    # MoE balancing as in training: the balance loss reaches the adapters, the router biases (buffers) move.
-    balancing = Balancing(model, cfg.moe, config, t.global_batch_size).attach()
-    opt, sched = reference_optimizer([params[n] for n in sorted(trainable)], t)
-    dataset = PackedDataset(data_dir, cfg.data.seq_len)
-    sampler = GlobalBatchSampler(len(dataset), t.global_batch_size, t.global_batch_size, 0, 1, t.seed, shuffle=t.shuffle)
-    out = []
-    for _, batch in zip(range(t.steps), micro_batches(dataset, sampler)):
-        (input_ids, labels), = batch
-        logits = model(input_ids=input_ids).logits
-        loss = model.loss_function(logits=logits, labels=None, shift_labels=labels, vocab_size=config.vocab_size)
-        (loss + balancing.loss()).backward()
-        torch.nn.utils.clip_grad_norm_([params[n] for n in trainable], t.grad_clip)
-        opt.step()
-        balancing.after_step()
-        sched.step()
-        opt.zero_grad()
-        out.append(loss.item())
-    return out
-
-
 @pytest.fixture(scope="module")
 def reference(zero1, data_dir, base) -> list[float]:
     cfg = load_run_config("recipes/tiny-v3.yaml", _sets(data_dir, base))
-    return reference_run(cfg, base, data_dir, _merged(zero1["ranks"], "initial"))
+    return lora_reference_losses(cfg, base, data_dir, _merged(zero1["ranks"], "initial"))
 
 
 def _check_run(run: dict, reference: list[float], base_dir: str) -> None:
@@ -174,12 +135,16 @@ def test_lora_checkpoint_holds_only_adapters_and_resumes_bitwise(tmp_path_factor
     assert all(torch.equal(final[n], again[n]) for n in final)
 
 
+def _trainable(layers) -> dict[str, torch.Tensor]:
+    """HF name -> trainable parameter of our layers, through the one name map that loading and export use."""
+    return {name: p for name, p in hf_state_dict(layers, keep_vars=True).items() if p.requires_grad}
+
+
 def _toolkit_logits(base_dir: str, adapters: dict[str, torch.Tensor], section, ids: torch.Tensor,
                     tag_dir) -> torch.Tensor:
     """Our own model: the pipeline layers in one process, the base from base_dir, the router biases training moved
     (the checkpoint's buffers), peft's adapters holding `adapters`."""
     from deepseek_ds.checkpoint.state import read_buffers
-    from deepseek_ds.models.names import hf_state_dict
 
     mcfg = prepare_config(build_model_config(path=base_dir))
     model = build_model(mcfg, 1, 0)
@@ -189,9 +154,7 @@ def _toolkit_logits(base_dir: str, adapters: dict[str, torch.Tensor], section, i
         for name, t in read_buffers(str(tag_dir)).items():
             state[name].copy_(t)
     apply_lora(model, section, mcfg, 0)
-    from deepseek_ds.models.lora import trainable_hf_state_dict
-
-    mine = trainable_hf_state_dict(local_layers(model))
+    mine = _trainable(local_layers(model))
     assert set(mine) == set(adapters)
     with torch.no_grad():
         for name, t in adapters.items():
@@ -251,7 +214,6 @@ def test_routed_expert_adapters_have_the_names_and_logits_of_peft_on_transformer
 
     from deepseek_ds.config.schema import LoraSection
     from deepseek_ds.models.hf_io import to_hf_model
-    from deepseek_ds.models.lora import trainable_hf_state_dict
 
     section = LoraSection(r=2, alpha=4.0, routed_experts=True, modules_to_save=["lm_head"])
     mcfg = prepare_config(build_model_config("tiny-v3"))
@@ -259,7 +221,7 @@ def test_routed_expert_adapters_have_the_names_and_logits_of_peft_on_transformer
     hf = get_peft_model(to_hf_model(local_layers(build_model(mcfg, 1, 7)), mcfg),
                         lora_config(section, mcfg, modules_to_save=True))
     apply_lora(ours, section, mcfg, 7)
-    mine = trainable_hf_state_dict(local_layers(ours))
+    mine = _trainable(local_layers(ours))
     assert any(".mlp.experts." in n for n in mine) and "lm_head.weight" in mine
     theirs = {n.removeprefix("base_model.model.").replace(".modules_to_save.default", ""): p
               for n, p in hf.named_parameters() if p.requires_grad}

@@ -8,6 +8,7 @@ adapter tensor's HF name (names.hf_name) is then also its name in a transformers
 
 from __future__ import annotations
 
+import difflib
 import zlib
 
 import torch
@@ -15,8 +16,9 @@ from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
+from .layers import LMHeadPipe
 from .names import hf_name
-from .pipeline import local_layers
+from .pipeline import layer_specs, local_layers
 
 ADAPTER = "default"  # peft's adapter name, in every adapter tensor's name
 # transformers' names of the projections LoRA adapts by default. DeepSeek: MLA's (q_proj where a model has no
@@ -34,9 +36,11 @@ DEFAULT_TARGETS = {
 MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 # The fused routed-expert parameters, which peft adapts through `target_parameters` (one adapter per expert).
 ROUTED_EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+ALL_LINEAR = "all-linear"  # peft's shorthand for every linear layer but the output head
+_MODULES: dict[str, list[tuple[str, bool]]] = {}  # architecture -> (module name, adaptable linear layer)
 
 
-def lora_errors(r: int, target_modules: list[str] | None, routed_experts: bool, expert_parallel: int,
+def lora_errors(r: int, target_modules: list[str] | str | None, routed_experts: bool, expert_parallel: int,
                 has_base: bool, model_type: str, moe: bool, mtp_depth: int) -> list[str]:
     """What cannot work with LoRA in a run of these settings (empty with r = 0), each with the reason and the fix
     (LoRA with tensor parallelism: models/tensor_parallel.py's rules)."""
@@ -46,7 +50,8 @@ def lora_errors(r: int, target_modules: list[str] | None, routed_experts: bool, 
     if not has_base:
         problems.append("lora.r > 0 adapts a pretrained model and its checkpoints hold only the adapters: set "
                         "model.path to the base model's HF directory (with its safetensors weights)")
-    mlp = sorted({t.rsplit(".", 1)[-1] for t in target_modules or ()} & set(MLP_NAMES))
+    named = [] if isinstance(target_modules, str) else target_modules or ()  # all-linear leaves the MLPs out
+    mlp = sorted({t.rsplit(".", 1)[-1] for t in named} & set(MLP_NAMES))
     if mlp and model_type.startswith("deepseek"):
         problems.append(f"lora.target_modules {mlp} on a DeepSeek model: peft (with transformers 5) maps these names "
                         "to the fused routed experts whenever it loads an adapter, so adapters on the dense and "
@@ -68,10 +73,65 @@ def lora_errors(r: int, target_modules: list[str] | None, routed_experts: bool, 
     return problems
 
 
+def model_modules(config) -> list[tuple[str, bool]]:
+    """(name, is a linear layer other than the output head) of every module of the whole model, as training builds
+    its pipeline layers, built once per architecture on the meta device (no memory; a plan search validates many
+    layouts of one model)."""
+    key = config.to_json_string()
+    if key not in _MODULES:
+        with torch.device("meta"):
+            layers = nn.ModuleList(spec.build() for spec in layer_specs(config, seed=None))
+        heads = {id(m) for layer in layers if isinstance(layer, LMHeadPipe) for m in layer.modules()}
+        _MODULES[key] = [(name, isinstance(m, nn.Linear) and id(m) not in heads) for name, m in layers.named_modules()]
+    return _MODULES[key]
+
+
+def _all_linear(config) -> list[str]:
+    """peft's `all-linear` on this model: the last name of every linear layer but the output head; on DeepSeek
+    models without the MLP names, which peft would map to the fused routed experts (MLP_NAMES)."""
+    names = {name.rsplit(".", 1)[-1] for name, linear in model_modules(config) if linear}
+    if config.model_type.startswith("deepseek"):
+        names -= set(MLP_NAMES)
+    return sorted(names)
+
+
 def target_modules(section, config) -> list[str]:
-    """lora.target_modules, or the model family's default (null)."""
+    """lora.target_modules (`all-linear` expanded to names), or the model family's default (null)."""
+    if section.target_modules == ALL_LINEAR:
+        return _all_linear(config)
     return list(section.target_modules) if section.target_modules is not None else \
         list(DEFAULT_TARGETS[config.model_type])
+
+
+def lora_name_errors(section, config) -> list[str]:
+    """Every lora.target_modules and lora.modules_to_save name that matches no module of the model, with the nearest
+    module names: peft adapts any module whose name ends with a target (a typo beside a matching name is silently
+    ignored, and no match at all is its NoMatchingPeftModuleError); a modules_to_save name must be a module's own
+    name, as mark_trainable unfreezes it."""
+    if not section.r:
+        return []
+    names = [name for name, _ in model_modules(config)]
+    # Suggestions: the last one or two components of the module names, without the layer indices.
+    suffixes = sorted({".".join(parts[-k:]) for parts in (n.split(".") for n in names) for k in (1, 2)
+                       if len(parts) >= k and not any(p.isdigit() for p in parts[-k:])})
+    last = {n.rsplit(".", 1)[-1] for n in names}
+
+    def unmatched(field: str, wanted: list[str], matches) -> list[str]:
+        out = []
+        for w in wanted:
+            if not matches(w):
+                near = difflib.get_close_matches(w, suffixes, n=3, cutoff=0.6)
+                out.append(f"lora.{field} {w!r} matches no module of the model"
+                           + (f" (nearest: {', '.join(near)})" if near else "") + "; correct or remove it")
+        return out
+
+    targets = [] if section.target_modules in (None, ALL_LINEAR) else list(section.target_modules)
+    errors = unmatched("target_modules", targets, lambda t: any(n == t or n.endswith("." + t) for n in names))
+    if targets and len(errors) == len(targets):
+        errors = [f"lora.target_modules {targets} match no module of the model, so no adapter would be injected; "
+                  f"name some of its linear layers ({', '.join(_all_linear(config))}), use all-linear, or null for the "
+                  "family's default"]
+    return errors + unmatched("modules_to_save", list(section.modules_to_save), lambda m: m in last)
 
 
 def lora_config(section, config, modules_to_save: bool = False) -> LoraConfig:
@@ -110,13 +170,3 @@ def mark_trainable(model: nn.Module, modules_to_save) -> None:
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in modules_to_save:
             module.requires_grad_(True)
-
-
-def trainable_hf_state_dict(layers) -> dict[str, torch.Tensor]:
-    """HF name -> tensor of every trainable tensor (adapters, modules_to_save) of the given pipeline layers."""
-    out = {}
-    for layer in layers:
-        for key, p in layer.named_parameters():
-            if p.requires_grad:
-                out[hf_name(layer, key)] = p
-    return out

@@ -57,10 +57,6 @@ class RouterStats:
     def load_size(self) -> int:
         return len(self.layers) * self.num_experts
 
-    @property
-    def bias_size(self) -> int:
-        return len(self.layers) * len(BIAS_STATS) if self.has_bias else 0
-
     def local_load(self) -> torch.Tensor:
         """This rank's tokens per routed expert since the previous call, flat (MoE layer x expert, zeros for the
         layers it does not hold): summed over all ranks, the step's load (metrics(), own_rows())."""
