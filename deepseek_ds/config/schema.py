@@ -174,9 +174,10 @@ class LoraSection:
     """Scaling: the update is (alpha / r) x B A."""
     dropout: float = 0.0
     """Dropout on the adapters' input."""
-    target_modules: list[str] | None = None
-    """transformers' module names that get adapters (e.g. q_b_proj, kv_b_proj, o_proj); null: the model family's
-    default (models/lora.py)."""
+    target_modules: list[str] | str | None = None
+    """transformers' module names that get adapters (e.g. q_b_proj, kv_b_proj, o_proj), each matching a module
+    name or its dotted suffix as peft matches them; `all-linear` (peft's shorthand): every linear layer but the
+    output head; null: the model family's default (models/lora.py)."""
     modules_to_save: list[str] = field(default_factory=list)
     """Modules trained in full alongside the adapters (e.g. lm_head)."""
     routed_experts: bool = False
@@ -188,7 +189,12 @@ class LoraSection:
             problems.append(f"lora.alpha = {self.alpha} must be > 0")
         if not 0 <= self.dropout < 1:
             problems.append(f"lora.dropout = {self.dropout} must be in [0, 1)")
-        if self.target_modules is not None and not self.target_modules:
+        if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
+            # peft reads any other string as a regular expression: a typo there would match nothing, silently.
+            problems.append(f"lora.target_modules = {self.target_modules!r}: a list of module names (e.g. "
+                            "[q_b_proj, o_proj]), all-linear (every linear layer but the output head) or null for "
+                            "the model family's default")
+        elif self.target_modules is not None and not self.target_modules:
             problems.append("lora.target_modules is empty: name modules (e.g. [q_b_proj, o_proj]) or use null for "
                             "the model family's default")
         _refuse(problems)

@@ -13,7 +13,7 @@ from ..data.layout import CHAT_FORMAT, dataset_format
 from ..data.sft import dataset_option_errors
 from ..models.hf_io import has_weights, pickled_weights
 from ..models.layers import mtp_depth
-from ..models.lora import lora_errors
+from ..models.lora import lora_errors, lora_name_errors
 from ..models.moe import resolve_settings
 from ..models.pipeline import partition
 from ..models.presets import ModelConfigError, build_model_config, num_routed_experts
@@ -230,7 +230,7 @@ def _lora_errors(cfg: RunConfig, mcfg, files: bool = True) -> list[str]:
     p = cfg.parallel
     return lora_errors(cfg.lora.r, cfg.lora.target_modules, cfg.lora.routed_experts, p.expert_parallel,
                        not files or bool(cfg.model.path and has_weights(cfg.model.path)), mcfg.model_type,
-                       bool(num_routed_experts(mcfg)), mtp_depth(mcfg))
+                       bool(num_routed_experts(mcfg)), mtp_depth(mcfg)) + lora_name_errors(cfg.lora, mcfg)
 
 
 def _mtp_errors(cfg: RunConfig, mcfg) -> list[str]:

@@ -65,8 +65,8 @@ class SpecParams:
 
     def lora(self, section) -> list[list[tuple[str, int, bool]]]:
         """(name, elements, trainable) of every spec's parameters after apply_lora with the run's `lora` section."""
-        key = (section.r, section.alpha, section.dropout, tuple(section.target_modules or ()),
-               section.target_modules is None, tuple(section.modules_to_save), section.routed_experts)
+        key = (section.r, section.alpha, section.dropout, repr(section.target_modules),
+               tuple(section.modules_to_save), section.routed_experts)
         if key not in self._lora:
             with torch.device("meta"):
                 layers = nn.ModuleList(spec.build() for spec in self.specs)
