@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from deepseek_ds.config import ConfigError, validate
 from deepseek_ds.utils.net import free_port
+from reference_data import StreamSamples, step_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
@@ -133,15 +134,12 @@ def mask_prompt(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def training_loss(model, data_dir: str, step: int, seq_len: int = 128, global_batch: int = 16,
                   micro_batch: int = 8, seed: int = 1234) -> float:
     """The token-weighted (main-model) loss of the global batch that training step `step` used (training's
-    TokenWeightedLoss), for a run of the given shape and train.seed (defaults: recipes/tiny-v3.yaml)."""
-    from deepseek_ds.data import GlobalBatchSampler, PackedDataset, micro_batches
-
-    dataset = PackedDataset(data_dir, seq_len)
-    sampler = GlobalBatchSampler(len(dataset), global_batch, micro_batch, 0, 1, seed,
-                                 consumed_samples=(step - 1) * global_batch)
+    TokenWeightedLoss), for a run of the given shape and train.seed (defaults: recipes/tiny-v3.yaml), in the
+    references' own data order (reference_data.py)."""
     total, tokens = 0.0, 0
     with torch.no_grad():
-        for input_ids, labels in next(micro_batches(dataset, sampler)):
+        for input_ids, labels in step_batch(StreamSamples(data_dir, seq_len), step, global_batch, seed,
+                                            micro_batch=micro_batch):
             logits = model(input_ids=input_ids).logits
             total += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                      ignore_index=IGNORE_INDEX, reduction="sum").item()

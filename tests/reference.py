@@ -1,7 +1,7 @@
 """The independent reference: one process, the transformers model, torch.optim.AdamW, no DeepSpeed engine.
 
 It starts from the same initial weights (our per-layer seeded init, copied into the transformers model),
-reads the same global batches (the sampler with a data-parallel size of 1), and computes the loss with
+reads the same global batches (in its own data order, reference_data.py, as one process), and computes the loss with
 transformers' own causal-LM loss function. Multi-token prediction runs on transformers' own MtpModel (the
 DeepSeek-V3 MTP layers its assisted generation uses), sharing the main model's embedding and head. MoE load
 balancing (router bias update, balance losses) is written here from the papers, apart from deepseek_ds.models.moe.
@@ -18,11 +18,11 @@ from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkR
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 from deepseek_ds.config import RunConfig
-from deepseek_ds.data import GlobalBatchSampler, PackedDataset, micro_batches
 from deepseek_ds.models.hf_io import hf_state_dict, to_hf_model
 from deepseek_ds.models.layers import MTPLayerPipe
 from deepseek_ds.models.pipeline import build_model, local_layers, prepare_config
 from deepseek_ds.models.presets import build_model_config
+from reference_data import StreamSamples, step_batch
 
 
 def reference_model(cfg: RunConfig, with_mtp: bool = False):
@@ -222,10 +222,11 @@ def reference_optimizer(params: list, t) -> tuple:
 
 
 def reference_losses(cfg: RunConfig, data_dir: str, moe_log: list | None = None, mtp_log: list | None = None,
-                     label_mask: Callable | None = None) -> list[float]:
+                     label_mask: Callable | None = None, grad_norms: list | None = None) -> list[float]:
     """moe_log: if given, gets each step's aux_loss (and its terms) and router biases (by block name); mtp_log: each
     step's [L_main, L_1, ..., L_D] (MTP models); label_mask(input_ids, labels) -> labels: masks labels (-100) of
-    each global batch. An MoE reference must keep clear of routing ties (assert_clear_of_routing_ties)."""
+    each global batch; grad_norms: each step's gradient norm before clipping. An MoE reference must keep clear of
+    routing ties (assert_clear_of_routing_ties)."""
     moe_log = [] if moe_log is None else moe_log
     torch.manual_seed(cfg.train.seed)
     model, mcfg, mtp = reference_model(cfg, with_mtp=True)
@@ -236,11 +237,10 @@ def reference_losses(cfg: RunConfig, data_dir: str, moe_log: list | None = None,
     balancing = balancing.attach() if balancing and balancing.active else None
     params = list({id(p): p for p in whole.parameters()}.values())  # the shared embedding and head once
     opt, sched = reference_optimizer(params, t)
-    dataset = PackedDataset(data_dir, cfg.data.seq_len)
-    sampler = GlobalBatchSampler(len(dataset), t.global_batch_size, t.global_batch_size, 0, 1, t.seed, shuffle=t.shuffle)
+    data = StreamSamples(data_dir, cfg.data.seq_len)
     losses = []
-    for _, batch in zip(range(t.steps), micro_batches(dataset, sampler)):
-        (input_ids, labels), = batch
+    for step in range(1, t.steps + 1):
+        (input_ids, labels), = step_batch(data, step, t.global_batch_size, t.seed, t.shuffle)
         if label_mask is not None:
             labels = label_mask(input_ids, labels)
         if mtp is not None:
@@ -251,7 +251,9 @@ def reference_losses(cfg: RunConfig, data_dir: str, moe_log: list | None = None,
             logits = model(input_ids=input_ids).logits
             loss = model.loss_function(logits=logits, labels=None, shift_labels=labels, vocab_size=mcfg.vocab_size)
         (loss + balancing.loss() if balancing else loss).backward()
-        torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+        if grad_norms is not None:
+            grad_norms.append(norm.item())
         opt.step()
         if balancing:
             moe_log.append(balancing.after_step())
@@ -261,6 +263,49 @@ def reference_losses(cfg: RunConfig, data_dir: str, moe_log: list | None = None,
     if balancing:
         assert_clear_of_routing_ties(moe_log)
     return losses
+
+
+def lora_reference_losses(cfg: RunConfig, base_dir: str, data_dir: str, initial: dict[str, torch.Tensor],
+                          grad_norms: list | None = None) -> list[float]:
+    """transformers + peft + torch AdamW over the adapters in one process, from the same initial adapters (HF name
+    -> tensor) and the same global batches; transformers' own causal-LM loss plus the MoE balancing above.
+    grad_norms: each step's gradient norm (of the adapters) before clipping."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = prepare_config(AutoConfig.from_pretrained(base_dir))
+    model = AutoModelForCausalLM.from_pretrained(base_dir, config=config, dtype=torch.float32)
+    # Written out, not models/lora.py's: r 4 and alpha 8 on the MLA projections (the DeepSeek default targets).
+    assert (cfg.lora.r, cfg.lora.alpha, cfg.lora.target_modules) == (4, 8, None)
+    targets = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+    inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets), model)
+    params = dict(model.named_parameters())
+    trainable = {n for n, p in params.items() if p.requires_grad}
+    assert trainable == set(initial)
+    with torch.no_grad():
+        for name, t in initial.items():
+            params[name].copy_(t)
+    model.train()
+    t = cfg.train
+    # MoE balancing as in training: the balance loss reaches the adapters, the router biases (buffers) move.
+    balancing = Balancing(model, cfg.moe, config, t.global_batch_size).attach()
+    opt, sched = reference_optimizer([params[n] for n in sorted(trainable)], t)
+    data = StreamSamples(data_dir, cfg.data.seq_len)
+    out = []
+    for step in range(1, t.steps + 1):
+        (input_ids, labels), = step_batch(data, step, t.global_batch_size, t.seed, t.shuffle)
+        logits = model(input_ids=input_ids).logits
+        loss = model.loss_function(logits=logits, labels=None, shift_labels=labels, vocab_size=config.vocab_size)
+        (loss + balancing.loss()).backward()
+        norm = torch.nn.utils.clip_grad_norm_([params[n] for n in trainable], t.grad_clip)
+        if grad_norms is not None:
+            grad_norms.append(norm.item())
+        opt.step()
+        balancing.after_step()
+        sched.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- packed sequences

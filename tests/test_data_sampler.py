@@ -1,10 +1,12 @@
-"""GlobalBatchSampler: one global order, sliced over DP ranks, resumable across layouts."""
+"""GlobalBatchSampler: one global order, sliced over DP ranks, resumable across layouts; with PackedDataset, the same
+sample ids and tokens as the references' own data order (tests/reference_data.py)."""
 
 import numpy as np
 import pytest
 import torch
 
-from deepseek_ds.data import GlobalBatchSampler, micro_batches
+import reference_data
+from deepseek_ds.data import GlobalBatchSampler, PackedDataset, dataset_info, micro_batches, prepare_dataset
 
 pytestmark = pytest.mark.unit
 
@@ -81,3 +83,80 @@ def test_micro_batches_are_shifted_long_tensors():
     assert x.dtype == torch.long and x.shape == (2, 5) and y.shape == (2, 5)
     assert x[0].tolist() == list(range(40, 45)) and y[0].tolist() == list(range(41, 46))
     assert batch[1][0][:, 0].tolist() == [60, 70]
+
+
+# ----------------------------------------------------------------------------------------------- against the reference
+# The references' own data order (tests/reference_data.py, written from the documented semantics): the toolkit's
+# sampler and dataset must give every rank the same sample ids and the same tokens.
+
+@pytest.fixture(scope="module")
+def stream_dataset(tmp_path_factory) -> str:
+    """A prepared text dataset of 8 train shards of 400-800 tokens: samples cross shard and document boundaries."""
+    src = tmp_path_factory.mktemp("stream_docs")
+    for k in range(12):
+        (src / f"doc{k:02d}.txt").write_text("\n".join(f"def f{(k * 7 + i) % 50}(x): return x + {i}"
+                                                       for i in range(10 + 5 * k)))
+    out = prepare_dataset([str(src)], str(tmp_path_factory.mktemp("stream") / "ds"), vocab_size=300, shard_mb=0.001,
+                          progress=False)
+    assert len(dataset_info(out)["splits"]["train"]["shards"]) > 4
+    return out
+
+
+def toolkit_steps(dataset, gbs, mbs, dp_rank, dp_size, seed, shuffle, consumed, steps):
+    """(sample ids, micro-batch tensors) per step of one rank, as the training loop reads them."""
+    make = lambda: GlobalBatchSampler(len(dataset), gbs, mbs, dp_rank, dp_size, seed, shuffle, consumed)  # noqa: E731
+    ids, tensors = iter(make()), micro_batches(dataset, make())
+    return [(next(ids), next(tensors)) for _ in range(steps)]
+
+
+def reference_steps(data, gbs, mbs, dp_rank, dp_size, seed, shuffle, consumed, steps):
+    out = []
+    for step in range(1, steps + 1):
+        samples = reference_data.step_samples(step, len(data), gbs, seed, shuffle, consumed)
+        micro = reference_data.rank_micro_batches(samples, dp_rank, dp_size, mbs)
+        out.append((micro, [reference_data.stack(data, m) for m in micro]))
+    return out
+
+
+# (seq_len, global batch, micro batch, dp size, seed, consumed samples, shuffle, document_mask)
+CASES = [
+    (16, 8, 2, 2, 7, 0, True, False),       # 292 samples: several steps inside the first epoch
+    (64, 12, 2, 3, 3, 5, True, False),      # 72 samples, resumed mid-batch, 3 ranks
+    (256, 8, 1, 4, 11, 10, True, False),    # 18 samples: batches straddle epochs
+    (1024, 12, 3, 2, 0, 0, True, False),    # 4 samples: one global batch holds three epochs
+    (32, 6, 3, 1, 5, 140, False, False),    # file order, resumed past the end of the first epoch
+    (48, 8, 2, 2, 9, 3, True, True),        # document_mask: position ids restart after each EOS
+]
+
+
+@pytest.mark.parametrize("seq_len,gbs,mbs,dp_size,seed,consumed,shuffle,document_mask", CASES)
+def test_toolkit_order_equals_the_reference_order(stream_dataset, seq_len, gbs, mbs, dp_size, seed, consumed, shuffle,
+                                                  document_mask):
+    dataset = PackedDataset(stream_dataset, seq_len, document_mask=document_mask)
+    data = reference_data.StreamSamples(stream_dataset, seq_len, document_mask=document_mask)
+    assert len(dataset) == len(data)
+    steps = 5
+    for rank in range(dp_size):
+        ours = toolkit_steps(dataset, gbs, mbs, rank, dp_size, seed, shuffle, consumed, steps)
+        theirs = reference_steps(data, gbs, mbs, rank, dp_size, seed, shuffle, consumed, steps)
+        for step, ((ids, batch), (ref_ids, ref_batch)) in enumerate(zip(ours, theirs), start=1):
+            assert ids == ref_ids, (rank, step)
+            assert len(batch) == len(ref_batch) == gbs // (mbs * dp_size)
+            for micro, ref in zip(batch, ref_batch):
+                assert len(micro) == len(ref) == (3 if document_mask else 2)
+                assert all(torch.equal(a, b) for a, b in zip(micro, ref)), (rank, step)
+    if document_mask:  # the case really has documents inside samples
+        assert any((x[2][:, 1:] == 0).any() and (x[1] == reference_data.IGNORE_INDEX).any()
+                   for _, b in theirs for x in b)
+
+
+@pytest.mark.parametrize("num_samples", [1, 3, 7, 8, 50, 97])
+def test_sampler_ids_equal_the_reference_for_any_dataset_size(num_samples):
+    """Sample ids alone (no dataset): sizes below, at and above the global batch, several layouts and resumes."""
+    for gbs, mbs, dp_size, seed, consumed, shuffle in [(8, 2, 2, 1, 0, True), (12, 1, 4, 2, 7, True),
+                                                        (6, 3, 2, 3, 13, False), (16, 4, 1, 4, 99, True)]:
+        for rank in range(dp_size):
+            sampler = iter(GlobalBatchSampler(num_samples, gbs, mbs, rank, dp_size, seed, shuffle, consumed))
+            for step in range(1, 7):
+                samples = reference_data.step_samples(step, num_samples, gbs, seed, shuffle, consumed)
+                assert next(sampler) == reference_data.rank_micro_batches(samples, rank, dp_size, mbs)

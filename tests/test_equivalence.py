@@ -7,6 +7,7 @@ import torch
 from deepseek_ds.config import load_run_config
 from helpers import read_metrics, train, train_layouts
 from reference import reference_losses, reference_model
+from reference_data import StreamSamples, step_batch
 
 STEPS = 3
 # Adam's eps 1e-5 and seed 7 keep every token's routing decision clear of a near tie that the layouts' roundoff could
@@ -76,8 +77,6 @@ def test_training_from_an_hf_directory_with_pipeline(data_dir, tmp_path):
     the first loss equals transformers' loss of the from_pretrained model on the same global batch."""
     from transformers import AutoModelForCausalLM
 
-    from deepseek_ds.data import GlobalBatchSampler, PackedDataset, micro_batches
-
     cfg = load_run_config("recipes/tiny-v3.yaml", SETS + [f"data.path={data_dir}"])
     model, mcfg = reference_model(cfg)
     hf_dir = tmp_path / "hf"
@@ -90,9 +89,7 @@ def test_training_from_an_hf_directory_with_pipeline(data_dir, tmp_path):
                                                       "parallel.pipeline_stages=2", "train.steps=1"],
                     ds_config="ds_configs/zero1_pp.json")
     hf = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
-    dataset = PackedDataset(data_dir, cfg.data.seq_len)
-    sampler = GlobalBatchSampler(len(dataset), 8, 8, 0, 1, cfg.train.seed, shuffle=cfg.train.shuffle)
-    (input_ids, labels), = next(micro_batches(dataset, sampler))
+    (input_ids, labels), = step_batch(StreamSamples(data_dir, cfg.data.seq_len), 1, 8, cfg.train.seed, cfg.train.shuffle)
     with torch.no_grad():
         logits = hf(input_ids=input_ids).logits
         expected = hf.loss_function(logits=logits, labels=None, shift_labels=labels, vocab_size=mcfg.vocab_size).item()
