@@ -23,6 +23,7 @@ from deepspeed.runtime.swap_tensor.constants import AIO
 
 from ..models.presets import build_model_config
 from ..models.tensor_parallel import tensor_parallel_section
+from .loading import PROJECT_ROOT
 from .schema import ConfigError, RunConfig
 
 # Monitor section of the DeepSpeed JSON -> the package it imports (csv_monitor needs none).
@@ -34,7 +35,10 @@ _RUN_OWNED = {"train_batch_size": "train.global_batch_size", "train_micro_batch_
 
 def load_ds_config(path: str) -> dict:
     if not os.path.isfile(path):
-        raise ConfigError(f"deepspeed_config {path!r} does not exist; pick one from ds_configs/")
+        shipped = os.path.join(PROJECT_ROOT, "ds_configs")
+        names = sorted(n for n in os.listdir(shipped) if n.endswith(".json")) if os.path.isdir(shipped) else []
+        raise ConfigError(f"deepspeed_config {path!r} does not exist; the shipped configs are in {shipped} "
+                          f"({', '.join(names)})")
     with open(path) as f:
         try:
             ds = json.load(f)

@@ -4,7 +4,8 @@ type of its dataclass field (the real types, from `typing.get_type_hints`).
 Relative paths. The inputs a recipe names (`deepspeed_config`, `model.path`, `data.path`, `eval.task`) resolve
 against the project root (the directory holding the `deepseek_ds` package) when the recipe lives inside the project,
 and against the recipe's own directory when it lives elsewhere; so a recipe means the same files from any current directory. The
-default `deepspeed_config` (ds_configs/zero1.json) is the project's. Paths given on the command line (`--set`,
+default `deepspeed_config` (ds_configs/zero1.json) is the project's, and so is a recipe's relative one that its own
+directory lacks but the project ships (a recipe copied out of the project still finds ds_configs/zero1.json). Paths given on the command line (`--set`,
 `--deepspeed_config`) are relative to the current directory, as for any command, and so are the outputs
 (`train.output_dir`, `checkpoint.dir`, `data.cache_dir`)."""
 
@@ -156,7 +157,11 @@ def resolve_recipe_paths(data: dict, recipe: str | None) -> dict:
         for section in sections:
             node = node.get(section) if isinstance(node, dict) else None
         if isinstance(node, dict) and isinstance(node.get(key), str) and not os.path.isabs(node[key]):
-            node[key] = os.path.normpath(os.path.join(base, node[key]))
+            path = os.path.normpath(os.path.join(base, node[key]))
+            shipped = os.path.normpath(os.path.join(PROJECT_ROOT, node[key]))
+            if key == "deepspeed_config" and not os.path.exists(path) and os.path.isfile(shipped):
+                path = shipped
+            node[key] = path
     return data
 
 
