@@ -13,7 +13,7 @@ import xxhash
 
 from deepseek_ds.bench import checkpoint_bench
 from deepseek_ds.checkpoint.format import FORMAT_VERSION, META
-from deepseek_ds.checkpoint.integrity import FILES, HashedSaves, check_tag, record_files
+from deepseek_ds.checkpoint.integrity import FILES, HashedSaves, check_tag, record_written
 
 pytestmark = pytest.mark.unit
 
@@ -42,7 +42,7 @@ def test_hashed_while_written_equals_the_files_bytes_and_loads_back(tmp_path, zi
     assert back["step"] == 3 and torch.equal(back["module"]["w"], want["module"]["w"])
     assert torch.equal(back["module"]["b"], want["module"]["b"])
     assert torch.equal(back["optimizer"][0], want["optimizer"][0])
-    assert record_files(str(tmp_path)) == {path.name: rec}  # the read-back record agrees
+    assert record_written(str(tmp_path), [str(path)]) == {path.name: rec}  # saving's read-back path agrees
 
 
 def _tag(tmp_path, records: dict) -> None:

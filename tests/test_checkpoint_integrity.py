@@ -16,19 +16,21 @@ from pathlib import Path
 
 import pytest
 
+from deepseek_ds.checkpoint import integrity
 from deepseek_ds.checkpoint.format import FORMAT_VERSION, META, CheckpointError, tag_for
 from deepseek_ds.checkpoint.integrity import (
     FILES,
+    VISIBLE_WAIT_S,
     check_tag,
     merge_records,
     newest_verified_tag,
-    record_files,
     record_written,
 )
 from deepseek_ds.checkpoint.lock import LOCK, acquire
 from deepseek_ds.config import load_ds_config, run_config_from_dict, validate
 from deepseek_ds.config.deepspeed_json import asynchronous_checkpoint_engines
 from helpers import ROOT, cli, deepspeed, losses, read_metrics, refused, resuming_sets
+from tag_reference import read_back_record
 
 STALE_S = 300  # checkpoint.lock_stale_s's default
 
@@ -41,7 +43,7 @@ def _fake_tag(ckpt: Path, step: int, recorded: bool = True) -> Path:
     (d / "rng" / "rank_00000.pt").write_bytes(b"rng" * 10)
     meta = {"format_version": FORMAT_VERSION, "tag": tag_for(step), "step": step}
     if recorded:
-        meta[FILES] = record_files(str(d))
+        meta[FILES] = read_back_record(d)
     (d / META).write_text(json.dumps(meta))
     return d
 
@@ -65,6 +67,23 @@ def _write_lock(ckpt: Path, host: str, pid: int, age_s: float = 0.0) -> Path:
         old = time.time() - age_s
         os.utime(path, (old, old))
     return path
+
+
+class _Clock:
+    """The time module of the code under test: sleep() advances monotonic() at once and then runs `meanwhile(now)`
+    (what other processes do in that time), so a bound is checked on the clock the code reads, not on how loaded
+    the machine is. A wait still going after `limit_s` of it fails the test instead of spinning on."""
+
+    def __init__(self, meanwhile=lambda now: None, limit_s: float = 3600.0):
+        self.now, self.meanwhile, self.limit_s = 0.0, meanwhile, limit_s
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        assert self.now <= self.limit_s, f"still waiting after {self.limit_s:.0f} s of its clock"
+        self.meanwhile(self.now)
 
 
 # ----------------------------------------------------------------------------------------------- lock
@@ -229,12 +248,12 @@ def test_merged_records_equal_reading_the_tag_back(tmp_path):
     rank0 = record_written(str(d), [str(d / "mp_rank_00_model_states.pt")])
     rank1 = record_written(str(d), [str(d / "rng" / "rank_00000.pt")])
     merged = merge_records(str(d), [{"host": "a", "files": rank0}, {"host": "b", "files": rank1}])
-    assert merged == record_files(str(d))  # the independent reference: every file read back by one process
+    assert merged == read_back_record(d)  # the independent reference: every file read back by one process
     assert list(merged) == ["mp_rank_00_model_states.pt", "rng/rank_00000.pt", "zero_to_fp32.py"]
 
 
 @pytest.mark.unit
-def test_unshared_checkpoint_dir_is_refused_naming_the_hosts(tmp_path):
+def test_unshared_checkpoint_dir_is_refused_naming_the_hosts(tmp_path, monkeypatch):
     # What rank 0 sees when checkpoint.dir is a local directory on each host: host-b's ranks wrote their files into
     # their own copy of the directory, which is not this one.
     here, there = _fake_tag(tmp_path / "host-a", 1), _fake_tag(tmp_path / "host-b", 1)
@@ -243,10 +262,11 @@ def test_unshared_checkpoint_dir_is_refused_naming_the_hosts(tmp_path):
                {"host": "host-b", "files": record_written(str(there), [str(there / "rng" / "rank_00000.pt")])},
                {"host": "host-b", "files": record_written(
                    str(there), [str(there / "zero_pp_rank_1_mp_rank_00_optim_states.pt")])}]
-    t0 = time.monotonic()
+    clock = _Clock()
+    monkeypatch.setattr(integrity, "time", clock)
     with pytest.raises(CheckpointError) as err:
-        merge_records(str(here), records, wait_s=1.0)
-    assert time.monotonic() - t0 < 5
+        merge_records(str(here), records)
+    assert VISIBLE_WAIT_S <= clock.now <= VISIBLE_WAIT_S + 1.0  # looked again until the configured wait ran out
     message = str(err.value)
     assert "\n" not in message and f"checkpoint.dir {tmp_path / 'host-a'} is not shared between hosts" in message
     assert "rank 0 on host host-a does not see what ranks [2] on host(s) host-b wrote" in message
@@ -256,6 +276,12 @@ def test_unshared_checkpoint_dir_is_refused_naming_the_hosts(tmp_path):
     (here / "rng" / "rank_00000.pt").write_bytes(b"short")
     with pytest.raises(CheckpointError, match=r"ranks \[1, 2\] .*rank 1: rng/rank_00000.pt \(5 bytes, 30 written\)"):
         merge_records(str(here), records, wait_s=0.0)
+    # A file that shows up while rank 0 is still looking (a network filesystem's caches catching up) is found.
+    (here / "rng" / "rank_00000.pt").write_bytes(b"rng" * 10)
+    late = here / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    clock = _Clock(lambda now: now >= 3.0 and not late.exists() and late.write_bytes(b"x" * 100))
+    monkeypatch.setattr(integrity, "time", clock)
+    assert set(merge_records(str(here), records)) >= {late.name} and clock.now == 3.0
 
 
 @pytest.mark.unit
@@ -290,39 +316,46 @@ def test_verify_command_prints_a_table_and_fails_on_a_damaged_newest(tmp_path, c
 
 # ----------------------------------------------------------------------------------------------- universal conversion
 @pytest.mark.unit
-def test_waiting_for_rank_0s_conversion_is_bounded_by_its_progress_not_a_timeout(tmp_path):
-    import threading
-
+def test_waiting_for_rank_0s_conversion_is_bounded_by_its_progress_not_a_timeout(tmp_path, monkeypatch):
+    from deepseek_ds.checkpoint import universal
     from deepseek_ds.checkpoint.format import UNIVERSAL_DONE
-    from deepseek_ds.checkpoint.universal import wait_for_conversion
+    from deepseek_ds.checkpoint.universal import CONVERTER_SILENT_S, CONVERTING_HEARTBEAT_S, wait_for_conversion
 
     out, status = tmp_path / "step00000002.universal-sequential", tmp_path / ".status"
     status.write_text(json.dumps({"state": "converting"}))
+    converting_s = 10 * CONVERTER_SILENT_S  # far longer than the silence that ends the wait
+    beats = []
 
-    def rank0(renewals: int) -> None:  # converts for a while, renewing its status, then publishes
-        for _ in range(renewals):
-            time.sleep(0.2)
-            os.utime(status, ns=(time.time_ns(), time.time_ns()))
-        out.mkdir()
-        (out / UNIVERSAL_DONE).write_text("{}")
-        status.unlink()
+    def rank0(now: float) -> None:  # renews its status every heartbeat while converting, then publishes
+        if now < converting_s:
+            if now >= CONVERTING_HEARTBEAT_S * (len(beats) + 1):
+                beats.append(now)
+                os.utime(status, ns=(len(beats), len(beats)))  # a new mtime each beat
+        elif not out.exists():
+            out.mkdir()
+            (out / UNIVERSAL_DONE).write_text("{}")
+            status.unlink()
 
-    worker = threading.Thread(target=rank0, args=(10,))
-    t0 = time.monotonic()
-    worker.start()
-    wait_for_conversion(str(out), str(status), silent_s=0.6, poll_s=0.05)  # 2 s of work, never 0.6 s silent
-    worker.join()
-    assert 1.9 < time.monotonic() - t0 < 10
+    clock = _Clock(rank0)
+    monkeypatch.setattr(universal, "time", clock)
+    wait_for_conversion(str(out), str(status))  # the production silence bound and poll interval
+    assert (out / UNIVERSAL_DONE).exists() and converting_s <= clock.now <= converting_s + 1.0
+    assert len(beats) == int(converting_s // CONVERTING_HEARTBEAT_S) - 1
 
     status.write_text(json.dumps({"state": "converting"}))
     (out / UNIVERSAL_DONE).unlink()
-    t0 = time.monotonic()  # rank 0 died: nobody renews the file
-    with pytest.raises(CheckpointError, match="rank 0 stopped converting .* not been renewed for 1 s"):
-        wait_for_conversion(str(out), str(status), silent_s=0.6, poll_s=0.05)
-    assert time.monotonic() - t0 < 5
+    clock = _Clock()  # rank 0 died: nobody renews the file
+    monkeypatch.setattr(universal, "time", clock)
+    with pytest.raises(CheckpointError, match=f"rank 0 stopped converting .* not been renewed for "
+                                              f"{CONVERTER_SILENT_S:.0f} s"):
+        wait_for_conversion(str(out), str(status))
+    assert CONVERTER_SILENT_S < clock.now <= CONVERTER_SILENT_S + 1.0  # given up one poll after the bound
     status.write_text(json.dumps({"state": "failed", "error": "boom: no optimizer shards"}))
+    clock = _Clock()
+    monkeypatch.setattr(universal, "time", clock)
     with pytest.raises(CheckpointError, match="rank 0 could not convert .*: boom: no optimizer shards"):
-        wait_for_conversion(str(out), str(status), silent_s=60, poll_s=0.05)
+        wait_for_conversion(str(out), str(status))
+    assert clock.now == 0.0  # at once, not after a silence
 
 
 # ----------------------------------------------------------------------------------------------- through the launcher

@@ -20,13 +20,14 @@ from deepseek_ds.checkpoint.format import (
     model_fingerprint,
     tag_for,
 )
-from deepseek_ds.checkpoint.integrity import FILES, record_files
+from deepseek_ds.checkpoint.integrity import FILES
 from deepseek_ds.config import load_ds_config, load_run_config
 from deepseek_ds.models.hf_io import load_hf_weights, to_hf_model
 from deepseek_ds.models.lora import apply_lora
 from deepseek_ds.models.pipeline import build_model, local_layers, prepare_config
 from deepseek_ds.models.presets import build_model_config
 from helpers import refused
+from tag_reference import read_back_record
 
 LORA = ["lora.r=2", "lora.alpha=4"]
 
@@ -41,7 +42,7 @@ def _write_tag(ckpt, cfg, mcfg, module: dict[str, torch.Tensor], precision: str 
     meta = {"format_version": FORMAT_VERSION, "tag": tag.name, "step": 1, "consumed_samples": 8,
             "run_config": cfg.to_dict(), "layout": dataclasses.asdict(layout), "model_config": model_fingerprint(mcfg),
             "tokenizer_hash": "0" * 64, "dataset_dir": str(ckpt / "no-data")}
-    meta[FILES] = record_files(str(tag))
+    meta[FILES] = read_back_record(tag)
     (tag / META).write_text(json.dumps(meta))
     return tag
 

@@ -147,19 +147,6 @@ def _without_zip_crc32():
     return config.patch({"save.compute_crc32": False})
 
 
-def record_files(tag_dir: str) -> dict[str, dict]:
-    """{relative path: {"size", CHECKSUM}} of every file under `tag_dir` but checkpoint.json (which holds the record),
-    read back (a tag written by one process; saves record what each rank wrote instead)."""
-    out = {}
-    for d, _, names in os.walk(tag_dir):
-        for name in names:
-            path = os.path.join(d, name)
-            rel = os.path.relpath(path, tag_dir)
-            if rel != META:
-                out[rel] = {"size": os.path.getsize(path), CHECKSUM: checksum_of(path)}
-    return dict(sorted(out.items()))
-
-
 def record_written(tag_dir: str, paths: list[str], hashed: dict[str, dict] | None = None) -> dict[str, dict]:
     """{path relative to `tag_dir`: {"size", CHECKSUM}} of files this process wrote, each flushed to stable storage
     first (a rename publishes the tag later: it must not reach the disk before the data) and read back; `hashed`:
