@@ -15,6 +15,7 @@ from ..checkpoint.existing import check_existing_checkpoint
 from ..config import write_resolved
 from ..utils.cli_args import add_run_args
 from ..utils.errors import UserError, format_user_error
+from ..utils.jit_lock import announce, check_jit_locks
 from .loop import train
 from .nan_policy import NonFiniteLoss
 from .setup import build_run, log_failure_to_file
@@ -47,6 +48,7 @@ def main(argv=None) -> int:
     try:
         cfg, ds = config.load_and_validate(args.config, args.deepspeed_config, args.set, world)
         check_existing_checkpoint(cfg)  # a foreign checkpoint is refused before any engine is built
+        check_jit_locks(say=None if int(os.environ.get("LOCAL_RANK", 0)) else announce)  # before any op loads
     except UserError as e:
         report_failure(format_user_error(e))
         return 2
