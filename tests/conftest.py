@@ -11,11 +11,11 @@ import pytest
 from helpers import (
     STRAIGHT_STEPS,
     checkpoint_sets,
-    deepspeed,
     losses,
     read_metrics,
     resuming_sets,
     router_biases,
+    run_ranks,
     snapshot,
     train,
 )
@@ -71,7 +71,7 @@ def zero1(tmp_path_factory, data_dir) -> dict:
     args = [str(script), "--config", "recipes/tiny-v3.yaml", "--set", f"train.output_dir={out}"]
     for s in checkpoint_sets(data_dir, 4, 2):
         args += ["--set", s]
-    proc = deepspeed(2, args, check=False)
+    proc = run_ranks(2, args, check=False)
     ckpt = out / "checkpoints"
     assert (ckpt / "latest").is_file(), f"no checkpoint before the kill:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     listing = sorted(os.listdir(ckpt))

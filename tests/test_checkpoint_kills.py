@@ -17,7 +17,7 @@ import pytest
 from deepseek_ds.checkpoint.format import complete_tags
 from deepseek_ds.checkpoint.integrity import check_tag
 from deepseek_ds.utils.net import free_port
-from helpers import BIN, ROOT, STRAIGHT_STEPS, cli, deepspeed, launch_env, losses, read_metrics, resuming_sets
+from helpers import BIN, ROOT, STRAIGHT_STEPS, cli, launch_env, losses, read_metrics, resuming_sets, run_ranks
 
 STEPS = STRAIGHT_STEPS  # the straight run's: its losses are the reference
 # Two kills, a fresh job's and a resumed one's (which took over the dead job's lock), then the resume to the end. A
@@ -91,7 +91,7 @@ def test_sigkill_at_random_moments_while_saving_every_step(tmp_path, data_dir, s
         newest.append(int(tags[-1][4:]))
     assert newest == sorted(newest) and newest[-1] < STEPS  # each relaunch got further, none finished
 
-    final = deepspeed(2, _args(out, data_dir))
+    final = run_ranks(2, _args(out, data_dir))
     log = final.stdout + final.stderr
     assert f"resumed from step{newest[-1]:08d} at step {newest[-1]}" in log
     assert "taking over the stale lock" in log  # the killed job's lock: its pid is dead on this host

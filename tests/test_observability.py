@@ -26,7 +26,7 @@ from deepseek_ds.models.hf_io import to_hf_model
 from deepseek_ds.models.pipeline import build_model, prepare_config
 from deepseek_ds.models.presets import build_model_config
 from deepseek_ds.training.metrics import flops_per_token
-from helpers import cli, deepspeed, read_metrics
+from helpers import cli, read_metrics, run_ranks
 
 pytestmark = pytest.mark.launch
 
@@ -73,7 +73,7 @@ def _launch(tmp, name: str, ds_config: str, sets: list[str], env: dict, check: b
     with pytest.MonkeyPatch.context() as mp:
         for k, v in env.items():
             mp.setenv(k, v)
-        proc = deepspeed(2, args, check=check)
+        proc = run_ranks(2, args, check=check)
     return str(out), proc
 
 
@@ -254,7 +254,7 @@ def test_monitors_receive_the_metrics(moe_run):
 def test_standalone_eval_on_two_ranks_and_one_process_matches(moe_run, data_dir, tmp_path):
     ckpt = os.path.join(moe_run["out"], "checkpoints")
     last = moe_run["records"][-1]
-    deepspeed(2, ["--module", "deepseek_ds.inference.cli", "eval", "--checkpoint", ckpt, "--data", data_dir,
+    run_ranks(2, ["--module", "deepseek_ds.inference.cli", "eval", "--checkpoint", ckpt, "--data", data_dir,
                   "--out", str(tmp_path / "two.json")])
     two = json.loads((tmp_path / "two.json").read_text())
     assert two["ranks"] == 2 and two["samples"] == EVAL_SAMPLES

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from helpers import deepspeed
+from helpers import run_ranks
 
 pytestmark = pytest.mark.launch
 
@@ -32,7 +32,7 @@ def test_a_bug_leaves_its_traceback_in_the_rank_log(tmp_path, data_dir):
     script = tmp_path / "inject_bug.py"
     script.write_text(INJECT)
     out = tmp_path / "run"
-    proc = deepspeed(2, [str(script), "--config", "recipes/tiny-v3.yaml", "--set", f"train.output_dir={out}",
+    proc = run_ranks(2, [str(script), "--config", "recipes/tiny-v3.yaml", "--set", f"train.output_dir={out}",
                          "--set", f"data.path={data_dir}", "--set", "train.steps=4", "--set", "data.seq_len=32",
                          "--set", "train.dist_timeout_s=60"], check=False, timeout=300)
     assert proc.returncode != 0

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from helpers import deepspeed, read_metrics
+from helpers import read_metrics, run_ranks
 
 pytestmark = pytest.mark.launch
 
@@ -21,7 +21,7 @@ def _train(out: str, data_dir: str, steps: int, *sets: str):
             f"train.warmup_steps={WARMUP}", "--set", "train.log_interval=2"]
     for s in sets:
         args += ["--set", s]
-    return deepspeed(2, args)
+    return run_ranks(2, args)
 
 
 def expected_lr(step: int, total: int) -> float:
