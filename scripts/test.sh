@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/setup.sh
-exec python -m pytest -q "$@"
+# -rs: every skip with its reason; the 25 slowest set-ups and tests close the report.
+exec python -m pytest -q -rs --durations=25 "$@"

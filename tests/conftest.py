@@ -20,7 +20,10 @@ from helpers import (
     train,
 )
 
-KINDS = ("unit", "launch", "multihost")
+# Each kind's limit on one test, fixtures included (pytest-timeout: the test fails with every thread's stack and the
+# session goes on; run_ranks ends the ranks it started). A launch test's first use of a shared fixture may train
+# several layouts; the limits are ~3x the slowest of each kind measured on 2 loaded cores.
+KINDS = {"unit": 300, "launch": 1200, "multihost": 1200}
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -28,6 +31,10 @@ def pytest_collection_modifyitems(config, items) -> None:
     unmarked = [item.nodeid for item in items if not any(item.get_closest_marker(k) for k in KINDS)]
     if unmarked:
         raise pytest.UsageError(f"tests without a {'/'.join(KINDS)} marker: " + ", ".join(unmarked))
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            limit = max(s for kind, s in KINDS.items() if item.get_closest_marker(kind))
+            item.add_marker(pytest.mark.timeout(limit, method="signal"))
 
 
 @pytest.fixture(scope="session")
