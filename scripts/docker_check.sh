@@ -77,7 +77,7 @@ if ((${#whl[@]})); then
   cp -l "${whl[@]}" "$ctx/wheels/" 2>/dev/null || cp "${whl[@]}" "$ctx/wheels/"
   printf 'find-links = /opt/wheels\n' >>"$ctx/pip.conf"
 else
-  log "WARNING: no cp311 torch wheel in $WHEELS: setup.sh will download PyPI's CUDA torch (several GB)"
+  die "no cp311 torch wheel in $WHEELS: the image's CPU lock (requirements/cpu.txt) pins torch 2.13.0+cpu, not on PyPI"
 fi
 cat >"$ctx/Dockerfile" <<DF
 FROM $BASE

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up: .venv with torch (CUDA build where a GPU is present, the CPU build elsewhere), this toolkit
-# with its test extras, and DeepSpeed's JIT ops compiled once into a pinned cache (.cache/torch_extensions).
+# with its test extras at the versions of the matching lock (requirements/cpu.txt or cuda.txt, as pip constraints;
+# re-installed when setup.py or that lock changes), and DeepSpeed's JIT ops compiled once into a pinned cache
+# (.cache/torch_extensions).
 # Source it (`. scripts/setup.sh`) to get the environment in the current shell.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -10,12 +12,33 @@ if [[ ! -x .venv/bin/python ]]; then
 fi
 export PATH="$root/.venv/bin:$PATH"   # one python, one ninja (the venv's) for every JIT build
 export TORCH_EXTENSIONS_DIR="$root/.cache/torch_extensions"
+# CPU or CUDA, decided once, for torch and for the lock of every other version (requirements/, `bash scripts/lock.sh`
+# regenerates it): the build of a torch already in .venv (never swapped behind the user's back), else DS_ACCELERATOR
+# when it says cpu or cuda (the Dockerfile's ARG: an image is built without a GPU), else whether an NVIDIA GPU answers.
+if torch_version=$(python -c "from importlib.metadata import version; print(version('torch'))" 2>/dev/null); then
+  variant=cuda
+  [[ $torch_version != *+cpu ]] || variant=cpu
+  why="the torch in .venv is $torch_version"
+elif [[ ${DS_ACCELERATOR:-} == cpu || ${DS_ACCELERATOR:-} == cuda ]]; then
+  variant=$DS_ACCELERATOR why="DS_ACCELERATOR=$DS_ACCELERATOR"
+elif nvidia-smi -L >/dev/null 2>&1; then
+  variant=cuda why="nvidia-smi sees a GPU"
+else
+  variant=cpu why="no GPU (nvidia-smi)"
+fi
+lock=requirements/$variant.txt
 stamp=.venv/.deepseek-ds-installed
-want=$(cat setup.py | sha1sum | cut -c1-40)
+want=$(cat setup.py "$lock" | sha1sum | cut -c1-40)
 if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
-  # torch first and pinned: here pip takes the CPU wheel on disk; on a GPU machine PyPI's default is the CUDA build.
-  python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
-  python -m pip install -q -e ".[test]"
+  echo "setup.sh: installing with the $variant lock, $lock ($why)" >&2
+  # torch first, so that a missing build fails with its own hint; its version and build come from the lock.
+  if ! python -m pip install -q -c "$lock" torch; then
+    [[ $variant != cpu ]] || echo "setup.sh: error: pip found no $(grep '^torch==' "$lock"): PyPI does not serve" \
+      "the CPU build; give pip a folder or page that has it (PIP_FIND_LINKS), or take PyPI's CUDA build with" \
+      "DS_ACCELERATOR=cuda (in a fresh .venv)." >&2
+    exit 1
+  fi
+  python -m pip install -q -c "$lock" -e ".[test]"
   echo "$want" > "$stamp"
 fi
 # Compile the ops DeepSpeed JIT-builds on first use, so the first launch is not slowed by ~1 minute of C++.
