@@ -4,22 +4,25 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
+import sys
 
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from ..config import ConfigError, load_ds_config, load_run_config, validate
+from ..config import ConfigError, load_ds_config, load_run_config, precision, validate
 from ..launcher.hostfile import read_hostfile, select_slots
 from ..launcher.world import world_size
+from ..models.presets import PRESETS
 from ..utils.cli_args import add_hostfile, add_num_gpus, add_run_args, add_slot_filters, positive_int, spellings
 from ..utils.errors import UserError
 from . import report
 from .estimate import estimate, layout_of, model_config
 from .params import SpecParams
-from .steptime import Hardware, search, step_time
+from .steptime import DEFAULT_GPU, GPUS, Hardware, search, step_time
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(GIB|GB|MIB|MB|TIB|TB)?", re.IGNORECASE)
 _UNITS = {"GIB": 2**30, "GB": 2**30, "MIB": 2**20, "MB": 2**20, "TIB": 2**40, "TB": 2**40, None: 1}
@@ -80,11 +83,35 @@ def run_verdict(cfg, world: int, gpu_memory: int | None, strict: bool, hostfile:
     return line if plan.fits else "warning: " + line
 
 
+def _preset_of_path(path: str) -> str | None:
+    """The preset a model directory's name names (DeepSeek-V2-Lite, deepseek-coder-6.7b-base: the longest preset
+    name it starts with), if any."""
+    base = os.path.basename(os.path.normpath(path)).lower()
+    named = [p for p in PRESETS if base == p or base.startswith(p + "-")]
+    return max(named, key=len) if named else None
+
+
+def _absent_model_as_preset(cfg) -> None:
+    """A model.path this machine lacks (a cluster's /models/...) is planned from its preset: model.preset, else the
+    one its directory name names; said in one line."""
+    path = cfg.model.path
+    if not path or os.path.isdir(path):
+        return
+    preset = cfg.model.preset or _preset_of_path(path)
+    if preset is None:
+        raise PlanError(f"model.path {path} is not on this machine and names no preset: set model.preset to the "
+                        f"architecture to plan (--set model.preset=NAME; one of {', '.join(sorted(PRESETS))}), or "
+                        "plan where the model directory is")
+    cfg.model = dataclasses.replace(cfg.model, path=None, preset=preset)
+    print(f"note: model.path {path} is not on this machine: planning from the {preset} preset", file=sys.stderr)
+
+
 def _plan(args: argparse.Namespace) -> tuple:
     """(run config, DeepSpeed JSON, world size) of the layout asked for, checked by validate()."""
     world = args.gpus or world_size(args.num_gpus, args.hostfile, args.include, args.exclude)
     sets, zero = layout_sets(args.layout) if args.layout else ([], None)
     cfg = load_run_config(args.config, args.set + sets)
+    _absent_model_as_preset(cfg)
     cfg.deepspeed_config = args.deepspeed_config or cfg.deepspeed_config
     ds = load_ds_config(cfg.deepspeed_config)
     if zero is not None:
@@ -102,36 +129,61 @@ def gpus_per_node(args: argparse.Namespace) -> int:
     return args.num_gpus or args.gpus_per_node or 8
 
 
+def hardware_assumed(args: argparse.Namespace) -> tuple[int, float, str]:
+    """(memory per GPU, peak TFLOP/s, where that peak comes from) of --gpu-memory, --peak-tflops and --gpu: the
+    explicit flags win over the preset's figures; without either the peak is an H100's, and the plan says so."""
+    gpu = GPUS.get(args.gpu)
+    memory = args.gpu_memory or (gpu.memory if gpu else None)
+    if memory is None:
+        raise PlanError(f"the plan needs each GPU's memory: pass --gpu-memory SIZE or --gpu NAME "
+                        f"(one of {', '.join(GPUS)})")
+    if args.peak_tflops:
+        return memory, args.peak_tflops, f"{args.peak_tflops:g} TFLOP/s (--peak-tflops)"
+    if gpu:
+        return memory, gpu.peak_tflops, (f"{gpu.peak_tflops:g} TFLOP/s bf16 dense peak of the --gpu {args.gpu} "
+                                         f"preset ({gpu.name})")
+    peak = GPUS[DEFAULT_GPU].peak_tflops
+    return memory, peak, (f"{peak:g} TFLOP/s assumed (an H100's bf16 dense peak): pass --gpu or --peak-tflops for "
+                          "yours")
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     if args.gpus_per_node and (not args.gpus or args.gpus % args.gpus_per_node):
         raise PlanError(f"--gpus-per-node {args.gpus_per_node} needs --gpus N, a multiple of it")
+    memory, peak, peak_source = hardware_assumed(args)
     try:
         cfg, ds, world = _plan(args)
     except ConfigError as e:
         raise PlanError(f"this layout is not valid for {args.config}: {e}") from e
-    hw = Hardware(args.peak_tflops, args.mfu, args.bandwidth * 1e9, args.intra_bandwidth * 1e9, gpus_per_node(args))
+    hw = Hardware(peak, args.mfu, args.bandwidth * 1e9, args.intra_bandwidth * 1e9, gpus_per_node(args))
     model = SpecParams(model_config(cfg))
     fused = not args.cpu
+    assumed = {"gpu": args.gpu, "peak_tflops": peak, "mfu": args.mfu}
+    if precision(ds) == "fp32" and not args.peak_tflops:
+        peak_source += " (the run is fp32, whose matmuls do not reach it: pass --peak-tflops for fp32/TF32)"
     if args.search:
-        found = search(cfg, ds, world, args.gpu_memory, hw, fused, model)
+        found = search(cfg, ds, world, memory, hw, fused, model)
         if args.json:
-            print(json.dumps([{**report.as_json(p), "step_time_s": t.total_s} for p, t in found[:args.top]], indent=2))
+            print(json.dumps([{**report.as_json(p), **assumed, "step_time_s": t.total_s} for p, t in found[:args.top]],
+                             indent=2))
         elif not found:
-            print(f"no valid layout of {world} GPUs fits in {args.gpu_memory} bytes each")
+            print(f"no valid layout of {world} GPUs fits in {memory} bytes each")
         else:
-            print(f"{len(found)} valid layouts of {world} GPUs fit; the fastest (MFU {args.mfu:.0%} of "
-                  f"{args.peak_tflops:g} TFLOP/s, {args.bandwidth:g} GB/s between nodes, {args.intra_bandwidth:g} "
-                  "GB/s inside one, communication not overlapped):")
+            print(f"{len(found)} valid layouts of {world} GPUs fit; the fastest (MFU {args.mfu:.0%} of {peak_source}, "
+                  f"{args.bandwidth:g} GB/s between nodes, {args.intra_bandwidth:g} GB/s inside one, communication "
+                  "not overlapped):")
             print(report.ranking(found, args.top))
         return 0 if found else 1
-    plan = estimate(cfg, ds, layout_of(cfg, ds, world), args.gpu_memory, fused, model)
+    plan = estimate(cfg, ds, layout_of(cfg, ds, world), memory, fused, model)
+    t = step_time(cfg, plan, hw, model)
     if args.json:
-        print(json.dumps(report.as_json(plan), indent=2))
+        print(json.dumps({**report.as_json(plan), **assumed, "step_time_s": t.total_s}, indent=2))
     else:
         print(f"{plan.model}, {plan.precision}, {world} GPUs: {plan.layout}")
         print(report.table(plan))
         print(report.verdict(plan).removeprefix("plan: "))
-        print("estimated " + report.why(plan, step_time(cfg, plan, hw, model)))
+        print("estimated " + report.why(plan, t))
+        print(f"compute at MFU {args.mfu:.0%} of {peak_source}")
     return 0 if plan.fits else 1
 
 
@@ -156,15 +208,20 @@ def register(sub) -> None:
                    help="with --gpus: GPUs per node (tensor and expert groups inside a node use --intra-bandwidth; "
                         "default 8; with --hostfile its slots per host, with --num_gpus all of them)")
     add_slot_filters(p)
-    p.add_argument(*spellings("--gpu-memory"), type=memory_size, required=True, metavar="SIZE",
-                   help="memory per GPU, e.g. 80GB (GB = GiB)")
+    p.add_argument("--gpu", choices=list(GPUS), default=None,
+                   help="a GPU's datasheet memory and bf16 dense peak (" +
+                        "; ".join(f"{k}: {g.name}, {g.memory // 2**30} GB, {g.peak_tflops:g} TFLOP/s"
+                                  for k, g in GPUS.items()) + "); --gpu-memory and --peak-tflops override them")
+    p.add_argument(*spellings("--gpu-memory"), type=memory_size, default=None, metavar="SIZE",
+                   help="memory per GPU, e.g. 80GB (GB = GiB); needed without --gpu")
     p.add_argument("--layout", default=None, metavar="pp=P,ep=E,tp=T,zero=Z,micro=M",
                    help="this layout instead of the run config's (any subset of the keys)")
     p.add_argument("--search", action="store_true", help="rank every valid layout that fits by estimated step time")
     p.add_argument("--top", type=positive_int, default=5, help="--search: layouts printed (default 5)")
     p.add_argument("--json", action="store_true", help="one JSON object (with --search: a list, fastest first)")
-    p.add_argument(*spellings("--peak-tflops"), type=float, default=989.0,
-                   help="dense peak TFLOP/s per GPU in the run's precision (default 989: H100 bf16)")
+    p.add_argument(*spellings("--peak-tflops"), type=float, default=None,
+                   help="dense peak TFLOP/s per GPU in the run's precision (default: --gpu's, else "
+                        f"{GPUS[DEFAULT_GPU].peak_tflops:g}, an H100's bf16)")
     p.add_argument("--mfu", type=float, default=0.4, help="fraction of the peak the compute reaches (default 0.4)")
     p.add_argument("--bandwidth", type=float, default=50.0,
                    help="GB/s per GPU between nodes for collectives (default 50: 400 Gb/s InfiniBand)")

@@ -76,6 +76,22 @@ class SpecParams:
         return self._lora[key]
 
 
+def lora_active(model: SpecParams, section) -> list[tuple[int, int]]:
+    """Per spec, (frozen base weights, adapters): the elements a token's matmuls touch under LoRA (r > 0), as
+    layer_costs counts active parameters (a lookup embedding none, an MoE layer's routed experts top-k of n)."""
+    k, n = getattr(model.mcfg, "num_experts_per_tok", 0) or 0, getattr(model.mcfg, "n_routed_experts", 0) or 1
+
+    def active(entries) -> int:
+        return sum(e * k // n if _ROUTED.search(f".{name}") else e for name, e in entries)
+
+    out = []
+    for cost, entries in zip(model.costs, model.lora(section)):
+        frozen = active((name, e) for name, e, trainable in entries if not trainable)
+        adapters = active((name, e) for name, e, trainable in entries if trainable and ".lora_" in f".{name}")
+        out.append((frozen if cost.active_params else 0, adapters))
+    return out
+
+
 def rank_params(model: SpecParams, bounds: list[int], stage: int, ep: int, tp: int, lora=None) -> list[Param]:
     """The parameters of one rank of pipeline stage `stage`, in the order DeepSpeed flattens them; `lora`: the run's
     lora section (r > 0: the base frozen, what apply_lora unfreezes trainable).

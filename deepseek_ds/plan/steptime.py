@@ -1,7 +1,7 @@
 """Estimated optimizer-step time of a layout, and the search over every layout validate() accepts for a GPU count.
 
-time = the slowest stage's compute (training FLOPs per token from models.flops, the one formula, at a stated MFU of
-the GPU's peak) stretched by the 1F1B bubble, (m + p - 1) / m for p stages and m micro-batches, plus the
+time = the slowest stage's compute (training FLOPs per token from models.flops, the one formula, less the weight
+gradients of LoRA's frozen base, at a stated MFU of the GPU's peak) stretched by the 1F1B bubble, (m + p - 1) / m for p stages and m micro-batches, plus the
 communication a step must move at a stated bandwidth per GPU, not overlapped (an upper bound): gradient reduction
 over the data-parallel group (ring: 2 (n-1)/n x the trainable bytes; ZeRO-3 reduce-scatters them, (n-1)/n, and
 all-gathers every parameter, frozen ones too, twice),
@@ -18,9 +18,34 @@ from dataclasses import dataclass
 from ..config import ConfigError, RunConfig, validate
 from ..models import flops
 from ..models.presets import num_routed_experts
+from ..training.metrics import PEAK_TFLOPS_BF16
 from .activations import layer_kinds
 from .estimate import Plan, estimate, layout_of
-from .params import SpecParams, rank_params
+from .params import SpecParams, lora_active, rank_params
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    device: str          # its key in training.metrics' bf16 dense peak table (the name torch reports contains it)
+    memory: int          # bytes: the datasheet's GB read as --gpu-memory reads it (GiB)
+
+    @property
+    def peak_tflops(self) -> float:
+        return dict(PEAK_TFLOPS_BF16)[self.device]
+
+
+# --gpu presets: memory from the vendors' datasheets (NVIDIA H100 SXM5 80 GB, H200 SXM 141 GB, A100 SXM4 80 GB, L40S
+# 48 GB, GeForce RTX 4090 24 GB); the bf16 dense peaks are the table training's MFU uses (the same datasheets,
+# without their 2:4-sparsity doubling).
+GPUS = {
+    "h100": Gpu("H100 SXM", "H100", 80 * 2**30),
+    "h200": Gpu("H200 SXM", "H200", 141 * 2**30),
+    "a100": Gpu("A100 80GB SXM", "A100", 80 * 2**30),
+    "l40s": Gpu("L40S", "L40S", 48 * 2**30),
+    "4090": Gpu("GeForce RTX 4090", "RTX 4090", 24 * 2**30),
+}
+DEFAULT_GPU = "h100"  # the peak a plan assumes without --gpu or --peak-tflops
 
 
 @dataclass(frozen=True)
@@ -53,6 +78,11 @@ def step_time(cfg: RunConfig, plan: Plan, hw: Hardware, model: SpecParams) -> St
     seq = cfg.data.seq_len
     bounds = model.bounds(lay.pp, cfg.model.partition_method, seq)
     per_layer = flops.layer_flops(model.costs, mcfg, seq)
+    if cfg.lora.r:
+        # A weight's 6 FLOPs per element and token are 2 forward, 2 for its input's gradient and 2 for its own
+        # gradient; LoRA's frozen base weights skip the last, the adapters (and modules_to_save) take all 6.
+        per_layer = [f - 2 * frozen + 6 * adapters
+                     for f, (frozen, adapters) in zip(per_layer, lora_active(model, cfg.lora))]
     replica_tokens = lay.micro * lay.grad_accum * seq
     f = 2 if plan.precision in ("bf16", "fp16") else 4
     stage_flops = [sum(per_layer[a:b]) for a, b in zip(bounds, bounds[1:])]

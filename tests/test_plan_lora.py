@@ -1,0 +1,99 @@
+"""`plan` for fine-tuning: LoRA's step time without the frozen weights' gradient matmuls (against FLOPs counted from
+the transformers model itself), GPU presets with datasheet memory and peak (and the GPU a plan assumed, said), and a
+recipe whose model.path is not on this machine planned from the preset it names."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from deepseek_ds.config import load_ds_config, load_run_config
+from deepseek_ds.models.presets import build_model_config
+from deepseek_ds.plan.estimate import estimate, layout_of, model_config
+from deepseek_ds.plan.params import SpecParams
+from deepseek_ds.plan.steptime import Hardware, step_time
+from helpers import cli
+
+SEVEN_B = ["model.path=null", "model.preset=deepseek-llm-7b", "data.builtin=stdlib", "data.seq_len=2048",
+           "train.micro_batch_size=1", "train.global_batch_size=4"]
+LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _compute_s(sets: list[str], hw: Hardware) -> float:
+    cfg = load_run_config("recipes/tiny-dense.yaml", [*SEVEN_B, *sets])
+    ds = load_ds_config("ds_configs/zero3_bf16.json")
+    model = SpecParams(model_config(cfg))
+    plan = estimate(cfg, ds, layout_of(cfg, ds, 1), 2**40, True, model)
+    return step_time(cfg, plan, hw, model).compute_s
+
+
+@pytest.mark.unit
+def test_lora_skips_the_frozen_weights_gradient_matmuls():
+    """Per token: a weight matmul costs 2 x its parameters forward, 2 for the input's gradient and 2 for the
+    weight's; frozen weights skip the last. Counted here from the transformers Llama itself (meta device)."""
+    r, seq, tokens = 16, 2048, 4 * 2048
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(build_model_config("deepseek-llm-7b"))
+    c = hf.config
+    weights = sum(p.numel() for n, p in hf.named_parameters() if "embed_tokens" not in n)  # a lookup: no matmul
+    adapters = sum(r * (m.in_features + m.out_features) for n, m in hf.named_modules()
+                   if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in LLAMA_TARGETS)
+    head_dim = c.hidden_size // c.num_attention_heads
+    attention = c.num_hidden_layers * 6 * c.num_attention_heads * seq * 2 * head_dim // 2  # causal: half the square
+    hw = Hardware(peak_tflops=989.0, mfu=0.4, bandwidth=50e9, intra_bandwidth=300e9, gpus_per_node=8)
+    rate = 989e12 * 0.4
+    full, lora = _compute_s([], hw), _compute_s(["lora.r=16", "lora.alpha=32"], hw)
+    assert full == pytest.approx(tokens * (6 * weights + attention) / rate, rel=1e-9)
+    assert lora == pytest.approx(tokens * (4 * weights + 6 * adapters + attention) / rate, rel=1e-9)
+    assert 0.68 < lora / full < 0.69  # a 7B at 2,048 tokens: about a third less compute
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("gpu, memory, peak", [("h100", 80, 989.4), ("h200", 141, 989.4), ("a100", 80, 312.0),
+                                               ("l40s", 48, 362.1), ("4090", 24, 165.2)])
+def test_gpu_presets_give_memory_and_peak_and_the_plan_says_which(gpu, memory, peak, capsys):
+    args = ["plan", "--config", "recipes/tiny-v3.yaml", "--num_gpus", "1", "--gpu", gpu]
+    cli([*args, "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["gpu_memory_bytes"] == memory * 2**30 and out["peak_tflops"] == peak and out["gpu"] == gpu
+    cli(args)
+    assert f"{peak:g} TFLOP/s bf16 dense peak of the --gpu {gpu} preset" in capsys.readouterr().out
+    # --gpu-memory and --peak-tflops given beside a preset win.
+    cli([*args, "--json", "--gpu-memory", "10GB", "--peak-tflops", "100"])
+    out = json.loads(capsys.readouterr().out)
+    assert (out["gpu_memory_bytes"], out["peak_tflops"]) == (10 * 2**30, 100.0)
+
+
+@pytest.mark.unit
+def test_a_plan_without_a_gpu_says_it_assumed_an_h100(capsys):
+    base = ["plan", "--config", "recipes/tiny-v3.yaml", "--num_gpus", "1", "--gpu-memory", "24GB"]
+    cli(base)
+    assert "989.4 TFLOP/s assumed (an H100's bf16 dense peak): pass --gpu or --peak-tflops for yours" in \
+        capsys.readouterr().out
+    cli([*base, "--peak-tflops", "165.2"])
+    assert "165.2 TFLOP/s (--peak-tflops)" in capsys.readouterr().out
+    assert cli(["plan", "--config", "recipes/tiny-v3.yaml", "--num_gpus", "1"]) == 2
+    assert "pass --gpu-memory SIZE or --gpu" in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_a_recipe_whose_model_path_is_absent_is_planned_from_its_preset(capsys):
+    args = ["plan", "--config", "recipes/sft-deepseek-v2-lite.yaml", "--num_gpus", "8", "--gpu", "h100", "--json"]
+    cli(args)
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert captured.err.strip() == ("note: model.path /models/DeepSeek-V2-Lite is not on this machine: planning from "
+                                    "the deepseek-v2-lite preset")
+    cli([*args, "--set", "model.path=null", "--set", "model.preset=deepseek-v2-lite"])
+    reference = json.loads(capsys.readouterr().out)
+    assert out == reference and out["model"] == "deepseek-v2-lite"
+    # A path that names no preset: one line saying how to plan it.
+    status = cli([*args, "--set", "model.path=/models/my-model"])
+    err = capsys.readouterr().err
+    assert status == 2 and err.startswith("deepseek-ds: error: model.path /models/my-model is not on this machine "
+                                          "and names no preset: set model.preset")
+
