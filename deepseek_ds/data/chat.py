@@ -1,7 +1,8 @@
 """Conversations: the two JSON Lines formats, and their token ids with a per-token trained mask.
 
-A line is `{"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}` or
-`{"prompt": ..., "response": ...}` (one user and one assistant turn). A conversation renders through the
+A line is `{"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}`,
+`{"prompt": ..., "response": ...}` (one user and one assistant turn), or an Alpaca or ShareGPT record (formats.py).
+It must hold an assistant turn with content and end with one. A conversation renders through the
 tokenizer's `chat_template` when it has one, otherwise in DeepSeek-V3's chat format:
 
     BOS system-content (<｜User｜> user-content | <｜Assistant｜> assistant-content EOS)*
@@ -19,6 +20,7 @@ import json
 from dataclasses import dataclass
 
 from .errors import DataError
+from .formats import AUTO, as_messages
 
 SYSTEM, USER, ASSISTANT = "system", "user", "assistant"
 ROLES = (SYSTEM, USER, ASSISTANT)
@@ -53,40 +55,39 @@ class Encoded:
 
 
 # ----------------------------------------------------------------------------------------------- parsing
-def _messages_of(record) -> tuple[Message, ...]:
-    if not isinstance(record, dict):
-        raise ValueError(f"a {type(record).__name__}, not an object with 'messages' or 'prompt'/'response'")
-    if "messages" in record:
-        raw = record["messages"]
-        if not isinstance(raw, list) or not raw:
-            raise ValueError("empty conversation: 'messages' must be a non-empty list")
-        messages = []
-        for i, m in enumerate(raw):
-            if not isinstance(m, dict) or m.get("role") not in ROLES:
-                role = m.get("role") if isinstance(m, dict) else m
-                raise ValueError(f"message {i}: unknown role {role!r} (use {', '.join(ROLES)})")
-            if not isinstance(m.get("content"), str):
-                raise ValueError(f"message {i}: 'content' must be a string")
-            messages.append(Message(m["role"], m["content"]))
-    elif "prompt" in record or "response" in record:
-        if not (isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str)):
-            raise ValueError("'prompt' and 'response' must both be strings")
-        messages = [Message(USER, record["prompt"]), Message(ASSISTANT, record["response"])]
-    else:
-        raise ValueError(f"neither 'messages' nor 'prompt'/'response' (keys: {', '.join(sorted(record)) or 'none'})")
+def _messages_of(record, fmt: str) -> tuple[Message, ...]:
+    raw = as_messages(record, fmt)
+    if not isinstance(raw, list) or not raw:
+        raise ValueError("empty conversation: 'messages' must be a non-empty list")
+    messages = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            role = m.get("role") if isinstance(m, dict) else m
+            raise ValueError(f"message {i}: unknown role {role!r} (use {', '.join(ROLES)})")
+        if not isinstance(m.get("content"), str):
+            raise ValueError(f"message {i}: 'content' must be a string")
+        if m["role"] == ASSISTANT and not m["content"].strip():
+            raise ValueError(f"message {i}: empty assistant content: nothing to train on or score")
+        messages.append(Message(m["role"], m["content"]))
     if not any(m.role == ASSISTANT for m in messages):
         raise ValueError("no assistant turn")
+    last = max(i for i, m in enumerate(messages) if m.role != SYSTEM)
+    if messages[last].role == USER:
+        # Trained on, it would teach nothing; as a task item, its reference would answer an earlier question.
+        raise ValueError(f"ends with a user turn (message {last}) that no assistant turn answers: add the answer or "
+                         "drop that turn")
     return tuple(messages)
 
 
-def parse_line(line: str, where: str) -> tuple[Message, ...]:
-    """The messages of one JSON Lines line; ChatFormatError naming `where` (file:line) and what is wrong."""
+def parse_line(line: str, where: str, fmt: str = AUTO) -> tuple[Message, ...]:
+    """The messages of one JSON Lines line in format `fmt` (formats.LINE_FORMATS; AUTO: each line's own);
+    ChatFormatError naming `where` (file:line) and what is wrong."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
         raise ChatFormatError(f"{where}: not JSON ({e.msg} at column {e.colno})") from e
     try:
-        return _messages_of(record)
+        return _messages_of(record, fmt)
     except ValueError as e:
         raise ChatFormatError(f"{where}: {e}") from e
 
@@ -96,7 +97,7 @@ def read_conversations(path: str, skip_bad: bool = False) -> tuple[list[tuple[Me
     the first bad line is raised (the fix: correct it, or pass --skip-bad). Blank lines are not items."""
     conversations, bad = [], []
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # -sig: a BOM (Windows editors write one) is no character
             for number, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -131,14 +132,16 @@ def _text_ids(tokenizer, text: str) -> list[int]:
 
 def _deepseek_ids(tokenizer) -> tuple[int, int, int, int]:
     """(BOS, EOS, <｜User｜>, <｜Assistant｜>) ids; ChatFormatError when the tokenizer lacks any of them."""
-    vocab = tokenizer.get_vocab()
-    missing = [t for t in (USER_MARKER, ASSISTANT_MARKER) if t not in vocab]
+    # One id lookup per marker: get_vocab() builds the whole vocabulary dict (~0.3 s for DeepSeek's 129k tokens) and
+    # this runs once per conversation. An absent token converts to the unknown token's id, or None without one.
+    markers = dict(zip((USER_MARKER, ASSISTANT_MARKER), tokenizer.convert_tokens_to_ids([USER_MARKER, ASSISTANT_MARKER])))
+    missing = [t for t, i in markers.items() if i is None or (i == tokenizer.unk_token_id and t != tokenizer.unk_token)]
     missing += [name for name, i in (("BOS", tokenizer.bos_token_id), ("EOS", tokenizer.eos_token_id)) if i is None]
     if missing:
         where = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
         raise ChatFormatError(f"{where} has no chat_template and lacks DeepSeek's chat tokens ({', '.join(missing)})",
                               hint="add a chat_template to its tokenizer_config.json, or use a DeepSeek tokenizer")
-    return tokenizer.bos_token_id, tokenizer.eos_token_id, vocab[USER_MARKER], vocab[ASSISTANT_MARKER]
+    return tokenizer.bos_token_id, tokenizer.eos_token_id, markers[USER_MARKER], markers[ASSISTANT_MARKER]
 
 
 def _deepseek_segments(tokenizer, messages: tuple[Message, ...], generation_prompt: bool) -> Segments:

@@ -22,10 +22,10 @@ from tqdm import tqdm
 from ..utils.fs import publish_dir, temp_dir_for, write_json_atomic
 from .chat import ASSISTANT_MARKER, TRAIN_ON, USER_MARKER, encode
 from .errors import DataError
+from .formats import ALPACA, AUTO, INPUT_FORMATS, SHAREGPT
 from .layout import (
     CHAT_FORMAT,
     FORMAT_VERSION,
-    FORMATS,
     META,
     PLAN,
     SPLITS,
@@ -96,10 +96,10 @@ def _iter_texts(table: DocTable, field: str) -> Iterator[str]:
         yield from read_docs(table.subset(np.arange(start, min(start + _TRAIN_CHUNK, len(table)))), field)
 
 
-def _iter_chat_texts(table: DocTable) -> Iterator[str]:
+def _iter_chat_texts(table: DocTable, fmt: str) -> Iterator[str]:
     for start in range(0, len(table), _TRAIN_CHUNK):
         rows = table.subset(np.arange(start, min(start + _TRAIN_CHUNK, len(table))))
-        yield from (m.content for messages in read_conversation_rows(rows) for m in messages)
+        yield from (m.content for messages in read_conversation_rows(rows, fmt) for m in messages)
 
 
 def _ensure_tokenizer(out: Path, src_tok, train: Callable[[Path], None]):
@@ -160,7 +160,8 @@ def _records(tasks: list[ShardTask], pool: ProcessPoolExecutor | None) -> Iterat
 
 
 def _plan_tasks(out: Path, table: DocTable, rows: dict[str, np.ndarray], field: str,
-                shards: dict[str, list[tuple[int, int]]], tok, train_on: str | None) -> list[ShardTask]:
+                shards: dict[str, list[tuple[int, int]]], tok, train_on: str | None,
+                line_format: str = AUTO) -> list[ShardTask]:
     """shards: per split, its shards' [start, end) ranges of that split's rows (group_by_size)."""
     backend = backend_json(tok)
     tok_hash, dtype = tokenizer_hash(backend), token_dtype(vocab_size_of(tok))
@@ -173,7 +174,8 @@ def _plan_tasks(out: Path, table: DocTable, rows: dict[str, np.ndarray], field: 
         for k, (a, b) in enumerate(shards[split]):
             part = docs.subset(np.arange(a, b))
             tasks.append(ShardTask(f"{split}-{k:05d}", str(out), part, field, backend, tok.eos_token_id, dtype,
-                                   shard_key(part, field, tok_hash, tok.eos_token_id, dtype, chat), train_on))
+                                   shard_key(part, field, tok_hash, tok.eos_token_id, dtype, chat), train_on,
+                                   line_format))
     return tasks
 
 
@@ -197,7 +199,7 @@ def prepare_dataset(inputs: list[str], out_dir: str, tokenizer_dir: str | None =
                     workers: int = 1, jsonl_field: str = "text", valid_fraction: float = 0.01, seed: int = 0,
                     *, shard_mb: float = 16.0, progress: bool = True,
                     extensions: tuple[str, ...] | None = DEFAULT_EXTENSIONS, data_format: str = TEXT_FORMAT,
-                    train_on: str = "all", skip_bad: bool = False) -> str:
+                    train_on: str = "all", skip_bad: bool = False, split: str | None = None) -> str:
     """Tokenize `inputs` into a packed, checksummed dataset at `out_dir` and return `out_dir`.
 
     With `tokenizer_dir` the dataset uses that HF tokenizer; otherwise a byte-level BPE of `vocab_size`
@@ -208,21 +210,25 @@ def prepare_dataset(inputs: list[str], out_dir: str, tokenizer_dir: str | None =
     `data_format` "chat": the inputs are .jsonl conversations (data/chat.py), each stored as one sample with a
     trained mask (assistant turns: all, or the last with `train_on` "last"); a bad line is an error naming its
     file:line, or skipped and counted in meta.json with `skip_bad`. Whole conversations are held out for validation.
+    Each record's format (messages, prompt/response, Alpaca, ShareGPT: formats.py) is told from its keys;
+    `data_format` "alpaca" or "sharegpt" makes a chat dataset of records that must all be in that format.
+    A saved DatasetDict input contributes its split `split` ("train" when None); meta.json says which.
     """
     if workers < 1:
         raise DataError(f"workers must be >= 1, got {workers}")
-    if data_format not in FORMATS:
-        raise DataError(f"format {data_format!r}: use one of {', '.join(FORMATS)}")
+    if data_format not in INPUT_FORMATS:
+        raise DataError(f"format {data_format!r}: use one of {', '.join(INPUT_FORMATS)}")
     if train_on not in TRAIN_ON:
         raise DataError(f"train_on {train_on!r}: use one of {', '.join(TRAIN_ON)}")
-    chat = data_format == CHAT_FORMAT
+    chat = data_format != TEXT_FORMAT
+    line_format = data_format if data_format in (ALPACA, SHAREGPT) else AUTO
     out = Path(out_dir)
     bad: list[str] = []
     if chat:
-        table, bad = scan_chat(inputs, skip_bad)
+        table, bad = scan_chat(inputs, skip_bad, line_format, split)
         rows = split_rows(len(table), valid_fraction, seed)
     else:
-        table, rows = _split(scan_inputs(inputs, jsonl_field, extensions), valid_fraction, seed)
+        table, rows = _split(scan_inputs(inputs, jsonl_field, extensions, split), valid_fraction, seed)
     shards = {split: group_by_size(table.size[rows[split]], int(shard_mb * 2**20)) for split in SPLITS}
     # Workers start before the tokenizer loads, at most one per shard; the pool closes (joining them) before meta.
     with _worker_pool(min(workers, sum(map(len, shards.values())))) as pool:
@@ -240,17 +246,19 @@ def prepare_dataset(inputs: list[str], out_dir: str, tokenizer_dir: str | None =
         train_docs = table.subset(rows["train"])
         if chat:
             # Without --tokenizer: a BPE with BOS and DeepSeek's chat markers, so DeepSeek-V3's chat format renders.
-            tok = _ensure_tokenizer(out, src_tok, lambda d: train_bpe(_iter_chat_texts(train_docs), vocab_size, d,
-                                                                      progress, chat=True))
+            tok = _ensure_tokenizer(out, src_tok, lambda d: train_bpe(_iter_chat_texts(train_docs, line_format),
+                                                                      vocab_size, d, progress, chat=True))
             # Rendered here once, so a tokenizer that cannot render conversations fails before any shard is tokenized.
-            encode(tok, read_conversation_rows(table.subset(np.arange(1)))[0], train_on)
+            encode(tok, read_conversation_rows(table.subset(np.arange(1)), line_format)[0], train_on)
         else:
             tok = _ensure_tokenizer(out, src_tok, lambda d: train_bpe(_iter_texts(train_docs, jsonl_field), vocab_size,
                                                                       d, progress))
-        tasks = _plan_tasks(out, table, rows, jsonl_field, shards, tok, train_on if chat else None)
+        tasks = _plan_tasks(out, table, rows, jsonl_field, shards, tok, train_on if chat else None, line_format)
         _run([t for t in tasks if not is_done(t)], pool, progress)
     meta = _meta(out, tasks, plan_hash, tok)
     meta["skipped_inputs"] = list(table.skipped)
+    if table.read_splits:
+        meta["read_splits"] = list(table.read_splits)
     if chat:
         # The first few errors are kept for the summary; the count is of all lines skipped.
         meta.update(format=CHAT_FORMAT, train_on=train_on, bad_lines=len(bad), bad_line_errors=bad[:5])

@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 from ..utils.fs import write_bytes_atomic, write_json_atomic
 from .chat import encode
 from .errors import DataError
+from .formats import AUTO
 from .layout import TOKENIZER_DIR, check_shard, mask_file, read_json, shard_files
 from .sources import DocTable, read_conversation_rows, read_docs
 
@@ -37,6 +38,7 @@ class ShardTask:
     dtype: str
     key: str  # hash of everything the shard's bytes depend on
     train_on: str | None = None  # chat datasets: which assistant turns are trained (chat.TRAIN_ON); None: text
+    line_format: str = AUTO  # chat datasets: the records' format (formats.LINE_FORMATS)
 
 
 def shard_key(docs: DocTable, field: str, tok_hash: str, eos_id: int, dtype: str, chat: list | None = None) -> str:
@@ -104,7 +106,8 @@ def _dataset_tokenizer(out_dir: str):
 def _encode_chat(task: ShardTask) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens, sample bounds, trained mask) of the shard's conversations, rendered by chat.encode."""
     tok = _dataset_tokenizer(task.out_dir)
-    encoded = [encode(tok, messages, task.train_on) for messages in read_conversation_rows(task.docs)]
+    encoded = [encode(tok, messages, task.train_on) for messages in read_conversation_rows(task.docs,
+                                                                                          task.line_format)]
     tokens = np.array([i for e in encoded for i in e.ids], task.dtype)
     mask = np.array([t for e in encoded for t in e.trained], np.uint8)
     bounds = np.concatenate([[0], np.cumsum([len(e.ids) for e in encoded])]).astype(np.int64)

@@ -17,6 +17,7 @@ import numpy as np
 
 from .chat import ChatFormatError, Message, parse_line
 from .errors import DataError
+from .formats import AUTO
 
 TEXT, JSONL, HF = "text", "jsonl", "hf"
 _HF_MARKERS = ("dataset_dict.json", "state.json")
@@ -30,6 +31,7 @@ DEFAULT_EXTENSIONS = (".txt", ".text", ".md", ".markdown", ".rst", ".tex", ".jso
 class Source:
     path: str
     kind: str  # TEXT (whole file is one document), JSONL (one document per line) or HF (one per row)
+    split: str | None = None  # HF: the DatasetDict split asked for (--split); None: a Dataset, or "train"
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class DocTable:
     offset: np.ndarray  # int64
     size: np.ndarray  # int64
     skipped: tuple[str, ...] = ()  # files under directory inputs without a corpus extension
+    read_splits: tuple[str, ...] = ()  # one line per DatasetDict input: which split was read, which it has
 
     def __len__(self) -> int:
         return len(self.source)
@@ -51,8 +54,9 @@ class DocTable:
 
     def refs(self) -> list[list]:
         """JSON-able description of every document, for plan hashes."""
-        return [[self.sources[s].path, self.sources[s].kind, int(o), int(n)]
-                for s, o, n in zip(self.source, self.offset, self.size)]
+        # The split only when chosen, so the hashes of datasets prepared before --split existed stay the same.
+        names = [s.path if s.split is None else f"{s.path}[{s.split}]" for s in self.sources]
+        return [[names[s], self.sources[s].kind, int(o), int(n)] for s, o, n in zip(self.source, self.offset, self.size)]
 
 
 def _is_hf_dataset(path: Path) -> bool:
@@ -73,12 +77,13 @@ def _files_under(root: Path, extensions: tuple[str, ...] | None) -> tuple[list[P
     return [f for f in found if f.suffix.lower() in wanted], [f for f in found if f.suffix.lower() not in wanted]
 
 
-def _expand(inputs: list[str], extensions: tuple[str, ...] | None) -> tuple[list[Source], list[str]]:
+def _expand(inputs: list[str], extensions: tuple[str, ...] | None,
+            split: str | None = None) -> tuple[list[Source], list[str]]:
     sources, skipped = [], []
     for raw in inputs:
         path = Path(raw)
         if path.is_dir() and _is_hf_dataset(path):
-            sources.append(Source(str(path.resolve()), HF))
+            sources.append(Source(str(path.resolve()), HF, split))
         elif path.is_dir():
             files, left = _files_under(path, extensions)
             sources += [Source(str(f.resolve()), JSONL if f.suffix == ".jsonl" else TEXT) for f in files]
@@ -102,44 +107,57 @@ def _jsonl_lines(path: str) -> tuple[list[int], list[int]]:
     return offsets, sizes
 
 
-def _hf_split(path: str):
+def _hf_open(path: str, split: str | None):
+    """(the rows to read: a Dataset, or split `split` of a DatasetDict ("train" when None), a line saying which
+    split of a DatasetDict that is, or None for a Dataset)."""
     from datasets import Dataset, load_from_disk  # optional (the `data` extra) and slow to import: only for HF inputs
 
     loaded = load_from_disk(path)
     if isinstance(loaded, Dataset):
-        return loaded
-    if "train" not in loaded:
-        raise DataError(f"{path} is a DatasetDict without a 'train' split (splits: {sorted(loaded)}): "
-                        f"save the split you want with Dataset.save_to_disk and pass that directory")
-    return loaded["train"]
+        if split is not None:
+            raise DataError(f"{path} is one Dataset, not a DatasetDict: --split {split} does not apply to it: leave "
+                            "--split out, or pass that input in a separate prepare")
+        return loaded, None
+    name, names = split or "train", sorted(loaded)
+    if name not in loaded:
+        raise DataError(f"{path} has no split {name!r} (splits: {', '.join(names)}): pass "
+                        + " or ".join(f"--split {n}" for n in names))
+    return loaded[name], f"read split {name!r} of {path} (splits: {', '.join(names)}; choose with --split)"
 
 
-def _hf_rows(path: str, field: str) -> tuple[list[int], list[int]]:
-    ds = _hf_split(path)
+def _hf_split(src: Source):
+    return _hf_open(src.path, src.split)[0]
+
+
+def _hf_rows(src: Source, field: str) -> tuple[list[int], list[int], str | None]:
+    ds, note = _hf_open(src.path, src.split)
     if field not in ds.column_names:
-        raise DataError(f"{path} has no column {field!r} (columns: {ds.column_names}): "
+        raise DataError(f"{src.path} has no column {field!r} (columns: {ds.column_names}): "
                         f"pass the text column with --jsonl-field / jsonl_field")
     row_bytes = max(1, ds.data.nbytes // max(1, len(ds)))
-    return list(range(len(ds))), [row_bytes] * len(ds)
+    return list(range(len(ds))), [row_bytes] * len(ds), note
 
 
-def scan_inputs(inputs: list[str], field: str, extensions: tuple[str, ...] | None = DEFAULT_EXTENSIONS) -> DocTable:
+def scan_inputs(inputs: list[str], field: str, extensions: tuple[str, ...] | None = DEFAULT_EXTENSIONS,
+                split: str | None = None) -> DocTable:
     """Every document of `inputs` in deterministic order; DataError when there is nothing to read. Directories
-    contribute their files with one of `extensions` (None: every file); the others are listed in `skipped`."""
-    sources, skipped = _expand(inputs, extensions)
-    source, offset, size = [], [], []
+    contribute their files with one of `extensions` (None: every file); the others are listed in `skipped`. A saved
+    DatasetDict contributes its split `split` ("train" when None)."""
+    sources, skipped = _expand(inputs, extensions, split)
+    source, offset, size, notes = [], [], [], []
     for i, src in enumerate(sources):
         if src.kind == TEXT:
             offs, sizes = [0], [os.path.getsize(src.path)]
         elif src.kind == JSONL:
             offs, sizes = _jsonl_lines(src.path)
         else:
-            offs, sizes = _hf_rows(src.path, field)
+            offs, sizes, note = _hf_rows(src, field)
+            notes += [note] if note else []
         source += [i] * len(offs)
         offset += offs
         size += sizes
     table = DocTable(tuple(sources), np.array(source, np.int64), np.array(offset, np.int64), np.array(size, np.int64),
-                     tuple(skipped))
+                     tuple(skipped), tuple(notes))
     if len(table) == 0 or int(table.size.sum()) == 0:
         also = f" ({len(skipped)} files skipped for their extension, e.g. {skipped[0]})" if skipped else ""
         raise DataError(f"no text found in inputs {inputs}{also}: pass non-empty UTF-8 text files, directories of "
@@ -147,21 +165,23 @@ def scan_inputs(inputs: list[str], field: str, extensions: tuple[str, ...] | Non
     return table
 
 
-def scan_chat(inputs: list[str], skip_bad: bool) -> tuple[DocTable, list[str]]:
-    """One row per conversation of the inputs (.jsonl files, directories of them, saved HF datasets with a `messages`
-    or `prompt` + `response` column), each parsed here so a bad one is reported with its file:line (or row) before
-    any tokenizing; (table, one error line per bad conversation skipped)."""
-    sources, _ = _expand(inputs, (".jsonl",))
+def scan_chat(inputs: list[str], skip_bad: bool, fmt: str = AUTO,
+              split: str | None = None) -> tuple[DocTable, list[str]]:
+    """One row per conversation of the inputs (.jsonl files, directories of them, saved HF datasets: a Dataset, or
+    split `split` of a DatasetDict), records of format `fmt` (formats.LINE_FORMATS), each parsed here so a bad one is
+    reported with its file:line (or row) before any tokenizing; (table, one error line per bad conversation
+    skipped)."""
+    sources, _ = _expand(inputs, (".jsonl",), split)
     other = next((s.path for s in sources if s.kind == TEXT), None)
     if other is not None:
         raise DataError(f"--format chat reads JSON Lines (.jsonl) files or saved HF datasets of conversations; {other} "
                         f"is neither: convert it to one {{\"messages\": [...]}} or {{\"prompt\", \"response\"}} "
                         "object a line")
-    source, offset, size, bad = [], [], [], []
+    source, offset, size, bad, notes = [], [], [], [], []
     for i, src in enumerate(sources):
-        for where, text, at, length in _conversations(src):
+        for where, text, at, length in _conversations(src, notes):
             try:
-                parse_line(text, where)
+                parse_line(text, where, fmt)
             except DataError as e:
                 if not skip_bad:
                     raise ChatFormatError(str(e), hint="fix the line, or pass --skip-bad to skip bad lines") from e
@@ -174,14 +194,16 @@ def scan_chat(inputs: list[str], skip_bad: bool) -> tuple[DocTable, list[str]]:
         raise DataError(f"no conversation found in inputs {inputs}" + (f" ({len(bad)} bad lines skipped)" if bad else "")
                         + ": pass .jsonl files with one conversation a line")
     return DocTable(tuple(sources), np.array(source, np.int64), np.array(offset, np.int64),
-                    np.array(size, np.int64)), bad
+                    np.array(size, np.int64), read_splits=tuple(notes)), bad
 
 
-def _conversations(src: Source) -> Iterator[tuple[str, str, int, int]]:
+def _conversations(src: Source, notes: list[str]) -> Iterator[tuple[str, str, int, int]]:
     """(where, JSON text, offset, size) of each conversation of a source: a .jsonl file's non-blank lines (offset: its
-    byte), a saved HF dataset's rows (offset: the row)."""
+    byte), a saved HF dataset's rows (offset: the row). Which split of a DatasetDict is read goes to `notes`."""
     if src.kind == HF:
-        for row, record in enumerate(_hf_split(src.path)):
+        ds, note = _hf_open(src.path, src.split)
+        notes += [note] if note else []
+        for row, record in enumerate(ds):
             text = _hf_conversation(record)
             yield f"{src.path} row {row}", text, row, len(text.encode())
         return
@@ -200,21 +222,22 @@ def _hf_conversation(record: dict) -> str:
     return json.dumps({k: v for k, v in record.items() if v is not None}, ensure_ascii=False)
 
 
-def read_conversation_rows(table: DocTable) -> list[tuple[Message, ...]]:
-    """The conversations of the rows of a table made by scan_chat, in order."""
+def read_conversation_rows(table: DocTable, fmt: str = AUTO) -> list[tuple[Message, ...]]:
+    """The conversations of the rows of a table made by scan_chat (with the same `fmt`), in order."""
     out = []
     for s in np.unique(table.source):  # rows of one source are contiguous (scan order): one open per file
         src = table.sources[int(s)]
         rows = np.flatnonzero(table.source == s)
         if src.kind == HF:
-            ds = _hf_split(src.path)
-            out += [parse_line(_hf_conversation(ds[int(o)]), f"{src.path} row {int(o)}") for o in table.offset[rows]]
+            ds = _hf_split(src)
+            out += [parse_line(_hf_conversation(ds[int(o)]), f"{src.path} row {int(o)}", fmt)
+                    for o in table.offset[rows]]
             continue
         with open(src.path, "rb") as f:
             for o, n in zip(table.offset[rows], table.size[rows]):
                 f.seek(int(o))
                 where = f"{src.path} (line starting at byte {int(o)})"
-                out.append(parse_line(_decode(f.read(int(n)), where), where))
+                out.append(parse_line(_decode(f.read(int(n)), where), where, fmt))
     return out
 
 
@@ -230,12 +253,13 @@ def split_text_tail(table: DocTable, fraction: float) -> DocTable | None:
     if cut <= 0 or not data[:cut].strip() or not data[cut:].strip():
         return None
     return DocTable(table.sources, np.array([table.source[0]] * 2, np.int64), np.array([0, cut], np.int64),
-                    np.array([cut, len(data) - cut], np.int64), table.skipped)
+                    np.array([cut, len(data) - cut], np.int64), table.skipped, table.read_splits)
 
 
 def _decode(data: bytes, where: str) -> str:
     try:
-        return data.decode("utf-8")
+        # utf-8-sig: a byte-order mark (Windows editors write one) opens the file and is no text.
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise DataError(f"{where} is not valid UTF-8 (bad byte at offset {e.start}): convert it, e.g. "
                         f"`iconv -f latin1 -t utf-8`, or remove it from the inputs") from e
@@ -257,8 +281,9 @@ def _jsonl_doc(f, path: str, offset: int, size: int, field: str) -> str:
     return value
 
 
-def _hf_docs(path: str, rows: list[int], field: str) -> list[str]:
-    values = _hf_split(path)[rows][field]
+def _hf_docs(src: Source, rows: list[int], field: str) -> list[str]:
+    path = src.path
+    values = _hf_split(src)[rows][field]
     bad = next((v for v in values if not isinstance(v, str)), None)
     if bad is not None:
         raise DataError(f"{path}: column {field!r} holds {type(bad).__name__}, not text: "
@@ -286,6 +311,6 @@ def read_docs(table: DocTable, field: str) -> list[str]:
                 texts += [_jsonl_doc(f, src.path, int(o), int(n), field)
                           for o, n in zip(table.offset[i:j], table.size[i:j])]
         else:
-            texts += _hf_docs(src.path, [int(r) for r in table.offset[i:j]], field)
+            texts += _hf_docs(src, [int(r) for r in table.offset[i:j]], field)
         i = j
     return texts
