@@ -16,6 +16,7 @@ from .checkpoint import cli as checkpoint_cli
 from .checkpoint.existing import check_existing_checkpoint
 from .config import RunConfig, filled_sections, load_and_validate, load_ds_config
 from .data import cli as data_cli
+from .data.sft import dataset_option_notes
 from .inference import cli as inference_cli
 from .launcher import cli as launcher_cli
 from .launcher.hostfile import read_hostfile, select_slots
@@ -58,6 +59,7 @@ def validated(args: argparse.Namespace) -> RunConfig:
           + (f"resumes from {os.path.join(cfg.checkpoint_dir, tag)}" if tag else
              f"a new run in {cfg.train.output_dir}"))
     print("".join(f"note: {line}\n" for line in filled_sections(load_ds_config(cfg.deepspeed_config))), end="")
+    print("".join(f"note: {line}\n" for line in dataset_option_notes(cfg.data.path, cfg.data)), end="")
     print(plan_cli.run_verdict(cfg, world, args.gpu_memory, args.strict, args.hostfile))
     return cfg
 

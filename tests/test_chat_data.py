@@ -306,3 +306,68 @@ def test_a_saved_hf_dataset_of_conversations_prepares_as_its_jsonl_does(deepseek
     with pytest.raises(DataError, match=r"bad row 1: message 0: unknown role 'bot'"):
         prepare_dataset([str(tmp_path / "bad")], str(tmp_path / "ds2"), tokenizer_dir=deepseek_tokenizer_dir,
                         progress=False, data_format="chat")
+
+
+def _train_lengths(deepseek_chat, chat_file, deepseek_tokenizer_dir) -> list[int]:
+    tok = AutoTokenizer.from_pretrained(deepseek_tokenizer_dir)
+    return [len(x) for x, _ in _expected(tok, chat_file, split_rows(N_CONVERSATIONS, 0.1, 0)["train"], "all")]
+
+
+def test_a_seq_len_that_drops_or_cuts_most_samples_is_refused_and_a_few_are_noted(deepseek_chat, chat_file, tmp_path,
+                                                                                  deepseek_tokenizer_dir, capsys):
+    lengths = sorted(_train_lengths(deepseek_chat, chat_file, deepseek_tokenizer_dir))
+    n = len(lengths)
+
+    def config(seq_len, *sets):
+        cfg = load_run_config("recipes/tiny-v3.yaml", [f"data.path={deepseek_chat}", f"data.seq_len={seq_len}",
+                                                       "model.overrides.vocab_size=129280", "eval.interval=0", *sets])
+        return cfg, load_ds_config(cfg.deepspeed_config)
+
+    most = lengths[n // 3]  # about two thirds of the samples are longer
+    long = sum(x > most for x in lengths)
+    assert long * 2 > n and long < n
+    share = rf"{long} of {n} \({long / n:.0%}\) chat samples of its train split are longer than data.seq_len {most} "
+    refused(*config(most, "data.packing=true"), world=2,
+            match=share + rf"\(shortest: {lengths[0]}, longest: {lengths[-1]} tokens; .*\), so data.truncation: drop "
+                          "drops them: raise data.seq_len or set data.truncation: truncate_right")
+    refused(*config(most, "data.truncation=truncate_left"), world=2,
+            match=share + r".*so data.truncation: truncate_left cuts most of them: raise data.seq_len")
+    # A few longer samples pass, and `validate` says how many and what happens to them.
+    few = lengths[-3]
+    cut = sum(x > few for x in lengths)
+    assert 0 < cut * 2 <= n
+    validate(*config(few, "data.packing=true"), 2, cuda_available=False)
+    assert cli(["validate", "--config", "recipes/tiny-v3.yaml", "--num_gpus", "2", "--set", f"data.path={deepseek_chat}",
+                "--set", f"data.seq_len={few}", "--set", "model.overrides.vocab_size=129280", "--set",
+                "eval.interval=0", "--set", "data.packing=true", "--set", f"train.output_dir={tmp_path / 'run'}"]) == 0
+    assert (f"note: data.path {deepseek_chat!r}: {cut} of {n} ({cut / n:.0%}) chat samples of its train split are "
+            f"longer than data.seq_len {few}") in capsys.readouterr().out
+    ds = ChatDataset(deepseek_chat, few, packing=True)
+    assert f"{cut} dropped as longer than seq_len ({cut / n:.0%} of the samples)" in ds.report()
+
+
+def test_prepare_reports_the_conversation_lengths(chat_file, deepseek_tokenizer_dir, tmp_path, capsys):
+    assert cli(["data", "prepare", "--input", str(chat_file), "--out", str(tmp_path / "ds"), "--format", "chat",
+                "--tokenizer", deepseek_tokenizer_dir, "--valid-fraction", "0.1", "--no-progress"]) == 0
+    lengths = np.array(_train_lengths(None, chat_file, deepseek_tokenizer_dir))
+    assert (f"conversation lengths (train): median {int(np.median(lengths))}, 90% within "
+            f"{int(np.quantile(lengths, 0.9, method='higher'))}, longest {lengths.max()} tokens") in capsys.readouterr().out
+
+
+def test_dump_prints_each_sequence_once_however_many_are_asked_for(deepseek_chat, capsys):
+    options = SimpleNamespace(seq_len=4096, packing=True, truncation="drop", document_mask=False)
+    packed = open_dataset(deepseek_chat, options)
+    assert len(packed) == 1  # every conversation fits one sequence
+    assert cli(["data", "dump", "--data", deepseek_chat, "--seq-len", "4096", "--packing", "--count", "100"]) == 0
+    out, err = capsys.readouterr()
+    assert [json.loads(line)["input_ids"] for line in out.splitlines()] == [packed[0][0].tolist()]
+    assert "the train split holds 1 sequences of --seq-len 4096" in err and "printing those 1, not 100" in err
+    # Unpacked, every sample is a sequence: 100 asked of 36 prints the 36, each once, in order.
+    one = open_dataset(deepseek_chat, SimpleNamespace(seq_len=512, packing=False, truncation="drop",
+                                                      document_mask=False))
+    assert cli(["data", "dump", "--data", deepseek_chat, "--seq-len", "512", "--count", "100"]) == 0
+    rows = [json.loads(line)["input_ids"] for line in capsys.readouterr().out.splitlines()]
+    assert rows == [one[i][0].tolist() for i in range(len(one))] and len({tuple(r) for r in rows}) == len(one) == 36
+    assert cli(["data", "dump", "--data", deepseek_chat, "--seq-len", "512", "--count", "30", "--start", "3"]) == 0
+    assert [json.loads(line)["input_ids"] for line in capsys.readouterr().out.splitlines()] == [
+        one[i][0].tolist() for i in range(3, 33)]

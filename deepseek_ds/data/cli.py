@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from types import SimpleNamespace
+
+import numpy as np
 
 from ..utils.cli_args import spellings
 from .builtin import stdlib_files
 from .chat import TRAIN_ON
-from .layout import CHAT_FORMAT, FORMATS, TEXT_FORMAT, dataset_format, dataset_info
+from .formats import INPUT_FORMATS
+from .layout import CHAT_FORMAT, TEXT_FORMAT, dataset_format, dataset_info
 from .prepare import prepare_dataset
 from .sampler import GlobalBatchSampler
-from .sft import DROP, TRUNCATE_LEFT, TRUNCATE_RIGHT, open_dataset
+from .sft import DROP, TRUNCATE_LEFT, TRUNCATE_RIGHT, chat_sample_lengths, open_dataset
 from .sources import DEFAULT_EXTENSIONS
 from .synthetic import HELDOUT_FILE, TASK_KINDS, TOKENIZER_SUBDIR, TRAIN_FILE, write_task
 
@@ -44,6 +48,13 @@ def summary(out: str) -> list[str]:
     if dataset_format(meta) == CHAT_FORMAT:
         lines.append(f"  chat samples trained on {meta['train_on']} assistant turns; {meta['bad_lines']:,} bad lines "
                      "skipped" + "".join(f"\n    {e}" for e in meta["bad_line_errors"]))
+        lengths = chat_sample_lengths(out, "train")
+        if len(lengths):
+            # What data.seq_len must be before a run drops (or truncates) samples: said here, before any config.
+            lines.append(f"  conversation lengths (train): median {int(np.median(lengths)):,}, 90% within "
+                         f"{int(np.quantile(lengths, 0.9, method='higher')):,}, longest {int(lengths.max()):,} "
+                         "tokens: a data.seq_len below the longest drops or truncates the longer ones (data.truncation)")
+    lines += [f"  {line}" for line in meta.get("read_splits", [])]
     skipped = meta.get("skipped_inputs", [])
     if skipped:
         shown = ", ".join(skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
@@ -57,7 +68,7 @@ def _prepare(args: argparse.Namespace) -> int:
                           workers=args.workers, jsonl_field=args.jsonl_field, valid_fraction=args.valid_fraction,
                           seed=args.seed, shard_mb=args.shard_mb, progress=not args.no_progress,
                           extensions=_extensions(args.extensions), data_format=args.format,
-                          train_on=args.train_on, skip_bad=args.skip_bad)
+                          train_on=args.train_on, skip_bad=args.skip_bad, split=args.split)
     print("\n".join(summary(out)))
     return 0
 
@@ -66,8 +77,15 @@ def _dump(args: argparse.Namespace) -> int:
     options = SimpleNamespace(seq_len=args.seq_len, packing=args.packing, truncation=args.truncation,
                               document_mask=args.document_mask)
     ds = open_dataset(args.data, options, args.split)
+    count = args.count
+    if count > len(ds):
+        # Past one epoch the order wraps: a split of one packed sequence would print that sequence --count times.
+        report = f" ({ds.report()})" if hasattr(ds, "report") else ""
+        print(f"note: the {args.split} split holds {len(ds):,} sequences of --seq-len {args.seq_len}{report}: printing "
+              f"those {len(ds):,}, not {count:,}; training repeats them every epoch", file=sys.stderr)
+        count = len(ds)
     # The training order itself (a one-sample global batch on one rank), so dumps match what is trained on.
-    order = GlobalBatchSampler(len(ds), 1, 1, 0, 1, args.seed, shuffle=args.shuffle).positions(args.start, args.count)
+    order = GlobalBatchSampler(len(ds), 1, 1, 0, 1, args.seed, shuffle=args.shuffle).positions(args.start, count)
     for i in order:
         sample = ds[int(i)]
         if getattr(ds, "gives_position_ids", False):
@@ -109,11 +127,18 @@ def register(subparsers) -> None:
     p.add_argument("--extensions", default=",".join(DEFAULT_EXTENSIONS),
                    help="comma-separated file extensions read from directory inputs, or 'all' (default: prose and "
                         "source code: %(default)s); the others are listed as skipped")
-    p.add_argument("--format", choices=FORMATS, default=TEXT_FORMAT,
-                   help="text: documents (default); chat: conversations in .jsonl files or saved HF datasets, "
-                        "{\"messages\": [...]} or {\"prompt\", \"response\"}, trained on assistant turns only")
+    p.add_argument("--format", choices=INPUT_FORMATS, default=TEXT_FORMAT,
+                   help="text: documents (default). chat: conversations in .jsonl files or saved HF datasets, trained "
+                        "on assistant turns only; each record's format is told from its keys: {\"messages\": "
+                        "[{\"role\", \"content\"}, ...]}, {\"prompt\", \"response\"}, Alpaca {\"instruction\", "
+                        "\"input\", \"output\"} (optional \"system\", \"history\"; the user turn is instruction + "
+                        "newline + input, as LLaMA-Factory reads it) or ShareGPT {\"conversations\": [{\"from\", "
+                        "\"value\"}, ...]} (human/gpt/system; optional \"system\"; no tool turns). alpaca, "
+                        "sharegpt: a chat dataset whose records must all be in that format")
     p.add_argument(*spellings("--train-on"), choices=TRAIN_ON, default="all",
                    help="chat: the loss on all assistant turns (default) or the last one only")
+    p.add_argument("--split", help="the split of saved DatasetDict inputs to read (default: train); the summary "
+                   "says which split was read and lists the others")
     p.add_argument(*spellings("--skip-bad"), action="store_true",
                    help="chat: skip and count bad lines instead of stopping at the first")
     p.set_defaults(func=_prepare)

@@ -22,6 +22,7 @@ import numpy as np
 from .errors import DataError
 from .layout import (
     CHAT_FORMAT,
+    META,
     TEXT_FORMAT,
     check_shard_checksums,
     check_shard_sizes,
@@ -105,12 +106,14 @@ class ChatDataset(MappedShards):
                             f"{int(length.max()) if len(length) else 0} tokens) or set data.truncation")
 
     def report(self) -> str:
-        """One line: samples, sequences, truncated and dropped counts."""
+        """One line: samples, sequences, truncated and dropped counts (and their share of the samples)."""
         c = self.counts
         how = "packed" if self.packing else "one sample each"
+        cut = c["truncated"] + c["dropped"]
+        share = f" ({cut / c['samples']:.0%} of the samples)" if cut else ""
         return (f"chat data ({self.split}): {c['samples']:,} samples -> {c['sequences']:,} sequences of {self.seq_len}"
-                f" tokens ({how}); {c['truncated']:,} truncated, {c['dropped']:,} dropped as longer than seq_len "
-                f"(data.truncation: {self.truncation})")
+                f" tokens ({how}); {c['truncated']:,} truncated, {c['dropped']:,} dropped as longer than seq_len"
+                f"{share} (data.truncation: {self.truncation})")
 
     def _open(self) -> list[tuple[np.memmap, np.memmap]]:
         root = Path(self.dataset_dir)
@@ -161,12 +164,41 @@ def dataset_option_errors(dataset_dir: str, meta: dict, options, splits: tuple[s
     errors = []
     for split in splits:
         lengths = chat_sample_lengths(dataset_dir, split)
-        if options.truncation == DROP and len(lengths) and lengths.min() > options.seq_len:
-            errors.append(f"data.path {dataset_dir!r}: all {len(lengths):,} chat samples of its {split} split are "
-                          f"longer than data.seq_len {options.seq_len} (shortest: {int(lengths.min())} tokens), so "
-                          "data.truncation: drop leaves nothing: raise data.seq_len or set data.truncation: "
-                          "truncate_right")
+        long = int((lengths > options.seq_len).sum())
+        # More than half the samples lost or cut is a seq_len chosen for other data, not a few outliers.
+        if not len(lengths) or long * 2 <= len(lengths):
+            continue
+        what = _too_long(dataset_dir, split, lengths, options.seq_len)
+        if options.truncation == DROP:
+            errors.append(f"{what}, so data.truncation: drop {'leaves nothing' if long == len(lengths) else 'drops them'}"
+                          ": raise data.seq_len or set data.truncation: truncate_right (or truncate_left)")
+        else:
+            errors.append(f"{what}, so data.truncation: {options.truncation} cuts most of them: raise data.seq_len")
     return errors
+
+
+def _too_long(dataset_dir: str, split: str, lengths: np.ndarray, seq_len: int) -> str:
+    """'data.path ...: K of N (P%) chat samples of its SPLIT split are longer than data.seq_len S (...)'."""
+    long = int((lengths > seq_len).sum())
+    count = f"all {len(lengths):,}" if long == len(lengths) else f"{long:,} of {len(lengths):,} ({long / len(lengths):.0%})"
+    fits = int(np.quantile(lengths, 0.9, method="higher"))
+    return (f"data.path {dataset_dir!r}: {count} chat samples of its {split} split are longer than data.seq_len "
+            f"{seq_len} (shortest: {int(lengths.min())}, longest: {int(lengths.max())} tokens; {fits} fits 90% of "
+            "them)")
+
+
+def dataset_option_notes(dataset_dir: str, options, splits: tuple[str, ...] = ("train",)) -> list[str]:
+    """One line per split of a chat dataset where some samples (at most half: more is an error) are longer than
+    data.seq_len: how many, and what data.truncation does with them; [] for raw text or when all fit."""
+    if not dataset_dir or not (Path(dataset_dir) / META).is_file() or dataset_format(read_meta(dataset_dir)) != CHAT_FORMAT:
+        return []
+    notes = []
+    for split in splits:
+        lengths = chat_sample_lengths(dataset_dir, split)
+        if len(lengths) and (lengths > options.seq_len).any():
+            fate = "dropped" if options.truncation == DROP else f"cut ({options.truncation})"
+            notes.append(f"{_too_long(dataset_dir, split, lengths, options.seq_len)}: they are {fate}")
+    return notes
 
 
 def open_dataset(dataset_dir: str, options, split: str = "train"):
