@@ -21,6 +21,7 @@ setup(
         "tabulate>=0.9",
         "matplotlib>=3.7",
         "numpy>=1.24",
+        "py-cpuinfo>=9",   # DeepSpeed's CPU probe, kept per process (utils/system.cache_cpu_probe)
         "psutil>=5.9",      # host memory in the metrics (DeepSpeed needs it too)
         "pydantic>=2",      # DeepSpeed's own config models, run inside validate()
         "ninja",

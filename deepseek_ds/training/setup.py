@@ -41,7 +41,7 @@ from ..models.pipeline import (
 from ..models.presets import build_model_config
 from ..models.tensor_parallel import init_tensor_parallel_groups, shard_elements, sum_rope_key_grads
 from ..utils.redact import redact
-from ..utils.system import usable_cpus
+from ..utils.system import cache_cpu_probe, usable_cpus
 
 
 @dataclass(kw_only=True)
@@ -73,6 +73,7 @@ def init_distributed(timeout_s: int = 1800) -> tuple[int, int]:
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     # DeepSpeed's CPU backend prints "... shm_comm_op built successfully" on every rank, also when the op was
     # cached: drop that line, pass anything else through.
+    cache_cpu_probe()  # before the first op loads (the shm comm op, here)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         deepspeed.init_distributed(dist_backend=None, timeout=timedelta(seconds=timeout_s))

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import shutil
 import sys
 
+import cpuinfo
 import torch
 
 from .errors import LaunchError
@@ -30,6 +32,14 @@ def cpu_model() -> str:
     except OSError:
         pass  # not Linux: fall back to what the platform module knows
     return platform.processor() or platform.machine()
+
+
+def cache_cpu_probe() -> None:
+    """DeepSpeed's op builders ask py-cpuinfo for the CPU's architecture and SIMD width each time they load a JIT op
+    (four calls a rank: the shared-memory comm op and fused Adam), and py-cpuinfo answers every call by starting a
+    Python interpreter (~0.7 CPU-s each here). The CPU does not change within a process: the first answer is kept."""
+    if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
+        cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
 
 
 def local_device_count() -> int:
