@@ -47,6 +47,20 @@ def test_a_lock_no_process_holds_is_an_error_naming_the_file(tmp_path):
 
 
 @pytest.mark.unit
+def test_a_compiler_the_killed_build_left_running_is_named(tmp_path):
+    lock = tmp_path / "fused_adam" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    ninja = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], cwd=lock.parent)  # its ninja
+    try:
+        with pytest.raises(StaleJitLock, match=rf"rm {lock}.*compiler \(process {ninja.pid}\) still runs there"):
+            check_jit_locks(str(tmp_path), say=pytest.fail, poll_s=0.05, grace_s=0.05)
+    finally:
+        ninja.kill()
+        ninja.wait()
+
+
+@pytest.mark.unit
 def test_a_live_build_is_waited_for_with_a_line_and_its_death_is_an_error(tmp_path):
     lock = tmp_path / "cpu_adam" / "lock"
     lock.parent.mkdir()

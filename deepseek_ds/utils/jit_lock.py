@@ -88,11 +88,26 @@ def _last_change(path: str) -> float:
     return max(times, default=0.0)
 
 
+def _orphans(folder: str) -> list[int]:
+    """Pids of processes working in `folder`: torch runs ninja there, and ninja outlives a killed build's Python."""
+    target, out = os.path.realpath(folder), []
+    for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
+        try:
+            if os.readlink(f"/proc/{pid}/cwd") == target:
+                out.append(int(pid))
+        except OSError:
+            continue
+    return out
+
+
 def _stale(path: str) -> StaleJitLock:
+    orphans = _orphans(os.path.dirname(path))
+    still = (f"; the killed build's compiler (process {', '.join(map(str, orphans))}) still runs there: let it end "
+             "or kill it first") if orphans else ""
     return StaleJitLock(
         f"{path} is left by a JIT build of DeepSpeed's {os.path.basename(os.path.dirname(path))!r} op that was killed "
         f"(no running build holds it), and every start would wait on it forever: remove it (rm {path}) and start "
-        "again, or build the ops elsewhere with TORCH_EXTENSIONS_DIR=<another directory>")
+        f"again, or build the ops elsewhere with TORCH_EXTENSIONS_DIR=<another directory>{still}")
 
 
 def announce(line: str) -> None:
