@@ -9,8 +9,9 @@ import os
 import torch
 
 from ..data import DataError, dataset_info
-from ..data.layout import CHAT_FORMAT, dataset_format
+from ..data.layout import CHAT_FORMAT, TOKENIZER_DIR, dataset_format
 from ..data.sft import dataset_option_errors
+from ..data.tokenizer import describe, directory_tokenizer
 from ..models.hf_io import has_weights, pickled_weights
 from ..models.layers import mtp_depth
 from ..models.lora import lora_errors, lora_name_errors
@@ -206,7 +207,16 @@ def _task_errors(cfg: RunConfig, files: bool = True) -> list[str]:
 
 
 def _vocab_errors(cfg: RunConfig, info: dict) -> list[str]:
-    """A dataset whose token ids reach past the model's embedding (it would fail in the first step on every rank)."""
+    """A dataset tokenized with another tokenizer than the one model.path ships (its embeddings mean that one's ids;
+    compared by what decides the ids, whatever the sizes); else, for a preset or a model directory without a
+    tokenizer, token ids that reach past the model's embedding (they would fail in the first step on every rank)."""
+    if cfg.model.path and os.path.isdir(cfg.model.path):
+        try:
+            base = directory_tokenizer(cfg.model.path)
+        except DataError as e:
+            return [f"model.path {cfg.model.path!r}: {e}"]
+        if base is not None:
+            return [] if base[1] == info["tokenizer_hash"] else [_other_tokenizer(cfg, info, *base)]
     try:
         vocab = build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides).vocab_size
     except (ModelConfigError, TypeError, ValueError):
@@ -216,6 +226,14 @@ def _vocab_errors(cfg: RunConfig, info: dict) -> list[str]:
     return [f"data.path {cfg.data.path!r} was tokenized with {info['vocab_size']} tokens but the model's vocab_size is "
             f"{vocab}; use a dataset prepared with the model's tokenizer or set model.overrides.vocab_size: "
             f"{info['vocab_size']}"]
+
+
+def _other_tokenizer(cfg: RunConfig, info: dict, base, base_hash: str) -> str:
+    ours = f"{cfg.data.path}/{TOKENIZER_DIR} ({info['vocab_size']:,} tokens, hash {info['tokenizer_hash'][:12]})"
+    return (f"data.path {cfg.data.path!r} was tokenized with another tokenizer, {ours}, than model.path's, "
+            f"{describe(base, cfg.model.path, base_hash)}: the base model's embeddings belong to its own token ids; "
+            f"prepare the data with the model's tokenizer (`deepseek-ds data prepare --tokenizer {cfg.model.path} "
+            "...`)")
 
 
 def _nan_policy_errors(cfg: RunConfig, ds: dict) -> list[str]:

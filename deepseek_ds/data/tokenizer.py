@@ -27,6 +27,17 @@ CHAT_TOKENS = (BOS_TOKEN, USER_MARKER, ASSISTANT_MARKER)
 _ID_SECTIONS = ("model", "normalizer", "pre_tokenizer", "added_tokens")
 # Byte-level BPE needs the 256 byte symbols plus the EOS token before any merge.
 MIN_BPE_VOCAB = 257
+# DeepSeek-V3's chat format exactly as data/chat.py renders it when a tokenizer has no chat_template (BOS, the system
+# messages joined by a blank line, then per turn a marker and its content, EOS closing each assistant turn): exports
+# carry it so that transformers' apply_chat_template gives the ids the model was trained on. One line: transformers
+# renders templates with trim_blocks, and any newline here would be a newline in the prompt.
+DEEPSEEK_CHAT_TEMPLATE = (
+    "{{ bos_token }}{{ messages | selectattr('role', 'equalto', 'system') | map(attribute='content') | join('\\n\\n') }}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}{{ '" + USER_MARKER + "' + m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}{{ '" + ASSISTANT_MARKER + "' + m['content'] + eos_token }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '" + ASSISTANT_MARKER + "' }}{% endif %}")
+# What a model directory holds when it ships its tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: Path, progress: bool, chat: bool = False) -> None:
@@ -102,6 +113,34 @@ def tokenizer_hash(backend: str) -> str:
     full = json.loads(backend)
     ids_only = {k: full.get(k) for k in _ID_SECTIONS}
     return hashlib.sha256(json.dumps(ids_only, sort_keys=True).encode()).hexdigest()
+
+
+def chat_template_of(tok) -> str | None:
+    """The chat template conversations were rendered with for this tokenizer (data/chat.py): its own, else
+    DeepSeek-V3's format when it has DeepSeek's chat tokens, else None (it cannot render conversations)."""
+    if getattr(tok, "chat_template", None):
+        return tok.chat_template
+    vocab = tok.get_vocab()
+    if tok.bos_token_id is None or tok.eos_token_id is None or not {USER_MARKER, ASSISTANT_MARKER} <= vocab.keys():
+        return None
+    return DEEPSEEK_CHAT_TEMPLATE
+
+
+def has_tokenizer(directory: str) -> bool:
+    return any((Path(directory) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def directory_tokenizer(directory: str):
+    """(the tokenizer a model directory ships, its hash) or None when it ships none; DataError if it cannot load."""
+    if not has_tokenizer(directory):
+        return None
+    tok = import_tokenizer(directory)
+    return tok, tokenizer_hash(backend_json(tok))
+
+
+def describe(tok, where: str, digest: str) -> str:
+    """A tokenizer named for a message: where it is, its size and the start of its hash."""
+    return f"{where} ({vocab_size_of(tok):,} tokens, hash {digest[:12]})"
 
 
 def vocab_size_of(tok) -> int:
