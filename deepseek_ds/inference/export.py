@@ -23,13 +23,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from ..checkpoint.format import META, read_meta, tag_dir_of
 from ..checkpoint.weights import read_weights
-from ..data import dataset_info, load_tokenizer
 from ..models.hf_io import mtp_hf_state_dict, to_hf_model
 from ..models.names import hf_names
 from ..models.pipeline import layer_specs, prepare_config
 from ..models.presets import build_model_config, is_moe
 from ..utils.errors import UserError
 from .export_lora import is_lora_checkpoint, merged_model_from_checkpoint
+from .hf_files import readable_by_all, save_tokenizer, training_tokenizer, use_special_tokens_of
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Trace-safe expert kernel: `eager` loops over the experts that received tokens and `grouped_mm` sizes its groups
@@ -94,7 +94,8 @@ def export_hf(checkpoint: str, out: str, dtype: str = "bf16", data_dir: str | No
     """Write a from_pretrained-ready directory: config.json, sharded safetensors (fused experts converted to the
     per-expert layout by save_pretrained), the MTP modules in the published layout (model-mtp.safetensors, which
     transformers' MtpModel.from_pretrained reads: it finds them by V3's `model.layers.61.*`, other shapes need that
-    pattern set on the main model), and the tokenizer of the data the checkpoint was trained on."""
+    pattern set on the main model), and the tokenizer of the data the checkpoint was trained on (with the chat
+    template that data was rendered with, and its special-token ids in config.json and generation_config.json)."""
     if is_lora_checkpoint(checkpoint):  # merged: base + scaled B A, by peft
         model, meta = merged_model_from_checkpoint(checkpoint)
         layers, config = [], model.config
@@ -105,30 +106,16 @@ def export_hf(checkpoint: str, out: str, dtype: str = "bf16", data_dir: str | No
     keeps_fp32 = _keeps_fp32(model)
     mtp = {k: v if keeps_fp32(k) or not v.is_floating_point() else v.to(DTYPES[dtype])
            for k, v in mtp_hf_state_dict(layers, config).items()}
-    data_dir = data_dir or meta["dataset_dir"]
-    if not os.path.isdir(data_dir):
-        raise ExportError(f"the tokenizer comes from the training data, but {data_dir} does not exist; pass the "
-                          "prepared dataset directory with --data")
-    if dataset_info(data_dir)["tokenizer_hash"] != meta["tokenizer_hash"]:
-        raise ExportError(f"the tokenizer of {data_dir} is not the one the checkpoint was trained with "
-                          f"(hash {meta['tokenizer_hash'][:12]}); pass that dataset with --data")
+    tok = training_tokenizer(meta, data_dir)
     _cast(model, DTYPES[dtype])
     model.config.dtype = DTYPES[dtype]
+    use_special_tokens_of(model, tok)
     model.save_pretrained(out, max_shard_size=max_shard_size)
     if mtp:
         add_to_hf_dir(out, mtp, "model-mtp.safetensors")
-    load_tokenizer(data_dir).save_pretrained(out)
-    _readable_by_all(out)
+    save_tokenizer(tok, out)
+    readable_by_all(out)
     return out
-
-
-def _readable_by_all(directory: str) -> None:
-    """save_pretrained writes the weights through a private temporary file (mode 0600) while its siblings get the
-    usual 0644: give every exported file the same, world-readable mode, as a shared model directory needs."""
-    for name in os.listdir(directory):
-        path = os.path.join(directory, name)
-        if os.path.isfile(path):
-            os.chmod(path, 0o644)
 
 
 def add_to_hf_dir(hf_dir: str, tensors: dict[str, torch.Tensor], filename: str) -> None:

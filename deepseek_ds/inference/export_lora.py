@@ -16,12 +16,12 @@ from ..checkpoint.format import read_meta, tag_dir_of
 from ..checkpoint.state import read_buffers
 from ..checkpoint.weights import read_trainable_weights
 from ..config.schema import LoraSection
-from ..data import load_tokenizer
 from ..models.hf_io import load_hf_weights, to_hf_model
 from ..models.lora import ADAPTER, lora_config
 from ..models.pipeline import layer_specs, prepare_config
 from ..models.presets import build_model_config
 from ..utils.errors import UserError
+from .hf_files import readable_by_all, save_tokenizer, training_tokenizer
 
 _BASE_PREFIX = "base_model.model."  # where a PeftModel holds the transformers model
 ADAPTER_CONFIG = "adapter_config.json"  # what makes a directory peft's adapter directory
@@ -77,9 +77,13 @@ def peft_model_from_checkpoint(checkpoint: str, experts_implementation: str = "g
 
 
 def export_lora(checkpoint: str, out: str, data_dir: str | None = None) -> str:
-    """peft's adapter directory of a LoRA checkpoint (with the training data's tokenizer), which
+    """peft's adapter directory of a LoRA checkpoint (with the training data's tokenizer and chat template), which
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out) loads."""
+    if not is_lora_checkpoint(checkpoint):
+        raise LoraExportError(f"{tag_dir_of(checkpoint)} is not a LoRA checkpoint (lora.r is 0): use `deepseek-ds "
+                              "export hf` for the weights of a full fine-tuning run")
     model, meta = peft_model_from_checkpoint(checkpoint)
+    tok = training_tokenizer(meta, data_dir)
     base = AutoModelForCausalLM.from_pretrained(meta["run_config"]["model"]["path"], dtype=torch.float32)
     moved = [name for name, b in model.base_model.model.named_buffers()
              if name in dict(base.named_buffers()) and not torch.equal(b, dict(base.named_buffers())[name])]
@@ -88,7 +92,8 @@ def export_lora(checkpoint: str, out: str, data_dir: str | None = None) -> str:
                               "updates), which a peft adapter cannot carry; use `export hf` (merged, with them) or "
                               "train with moe.bias_update_speed=0")
     model.save_pretrained(out)
-    load_tokenizer(data_dir or meta["dataset_dir"]).save_pretrained(out)
+    save_tokenizer(tok, out)
+    readable_by_all(out)
     return out
 
 
