@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -18,16 +19,58 @@ import torch.distributed as dist
 from deepspeed.checkpoint import ds_to_universal
 from transformers import PretrainedConfig
 
-from .format import UNIVERSAL_DONE, CheckpointError, is_converted, read_meta, saved_layout, universal_dir
+from .format import (
+    META,
+    SCHEMES,
+    UNIVERSAL_DONE,
+    CheckpointError,
+    is_converted,
+    read_meta,
+    saved_layout,
+    universal_dir,
+)
 from .safe_load import trusted_types_only
 from .tensor_names import container_entries
 
 
+def source_key(tag_dir: str) -> str:
+    """What a conversion of `tag_dir` is valid for: the hash of its checkpoint.json, which records the size and
+    checksum of every other file of the tag, so a tag saved again under the same name has another key."""
+    with open(os.path.join(tag_dir, META), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def is_current(out: str, tag_dir: str) -> bool:
+    """Whether `out` is a complete conversion of `tag_dir` as it is now (not of an earlier tag of that name)."""
+    if not is_converted(out):
+        return False
+    try:
+        with open(os.path.join(out, UNIVERSAL_DONE)) as f:
+            return json.load(f).get("source_key") == source_key(tag_dir)
+    except ValueError:  # a marker that is not JSON: convert again
+        return False
+
+
+def cached_universal(tag_dir: str, scheme: str, config: PretrainedConfig, work_dir: str) -> tuple[str, str]:
+    """(its scheme, a current universal conversion of `tag_dir`): one already beside the tag, for any scheme, else
+    one made there for `scheme`, which the next eval, generate, export or resume reuses (pruned with its tag). Only
+    when the checkpoint directory is not writable is it made in `work_dir`, for this call alone."""
+    for s in SCHEMES:
+        if is_current(universal_dir(tag_dir, s), tag_dir):
+            return s, universal_dir(tag_dir, s)
+    if os.access(os.path.dirname(os.path.normpath(tag_dir)) or ".", os.W_OK):
+        return scheme, to_universal(tag_dir, scheme, config)
+    print(f"{os.path.dirname(tag_dir)} is not writable: the universal conversion is not kept for the next call",
+          file=sys.stderr, flush=True)
+    return scheme, to_universal(tag_dir, scheme, config, out=os.path.join(work_dir, "universal"))
+
+
 def to_universal(tag_dir: str, scheme: str, config: PretrainedConfig, out: str | None = None, workers: int = 1) -> str:
     """Convert a ZeRO >= 1 checkpoint into a universal one whose parameter folders carry the names of `scheme`'s
-    container; done once (published atomically, like a checkpoint). Returns the output directory."""
+    container; done once per version of the tag (published atomically, like a checkpoint; a conversion of an
+    earlier tag of that name is replaced). Returns the output directory."""
     out = out or universal_dir(tag_dir, scheme)
-    if is_converted(out):
+    if is_current(out, tag_dir):
         return out
     meta = read_meta(tag_dir)
     saved = saved_layout(meta)
@@ -35,7 +78,7 @@ def to_universal(tag_dir: str, scheme: str, config: PretrainedConfig, out: str |
         raise CheckpointError(f"{tag_dir} was saved with ZeRO stage 0, which has no optimizer shards to build a "
                               "universal checkpoint from; resume it with its own pipeline layout")
     parent, name = os.path.split(os.path.normpath(out))
-    tmp = os.path.join(parent, f".{name}.partial")
+    tmp = os.path.join(parent, f".{name}.{os.getpid()}.partial")  # per process: two evals may convert at once
     shutil.rmtree(tmp, ignore_errors=True)
     args = argparse.Namespace(input_folder=tag_dir, output_folder=tmp, num_extract_workers=workers,
                               num_merge_workers=workers, keep_temp_folder=False, strict=True,
@@ -55,7 +98,8 @@ def to_universal(tag_dir: str, scheme: str, config: PretrainedConfig, out: str |
         os.remove(os.path.join(parent, "latest_universal"))
     _rename_params(os.path.join(tmp, "zero"), config, saved.scheme, scheme, saved.autoep)
     with open(os.path.join(tmp, UNIVERSAL_DONE), "w") as f:
-        json.dump({"source": tag_dir, "source_layout": meta["layout"], "scheme": scheme}, f, indent=2)
+        json.dump({"source": tag_dir, "source_key": source_key(tag_dir), "source_layout": meta["layout"],
+                   "scheme": scheme}, f, indent=2)
     if os.path.isdir(out):
         shutil.rmtree(out)
     os.rename(tmp, out)
@@ -77,6 +121,8 @@ def convert_on_rank0(tag_dir: str, scheme: str, config: PretrainedConfig, rank: 
     status = _status_path(out)
     if rank == 0:
         _write_status(status, {"state": "converting", "host": socket.gethostname(), "pid": os.getpid()})
+        if is_converted(out) and not is_current(out, tag_dir):  # the others must not take it for the result
+            shutil.rmtree(out)
     dist.barrier()  # the status file is this run's before anyone reads it
     if rank == 0:
         stop = threading.Event()

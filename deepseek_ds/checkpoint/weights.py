@@ -17,11 +17,11 @@ from transformers import PretrainedConfig
 from ..models.names import hf_name
 from ..models.pipeline import layer_specs
 from ..models.tensor_parallel import split_dim
-from .format import SCHEMES, CheckpointError, Layout, is_converted, read_meta, saved_layout, universal_dir
+from .format import CheckpointError, Layout, read_meta, saved_layout
 from .safe_load import trusted_types_only
 from .state import read_buffers
 from .tensor_names import container_entries, hf_tensors, layout_names
-from .universal import to_universal
+from .universal import cached_universal
 
 _LAYER_FILE = re.compile(r"^layer_(\d+)-model_states\.pt$")  # DeepSpeed's per-layer files of a pipeline
 
@@ -30,7 +30,7 @@ def read_weights(tag_dir: str, config: PretrainedConfig, work_dir: str, scheme: 
                  ) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint's model by HF name, or with `scheme` (SEQUENTIAL, PIPELINE) by the names of
     that container without AutoEP (SEQUENTIAL: SequentialLM's state dict). ZeRO >= 1 is read through a universal
-    conversion: one already beside the checkpoint is reused, otherwise one is made in `work_dir`."""
+    conversion, cached beside the checkpoint (universal.cached_universal; `work_dir` if that is read-only)."""
     saved = saved_layout(read_meta(tag_dir))
     with trusted_types_only():
         if saved.tensor_parallel > 1:
@@ -54,10 +54,7 @@ def read_weights(tag_dir: str, config: PretrainedConfig, work_dir: str, scheme: 
 def _universal_weights(tag_dir: str, saved: Layout, config: PretrainedConfig, work_dir: str
                        ) -> tuple[str, dict[str, torch.Tensor]]:
     """(the scheme its names follow, the fp32 tensors of a universal conversion by DeepSpeed name)."""
-    scheme = next((s for s in SCHEMES if is_converted(universal_dir(tag_dir, s))), saved.scheme)
-    uni = universal_dir(tag_dir, scheme)
-    if not is_converted(uni):
-        uni = to_universal(tag_dir, scheme, config, out=os.path.join(work_dir, "universal"))
+    scheme, uni = cached_universal(tag_dir, saved.scheme, config, work_dir)
     weights = {}
     zero = os.path.join(uni, "zero")
     for name in os.listdir(zero):
