@@ -1,5 +1,6 @@
 """`deepseek-ds eval --task` (inference/task_eval.py): the scores against sacrebleu and a BLEU computed by hand, batched
-left-padded generation against one-prompt-at-a-time greedy generation, and 1 rank against 2 ranks."""
+left-padded generation against one-prompt-at-a-time greedy generation, and 1 rank against 2 ranks; prompts that do not
+fit the model and a tokenizer of another vocabulary are refused; eval.task during training shows on the console."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from deepseek_ds.config import load_run_config
 from deepseek_ds.data import load_tokenizer
 from deepseek_ds.data.chat import Message, encode_prompt
+from deepseek_ds.data.tokenizer import train_bpe
 from deepseek_ds.models.presets import build_model_config
 from deepseek_ds.training.evaluation import generate_greedy_batch, scores, shard
-from helpers import cli, deepspeed, train
+from helpers import cli, read_metrics, run_ranks
 from reference import reference_model
 
 EOS = 1  # DeepSeek's <｜end▁of▁sentence｜>, also its pad token
@@ -123,6 +125,39 @@ def test_eval_task_refusals(tiny_hf, tmp_path, capsys):
     assert f"error: {bad}:2: no assistant turn" in capsys.readouterr().err
 
 
+@pytest.mark.unit
+def test_a_prompt_past_max_position_embeddings_is_refused_or_skipped_and_counted(tiny_hf, tmp_path, capsys):
+    task, out = tmp_path / "task.jsonl", tmp_path / "result.json"
+    long = "word " * 1100  # ~1,100 tokens: past tiny-v3's 1,024 positions
+    task.write_text("".join(json.dumps({"prompt": p, "response": "x"}) + "\n" for p in ("Hi", long, "Hey")))
+    args = ["eval", "--task", str(task), "--model", tiny_hf["dir"], "--max-new-tokens", "2"]
+    assert cli(args) == 2
+    err = capsys.readouterr().err
+    assert "1 of 3 items have a prompt of at least the model's max_position_embeddings (1024) tokens, e.g. item 2" in err
+    assert "--skip-bad" in err
+    assert cli(args + ["--skip-bad", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out.splitlines()[-1])["skipped_long_prompts"] == 1
+    assert "skipped 1 items whose prompt does not fit the model's max_position_embeddings (1024)" in captured.err
+    assert json.loads(out.read_text())["n"] == 2  # scored over the two that fit, not counted as misses
+
+
+@pytest.mark.unit
+def test_a_tokenizer_of_another_vocabulary_is_refused_before_generating(tiny_hf, tmp_path, capsys):
+    task, other = tmp_path / "task.jsonl", tmp_path / "bpe"
+    write_task(task, ["four"] * len(SHOWN))
+    # The SFT demo's kind of tokenizer: a byte-level BPE with DeepSeek's chat tokens, so the task renders with it.
+    train_bpe(["What is 2+2? four"], 260, other, progress=False, chat=True)
+    assert cli(["eval", "--task", str(task), "--model", tiny_hf["dir"], "--tokenizer", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert f"--tokenizer {other} (260 tokens" in err and f"is not the tokenizer of {tiny_hf['dir']} (129,280" in err
+    assert err.count("error:") == 1
+    # A copy of the model's own tokenizer is the same tokenizer.
+    tiny_hf["tok"].save_pretrained(tmp_path / "copy")
+    assert cli(["eval", "--task", str(task), "--model", tiny_hf["dir"], "--tokenizer", str(tmp_path / "copy"),
+                "--max-new-tokens", "1"]) == 0
+
+
 @pytest.mark.launch
 def test_one_rank_and_two_ranks_give_the_unbatched_greedy_answers_and_the_same_scores(tiny_hf, tmp_path):
     model, tok, prompts = tiny_hf["model"], tiny_hf["tok"], tiny_hf["prompts"]
@@ -134,7 +169,7 @@ def test_one_rank_and_two_ranks_give_the_unbatched_greedy_answers_and_the_same_s
     args = ["eval", "--task", str(task), "--model", tiny_hf["dir"], "--max-new-tokens", "8", "--batch-size", "4"]
     one, two = tmp_path / "one", tmp_path / "two"
     assert cli(args + ["--out", str(one / "result.json"), "--predictions", str(one / "preds.jsonl")]) == 0
-    deepspeed(2, ["--module", "deepseek_ds.inference.cli"] + args
+    run_ranks(2, ["--module", "deepseek_ds.inference.cli"] + args
               + ["--out", str(two / "result.json"), "--predictions", str(two / "preds.jsonl")])
 
     preds = [json.loads(line) for line in (one / "preds.jsonl").read_text().splitlines()]
@@ -169,7 +204,18 @@ def test_eval_task_during_training_under_zero3_scores_the_training_weights(data_
                for m in SHOWN]
     references = [a if i % 2 == 0 else "not the answer" for i, a in enumerate(answers)]
     write_task(tmp_path / "task.jsonl", references)
-    records = train(2, str(tmp_path / "out"), sets + [f"eval.task={tmp_path / 'task.jsonl'}"], "ds_configs/zero3.json")
+    out = tmp_path / "out"
+    args = ["train.py", "--config", "recipes/tiny-v3.yaml", "--deepspeed_config", "ds_configs/zero3.json"]
+    for s in sets + [f"eval.task={tmp_path / 'task.jsonl'}", f"train.output_dir={out}"]:
+        args += ["--set", s]
+    proc = run_ranks(2, args)
+    records = read_metrics(str(out))
+    # The scores on the console at that step (the eval line and the step line) and in the final summary.
+    console = proc.stdout + proc.stderr
+    bleu = records[-1]["task_bleu"]
+    assert f"step 1: task exact match 50.0%, BLEU {bleu:.2f} (4 items)" in console
+    assert f"task EM 50.0%, BLEU {bleu:.2f}" in console
+    assert f"eval.task   task exact match 50.0%, BLEU {bleu:.2f} (4 items) (step 1)" in console
     assert records[-1]["task_n"] == 4
     assert records[-1]["task_exact_match"] == 0.5
     assert records[-1]["task_bleu"] == pytest.approx(sacrebleu.corpus_bleu(answers[:4], [references[:4]]).score,

@@ -106,7 +106,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help="HF model directory, or a training checkpoint (checkpoint.dir or one step directory)")
-    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--prompt", required=True, help="text to continue (with --chat: the user's message)")
+    p.add_argument("--chat", action="store_true",
+                   help="send the prompt as one user turn of a conversation, rendered as the chat training data was "
+                        "(the tokenizer's chat template, else DeepSeek-V3's format), and print only the answer")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: 64)")
     p.add_argument("--top-p", type=float, default=None, help="sample from the nucleus of this mass (default: greedy)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, with --top-p (default: 1.0)")
@@ -127,8 +130,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     model, tok = load_model(args.model, args.tokenizer, args.config, args.set)
     if torch.cuda.is_available():
         model = model.cuda()
-    ids = generate(model, tok, args.prompt, args.max_new_tokens, args.top_p, args.temperature, args.seed)
-    print(args.prompt + tok.decode(ids, skip_special_tokens=True))
+    ids = generate(model, tok, args.prompt, args.max_new_tokens, args.top_p, args.temperature, args.seed, args.chat)
+    print(("" if args.chat else args.prompt) + tok.decode(ids, skip_special_tokens=True))
     return 0
 
 

@@ -12,13 +12,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..checkpoint.format import META, read_meta, tag_dir_of
 from ..data import DataError, load_tokenizer
+from ..data.chat import USER, Message, encode_prompt
 from ..data.layout import META as DATASET_META
-from ..data.tokenizer import backend_json, tokenizer_hash
+from ..data.tokenizer import TOKENIZER_FILES, backend_json, describe, directory_tokenizer, tokenizer_hash, vocab_size_of
 from ..models.hf_io import to_hf_model
 from .eval import model_from_checkpoint, run_config_for
 from .export_lora import ADAPTER_CONFIG, adapter_model, is_lora_checkpoint, merged_model_from_checkpoint
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def load_tokenizer_from(path: str, needed_by: str):
@@ -26,21 +25,42 @@ def load_tokenizer_from(path: str, needed_by: str):
     saying how to pass one when `path` holds neither (`needed_by` names the model that needs it)."""
     if os.path.isfile(os.path.join(path, DATASET_META)):
         return load_tokenizer(path)
-    if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
         raise DataError(f"no tokenizer for {needed_by}: {path} is neither a prepared dataset nor a tokenizer "
                         f"directory", hint="pass --tokenizer DIR (a tokenizer directory or a prepared dataset)")
     return AutoTokenizer.from_pretrained(path)
 
 
+def _same_tokenizer(tok, source: str, model: str, vocab_size: int) -> None:
+    """DataError when `tok` (from --tokenizer `source`) gives other ids than the tokenizer the model directory
+    ships, or, when it ships none, ids past the model's embedding: its answers would be scored as noise."""
+    theirs = directory_tokenizer(model)
+    found = tokenizer_hash(backend_json(tok))
+    if theirs is not None and theirs[1] != found:
+        raise DataError(f"--tokenizer {describe(tok, source, found)} is not the tokenizer of "
+                        f"{describe(theirs[0], model, theirs[1])}: the model's token ids would be read with another "
+                        "vocabulary",
+                        hint=f"leave out --tokenizer (the model's own is used) or pass a copy of {model}'s")
+    if theirs is None and vocab_size_of(tok) > vocab_size:
+        raise DataError(f"--tokenizer {describe(tok, source, found)} has more tokens than {model}'s vocab_size "
+                        f"{vocab_size:,}", hint="pass the tokenizer the model was trained with")
+
+
 def load_model(model: str, tokenizer: str | None = None, config: str | None = None, sets: list[str] | None = None):
     """(transformers CausalLM in eval mode, tokenizer) from an HF directory (its own tokenizer) or a training
-    checkpoint (the tokenizer of the dataset it was trained on, or `tokenizer` if it decides the same ids)."""
+    checkpoint (the tokenizer of the dataset it was trained on), or `tokenizer` if it decides the same ids."""
     if os.path.isfile(os.path.join(model, "config.json")) and not os.path.isfile(os.path.join(model, META)):
         tok = load_tokenizer_from(tokenizer or model, model)
-        return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval(), tok
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        if tokenizer:
+            _same_tokenizer(tok, tokenizer, model, hf.config.vocab_size)
+        return hf, tok
     if os.path.isfile(os.path.join(model, ADAPTER_CONFIG)):  # `export lora`: peft's adapter on its base, merged
         tok = load_tokenizer_from(tokenizer or model, model)
-        return adapter_model(model), tok
+        merged = adapter_model(model)
+        if tokenizer:
+            _same_tokenizer(tok, tokenizer, model, merged.config.vocab_size)
+        return merged, tok
     tag_dir = tag_dir_of(model)
     meta = read_meta(tag_dir)
     source = tokenizer or meta["dataset_dir"]
@@ -63,12 +83,20 @@ def prompt_ids(tokenizer, prompt: str) -> torch.Tensor:
     return torch.tensor([ids], dtype=torch.long)
 
 
+def chat_prompt_ids(tokenizer, prompt: str) -> torch.Tensor:
+    """`prompt` as one user turn and the opening of the assistant's, rendered as the training conversations were
+    (data/chat.py: the tokenizer's chat_template, else DeepSeek-V3's format)."""
+    return torch.tensor([encode_prompt(tokenizer, (Message(USER, prompt),))], dtype=torch.long)
+
+
 def generate(model: nn.Module, tokenizer, prompt: str, max_new_tokens: int = 64, top_p: float | None = None,
-             temperature: float = 1.0, seed: int = 0) -> torch.Tensor:
-    """The generated token ids (prompt excluded): greedy, or nucleus sampling when top_p is given."""
+             temperature: float = 1.0, seed: int = 0, chat: bool = False) -> torch.Tensor:
+    """The generated token ids (prompt excluded): greedy, or nucleus sampling when top_p is given; until the
+    tokenizer's EOS (not the model config's: a preset's may be another id). `chat`: the prompt is a user turn."""
     device = next(model.parameters()).device
-    inputs = prompt_ids(tokenizer, prompt).to(device)
-    kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.eos_token_id, use_cache=True)
+    inputs = (chat_prompt_ids if chat else prompt_ids)(tokenizer, prompt).to(device)
+    kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.eos_token_id,
+                  eos_token_id=tokenizer.eos_token_id, use_cache=True)
     if top_p is None:
         kwargs.update(do_sample=False)
     else:

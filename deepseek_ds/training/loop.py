@@ -262,6 +262,8 @@ def _steps(run: Run, sampler: GlobalBatchSampler, metrics: MetricsWriter | None,
                 record.update(evaluate_run(run, valid).as_record())
             log.info("step %d: validation loss %.4f, perplexity %.2f, next-token accuracy %.2f%%", step,
                      record["eval_loss"], record["eval_ppl"], 100 * record["eval_accuracy"])
+            if record.get("task_n"):
+                log.info("step %d: %s", step, _task_scores(record))
         if metrics:
             metrics.write(record)
             monitors.write(engine, record, sampler.consumed_samples)
@@ -333,5 +335,11 @@ def _validation_lines(records: list[dict]) -> list[str]:
     if not evals:
         return []
     r = evals[-1]
+    task = [f"  eval.task   {_task_scores(r)} (step {r['step']})"] if r.get("task_n") else []
     return [f"  validation  loss {r['eval_loss']:.4f}, perplexity {r['eval_ppl']:.2f}, "
-            f"next-token accuracy {100 * r['eval_accuracy']:.2f}% (step {r['step']})"]
+            f"next-token accuracy {100 * r['eval_accuracy']:.2f}% (step {r['step']})"] + task
+
+
+def _task_scores(record: dict) -> str:
+    return (f"task exact match {100 * record['task_exact_match']:.1f}%, BLEU {record['task_bleu']:.2f} "
+            f"({record['task_n']} items)")

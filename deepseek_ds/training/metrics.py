@@ -96,6 +96,8 @@ def console_line(record: dict) -> str:
         parts.append(f"skipped {record['skipped_steps']}")
     if record.get("eval_loss") is not None:
         parts.append(f"val {num('eval_loss', '.4f')}")
+    if record.get("task_exact_match") is not None:
+        parts.append(f"task EM {num('task_exact_match', '.1%')}, BLEU {num('task_bleu', '.2f')}")
     return ", ".join(parts)
 
 
