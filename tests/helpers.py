@@ -90,8 +90,8 @@ def run_ranks(nproc: int, script_args: list[str], timeout: int = 600, check: boo
 
 
 # What every rank imports before its first line runs (train.py and the test workers): imported once, in the server.
-RANK_PRELOAD = ["torch", "deepspeed", "transformers", "deepspeed.runtime.zero.muon.muon_optimizer",
-                "deepseek_ds.training.main", "deepseek_ds.inference.cli", "deepseek_ds.cli"]
+RANK_PRELOAD = ["torch", "deepspeed", "transformers", "deepspeed.runtime.zero.muon.muon_optimizer", "peft",
+                "matplotlib.pyplot", "deepseek_ds.training.main", "deepseek_ds.inference.cli", "deepseek_ds.cli"]
 
 
 @functools.cache
