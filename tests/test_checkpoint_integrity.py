@@ -29,7 +29,7 @@ from deepseek_ds.checkpoint.integrity import (
 from deepseek_ds.checkpoint.lock import LOCK, acquire
 from deepseek_ds.config import load_ds_config, run_config_from_dict, validate
 from deepseek_ds.config.deepspeed_json import asynchronous_checkpoint_engines
-from helpers import ROOT, cli, deepspeed, losses, read_metrics, refused, resuming_sets
+from helpers import ROOT, cli, losses, read_metrics, refused, resuming_sets, run_ranks
 from tag_reference import read_back_record
 
 STALE_S = 300  # checkpoint.lock_stale_s's default
@@ -364,7 +364,7 @@ def _launch(out: Path, data_dir: str, steps: int, check: bool = True) -> subproc
     args = ["train.py", "--config", "recipes/tiny-v3.yaml", "--set", f"train.output_dir={out}"]
     for s in resuming_sets(data_dir, steps, 1):
         args += ["--set", s]
-    return deepspeed(2, args, check=check)
+    return run_ranks(2, args, check=check)
 
 
 def _tree(path: Path) -> dict[str, tuple[int, int]]:

@@ -20,7 +20,7 @@ from deepseek_ds.models.lora import apply_lora, lora_config
 from deepseek_ds.models.names import hf_state_dict
 from deepseek_ds.models.pipeline import build_model, local_layers, prepare_config
 from deepseek_ds.models.presets import build_model_config
-from helpers import cli, deepspeed, losses, read_metrics, refused
+from helpers import cli, losses, read_metrics, refused, run_ranks
 from reference import lora_reference_losses, reference_model
 
 STEPS = 3
@@ -53,7 +53,7 @@ def _launch(tmp_path_factory, name: str, sets: list[str], ds_config: str, ranks:
     args = ["tests/lora_worker.py", "--config", "recipes/tiny-v3.yaml", "--deepspeed_config", ds_config]
     for s in sets + [f"train.output_dir={out}"]:
         args += ["--set", s]
-    deepspeed(ranks, args)
+    run_ranks(ranks, args)
     ranks_out = [torch.load(out / f"lora_rank{r}.pt", weights_only=True) for r in range(ranks)]
     return {"out": out, "losses": losses(read_metrics(str(out))), "ranks": ranks_out}
 

@@ -26,7 +26,7 @@ from deepseek_ds.plan.estimate import buffer_bytes, element_bytes, estimate, lay
 from deepseek_ds.plan.params import SpecParams, rank_params
 from deepseek_ds.plan.states import state_bytes
 from deepseek_ds.plan.steptime import Hardware, step_time
-from helpers import cli, deepspeed
+from helpers import cli, run_ranks
 
 # ------------------------------------------------------------------------------------------- model states, measured
 # (recipe, DeepSpeed JSON, extra --set): ZeRO 0-3 for every family, expert parallelism (ZeRO 1/2), bf16, tensor
@@ -76,7 +76,7 @@ def measured(tmp_path_factory, data_dir) -> list[list[dict]]:
     os.environ.update(PLAN_VARIANTS=json.dumps(VARIANTS), PLAN_COMMON=json.dumps(COMMON),
                       PLAN_GLOBAL_BATCH=str(GLOBAL_BATCH))
     try:
-        deepspeed(2, [str(script), str(root), data_dir], timeout=900)
+        run_ranks(2, [str(script), str(root), data_dir], timeout=900)
     finally:
         for key in ("PLAN_VARIANTS", "PLAN_COMMON", "PLAN_GLOBAL_BATCH"):
             os.environ.pop(key)
