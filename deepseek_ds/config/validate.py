@@ -11,7 +11,7 @@ import torch
 from ..data import DataError, dataset_info
 from ..data.layout import CHAT_FORMAT, TOKENIZER_DIR, dataset_format
 from ..data.sft import dataset_option_errors
-from ..data.tokenizer import describe, directory_tokenizer
+from ..data.tokenizer import dataset_tokenizer_hashes, describe, directory_tokenizer
 from ..models.hf_io import has_weights, pickled_weights
 from ..models.layers import mtp_depth
 from ..models.lora import lora_errors, lora_name_errors
@@ -216,7 +216,7 @@ def _vocab_errors(cfg: RunConfig, info: dict) -> list[str]:
         except DataError as e:
             return [f"model.path {cfg.model.path!r}: {e}"]
         if base is not None:
-            return [] if base[1] == info["tokenizer_hash"] else [_other_tokenizer(cfg, info, *base)]
+            return [] if base[1] in dataset_tokenizer_hashes(cfg.data.path) else [_other_tokenizer(cfg, info, *base)]
     try:
         vocab = build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides).vocab_size
     except (ModelConfigError, TypeError, ValueError):

@@ -16,7 +16,7 @@ from tokenizers.models import BPE
 
 from .chat import ASSISTANT_MARKER, USER_MARKER
 from .errors import DataError
-from .layout import META, TOKENIZER_DIR, read_meta
+from .layout import META, PLAN, TOKENIZER_DIR, read_json, read_meta
 
 EOS_TOKEN = "<|endoftext|>"
 # DeepSeek's BOS, whose chat format (data/chat.py) opens every conversation with it.
@@ -136,6 +136,17 @@ def directory_tokenizer(directory: str):
         return None
     tok = import_tokenizer(directory)
     return tok, tokenizer_hash(backend_json(tok))
+
+
+def dataset_tokenizer_hashes(dataset_dir: str) -> set[str]:
+    """The hashes a dataset's tokenizer is known by: its own copy's (meta.json), and the one of the directory it was
+    imported from as loaded there (plan.json; equal unless save_pretrained rewrote what decides the ids)."""
+    hashes = {read_meta(dataset_dir)["tokenizer_hash"]}
+    plan = Path(dataset_dir) / PLAN
+    if plan.is_file():
+        imported = read_json(plan).get("tokenizer", {}).get("imported_hash")
+        hashes |= {imported} if imported else set()
+    return hashes
 
 
 def describe(tok, where: str, digest: str) -> str:
