@@ -4,9 +4,11 @@ unmutated pass it. All of them train in ONE 2-rank launch (ZeRO-1, the real trai
 settings).
 
 The comparison is test_equivalence's (the losses within 1e-5 relative) plus what the run logs that a few steps' losses
-are blind to: each step's gradient norm (Adam normalises a gradient's size away, so a scaled gradient hardly moves
+can be blind to: each step's gradient norm (Adam normalises a gradient's size away, so a scaled gradient hardly moves
 the next losses) and the router-bias statistics the loop logs after each bias update (a sign-flipped update moves
-the biases by 2 x gamma but the routing, and so the loss, only where a token was within 2 x gamma of a tie)."""
+the biases by 2 x gamma but the routing, and so the loss, only where a token was within 2 x gamma of a tie). Measured
+here: the flipped bias moved step 2's loss by 7e-5 and LoRA's x4 scaling by 1.5e-3 (both 0 at step 1), the gradient
+norm x4 at step 1; the controls' gradient norms within 3.3e-6 of the reference's."""
 
 from __future__ import annotations
 
