@@ -283,7 +283,7 @@ def test_a_second_sigterm_ends_a_rank_stuck_in_a_collective(tmp_path, data_dir, 
     assert rank0.is_running()  # one SIGTERM: waiting for the step boundary that the stopped rank 1 holds up
     launcher.send_signal(signal.SIGTERM)
     gap = time.monotonic() - first
-    # What ends rank 0 is read from its last line: the second SIGTERM, not the watcher's stop deadline (20 s after
+    # What ended rank 0 is read from the line it left: the second SIGTERM, not the watcher's stop deadline (20 s after
     # the first) nor launch.py's SIGKILL (30 s after it, no line). The waits only bound a hang.
     rank0.wait(timeout=120)
     rc, took = job.wait(timeout=300)
