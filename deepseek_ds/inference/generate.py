@@ -14,7 +14,7 @@ from ..checkpoint.format import META, read_meta, tag_dir_of
 from ..data import DataError, load_tokenizer
 from ..data.chat import USER, Message, encode_prompt
 from ..data.layout import META as DATASET_META
-from ..data.tokenizer import TOKENIZER_FILES, backend_json, describe, directory_tokenizer, tokenizer_hash, vocab_size_of
+from ..data.tokenizer import backend_json, describe, directory_tokenizer, has_tokenizer, tokenizer_hash, vocab_size_of
 from ..models.hf_io import to_hf_model
 from .eval import model_from_checkpoint, run_config_for
 from .export_lora import ADAPTER_CONFIG, adapter_model, is_lora_checkpoint, merged_model_from_checkpoint
@@ -25,7 +25,7 @@ def load_tokenizer_from(path: str, needed_by: str):
     saying how to pass one when `path` holds neither (`needed_by` names the model that needs it)."""
     if os.path.isfile(os.path.join(path, DATASET_META)):
         return load_tokenizer(path)
-    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+    if not has_tokenizer(path):
         raise DataError(f"no tokenizer for {needed_by}: {path} is neither a prepared dataset nor a tokenizer "
                         f"directory", hint="pass --tokenizer DIR (a tokenizer directory or a prepared dataset)")
     return AutoTokenizer.from_pretrained(path)
