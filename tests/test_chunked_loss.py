@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from deepseek_ds.models import loss as loss_module
-from deepseek_ds.models.loss import Projection, TokenWeightedLoss, count_valid_tokens, linear_cross_entropy
+from deepseek_ds.models.loss import Projection, TokenWeightedLoss, linear_cross_entropy, valid_token_counts
 from deepseek_ds.models.pipeline import build_model, defer_logits, prepare_config
 from deepseek_ds.models.presets import build_model_config
 from helpers import IGNORE_INDEX
@@ -90,7 +90,7 @@ def test_token_weighted_loss_through_the_model_equals_plain_logits(preset, overr
 
     def run():
         loss_fn = TokenWeightedLoss(depth, 0.3)
-        loss_fn.set_global_tokens(count_valid_tokens([batch], depth), dp_size=2, grad_accum=3)
+        loss_fn.set_global_tokens(valid_token_counts([batch], depth), dp_size=2, grad_accum=3)
         model.zero_grad()
         out = model((ids, positions))
         value = loss_fn(out, target)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from deepseek_ds.models.loss import TokenWeightedLoss, count_valid_tokens
+from deepseek_ds.models.loss import TokenWeightedLoss, valid_token_counts
 from deepseek_ds.models.pipeline import build_model, compile_layers, defer_logits, prepare_config
 from deepseek_ds.models.presets import build_model_config
 
@@ -24,7 +24,7 @@ def losses(preset: str, compiled: bool, steps: int = 3) -> list[float]:
         ids = torch.randint(0, mcfg.vocab_size, (2, 32), generator=gen)
         labels = torch.roll(ids, -1, 1)
         loss_fn = TokenWeightedLoss()
-        loss_fn.set_global_tokens(count_valid_tokens([(ids, labels)]), dp_size=1, grad_accum=1)
+        loss_fn.set_global_tokens(valid_token_counts([(ids, labels)]), dp_size=1, grad_accum=1)
         loss = loss_fn(model(ids), labels)
         loss.backward()
         optimizer.step()

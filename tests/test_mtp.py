@@ -16,7 +16,7 @@ import torch
 
 from deepseek_ds.config import ConfigError, load_ds_config, load_run_config, validate
 from deepseek_ds.models.layers import mtp_depth
-from deepseek_ds.models.loss import TokenWeightedLoss, count_valid_tokens
+from deepseek_ds.models.loss import TokenWeightedLoss, valid_token_counts
 from deepseek_ds.models.pipeline import build_model, mtp_tail_start, partition, prepare_config
 from deepseek_ds.models.presets import build_model_config
 from helpers import cli, fresh_ckpt_dir, read_metrics, train, train_layouts
@@ -54,7 +54,7 @@ def test_mtp_logits_and_loss_equal_transformers_mtp_model(data_dir):
             assert b.shape[1] == x.shape[1] - k  # the last k positions have no token i+k (and no target)
             assert torch.allclose(a, b, atol=1e-5), f"depth {k}"
         loss_fn = TokenWeightedLoss(DEPTH, cfg.train.mtp_loss_weight)
-        loss_fn.set_global_tokens(count_valid_tokens([(x, y)], DEPTH), dp_size=1, grad_accum=1)
+        loss_fn.set_global_tokens(valid_token_counts([(x, y)], DEPTH), dp_size=1, grad_accum=1)
         loss = loss_fn(got, y)
         ref_loss, ref_parts = mtp_reference_loss(main, mtp, x, y, cfg.train.mtp_loss_weight)
     assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
@@ -72,7 +72,7 @@ def test_mtp_modules_share_the_embedding_and_head_gradients(data_dir):
     model = build_model(mcfg, 1, cfg.train.seed).train()
     x, y = _batch(mcfg.vocab_size, seed=1)
     only_mtp = TokenWeightedLoss(DEPTH, 1.0)
-    only_mtp.set_global_tokens(count_valid_tokens([(x, y)], DEPTH), 1, 1)
+    only_mtp.set_global_tokens(valid_token_counts([(x, y)], DEPTH), 1, 1)
     logits = model(x)
     only_mtp((logits[0].detach(), *logits[1:]), y).backward()  # main logits detached: MTP's gradient only
     embed, head = model.layers[0].embed_tokens.weight, model.layers[-1].lm_head.weight

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from deepseek_ds.config import load_run_config
 from deepseek_ds.models.hf_io import to_hf_model
 from deepseek_ds.models.layers import MTPLayerPipe, document_attention
-from deepseek_ds.models.loss import TokenWeightedLoss, count_valid_tokens
+from deepseek_ds.models.loss import TokenWeightedLoss, valid_token_counts
 from deepseek_ds.models.pipeline import build_model, local_layers, prepare_config
 from deepseek_ds.models.presets import build_model_config
 from helpers import IGNORE_INDEX, train_layouts
@@ -72,7 +72,7 @@ def test_mtp_targets_stay_inside_each_sample():
     mtp = mtp_reference(hf.train(), [m for m in local_layers(ours) if isinstance(m, MTPLayerPipe)])
     ids, labels, positions, samples = packed_rows(mcfg.vocab_size, seed=1, min_len=3)  # MtpModel needs T > depth
     loss_fn = TokenWeightedLoss(mtp_depth=2, mtp_weight=0.3)
-    counts = count_valid_tokens([(ids, labels, positions)], depth=2)
+    counts = valid_token_counts([(ids, labels, positions)], depth=2).tolist()
     loss_fn.set_global_tokens(counts, dp_size=1, grad_accum=1)
     with torch.no_grad():
         loss_fn(ours((ids, positions)), (labels, positions))

@@ -16,7 +16,7 @@ from deepseek_ds.config import load_and_validate, load_ds_config, load_run_confi
 from deepseek_ds.models import loss as loss_module
 from deepseek_ds.models.layers import DecoderLayerPipe
 from deepseek_ds.models.lora import apply_lora
-from deepseek_ds.models.loss import TokenWeightedLoss, count_valid_tokens
+from deepseek_ds.models.loss import TokenWeightedLoss, valid_token_counts
 from deepseek_ds.models.pipeline import build_model, defer_logits, prepare_config
 from deepseek_ds.models.presets import build_model_config
 from deepseek_ds.plan import activations
@@ -184,7 +184,7 @@ def test_chunked_loss_bytes_equal_what_autograd_saves(preset, overrides, monkeyp
     positions = torch.arange(seq).expand(batch, seq).contiguous()
     labels = torch.randint(0, mcfg.vocab_size, (batch, seq))
     loss_fn = TokenWeightedLoss(depth, 0.3)
-    loss_fn.set_global_tokens(count_valid_tokens([(ids, labels, positions)], depth), dp_size=1, grad_accum=1)
+    loss_fn.set_global_tokens(valid_token_counts([(ids, labels, positions)], depth), dp_size=1, grad_accum=1)
     defer_logits(model)
     chunked = _saved_bytes(model, (ids, positions), False, lambda out: loss_fn(out, (labels, positions)))
     kept, transient = activations.stage_micro_batch_bytes(mcfg, [0, len(model.layers)], 0, batch * seq, seq, 4, 1,

@@ -108,7 +108,7 @@ class TokenWeightedLoss:
         self._parts = None  # detached scaled losses per depth, summed over this rank's micro-batches
 
     def set_global_tokens(self, global_valid_tokens, dp_size: int, grad_accum: int) -> None:
-        """global_valid_tokens: valid targets of the global batch, an int, one per depth (count_valid_tokens), or a
+        """global_valid_tokens: valid targets of the global batch, an int, one per depth (valid_token_counts), or a
         tensor of those, which stays where it is (the training loop's all-reduced counts: no host-device sync)."""
         counts = torch.as_tensor(global_valid_tokens, dtype=torch.float64).reshape(-1)
         if counts.numel() != 1 + self.mtp_depth:
@@ -150,14 +150,9 @@ class TokenWeightedLoss:
         return parts
 
 
-def count_valid_tokens(micro_batches, depth: int = 0) -> list[int]:
-    """Valid targets of the main loss and of each MTP depth 1..depth over the given micro-batches
-    ((input_ids, labels[, position_ids]) each)."""
-    return valid_token_counts(micro_batches, depth).tolist()
-
-
 def valid_token_counts(micro_batches, depth: int = 0) -> torch.Tensor:
-    """count_valid_tokens as an int64 tensor on the micro-batches' device, read by nothing (the training loop
+    """Valid targets of the main loss and of each MTP depth 1..depth over the given micro-batches
+    ((input_ids, labels[, position_ids]) each): an int64 tensor on their device, read by nothing (the training loop
     all-reduces it on the device: no host-device sync)."""
     return torch.stack([sum((shift_labels(mb[1], k, mb[2] if len(mb) == 3 else None) != IGNORE_INDEX).sum()
                             for mb in micro_batches)
