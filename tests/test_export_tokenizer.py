@@ -183,8 +183,7 @@ def test_eval_generate_and_export_reuse_one_conversion_per_version_of_a_tag(trai
     conversions = []
     convert = universal.ds_to_universal.main
     monkeypatch.setattr(universal.ds_to_universal, "main", lambda args: (conversions.append(args), convert(args)))
-    ckpt = shutil.copytree(trained["full"], tmp_path / "ckpt", ignore=shutil.ignore_patterns("*.universal-*"))
-    first = ckpt / "step00000001"
+    first = shutil.copytree(trained["full"] / "step00000001", tmp_path / "ckpt" / "step00000001")
     assert cli(["export", "hf", str(first), "--out", str(tmp_path / "a"), "--dtype", "fp32"]) == 0
     assert len(conversions) == 1
     assert cli(["generate", "--model", str(first), "--prompt", "What is 1 + 1?", "--chat",
@@ -197,10 +196,11 @@ def test_eval_generate_and_export_reuse_one_conversion_per_version_of_a_tag(trai
     capsys.readouterr()
     # The tag saved again under the same name (here: step 2's files): its conversion is stale.
     shutil.rmtree(first)
-    shutil.copytree(ckpt / "step00000002", first)
+    shutil.copytree(trained["full"] / "step00000002", first)
     assert cli(["export", "hf", str(first), "--out", str(tmp_path / "c"), "--dtype", "fp32"]) == 0
     assert len(conversions) == 2
-    assert cli(["export", "hf", str(ckpt / "step00000002"), "--out", str(tmp_path / "d"), "--dtype", "fp32"]) == 0
+    assert cli(["export", "hf", str(trained["full"] / "step00000002"), "--out", str(tmp_path / "d"), "--dtype",
+                "fp32"]) == 0
     c, d, a = (AutoModelForCausalLM.from_pretrained(tmp_path / x).state_dict() for x in "cda")
     assert all(torch.equal(c[k], d[k]) for k in d)  # step 2's weights, not the cached step 1's
     assert not all(torch.equal(a[k], d[k]) for k in d)
