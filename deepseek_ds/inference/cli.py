@@ -175,7 +175,8 @@ def _register_export(subparsers) -> None:
                    help="dtype of the written weights (default: bf16; fp32 gives exactly the training model's logits)")
     p.add_argument("--data", default=None, help="prepared dataset with the tokenizer (default: the training data)")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB or 500MB (default: 5GB)")
-    p.add_argument("--work-dir", default=None, help="scratch space for the universal conversion (default: /tmp)")
+    p.add_argument("--work-dir", default=None, help="where the universal conversion goes when the checkpoint directory is read-only "
+                        "(default: /tmp; otherwise it is kept beside the step, for the next call)")
     p.set_defaults(func=_cmd_export_hf)
     p = export.add_parser("lora", help="peft adapter directory of a LoRA checkpoint (export hf writes it merged)")
     p.add_argument("checkpoint", help="checkpoint.dir of a LoRA run (its newest complete step) or one step directory")
@@ -190,7 +191,8 @@ def _register_export(subparsers) -> None:
         p.add_argument("--out", required=True, help=f"output file, e.g. model.{suffix}")
         p.add_argument("--atol", type=float, default=1e-4,
                        help="largest accepted |logits - PyTorch logits| (default: 1e-4)")
-        p.add_argument("--work-dir", default=None, help="scratch space for the universal conversion (default: /tmp)")
+        p.add_argument("--work-dir", default=None, help="where the universal conversion goes when the checkpoint directory is "
+                            "read-only (default: /tmp; otherwise it is kept beside the step, for the next call)")
         p.set_defaults(func=_cmd_export_traced, format=fmt)
 
 
