@@ -1,0 +1,126 @@
+"""The documentation: the generated reference pages are fresh and cover the code, the mkdocs site builds with
+--strict, every relative link in README.md and docs/ resolves, and the README stays a front door (its Quick start
+commands unchanged, at most 300 lines)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import time
+import typing
+from pathlib import Path
+
+import pytest
+
+from helpers import ROOT
+
+pytestmark = pytest.mark.unit
+
+ROOT_PATH = Path(ROOT)
+# [text](target) and ![alt](target), the target up to a space (a title) or the closing parenthesis.
+LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
+CODE_SPAN = re.compile(r"`[^`\n]*`")
+
+
+@pytest.fixture(scope="module")
+def gen_docs():
+    spec = importlib.util.spec_from_file_location("gen_docs", ROOT_PATH / "scripts" / "gen_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_reference_pages_are_fresh(gen_docs):
+    stale = gen_docs.stale_pages()
+    assert not stale, f"{', '.join(stale)} differ from the code: run `python scripts/gen_docs.py` and commit them"
+
+
+def test_reference_covers_every_field_command_and_refusal(gen_docs):
+    """Checked against the code itself, not the generator's own walk: each run-YAML field, each sub-command path and
+    each validate() message fragment must appear in the pages."""
+    from deepseek_ds import cli
+    from deepseek_ds.config import schema
+
+    pages = {path.name: text for path, text in gen_docs.pages().items()}
+    hints = typing.get_type_hints(schema.RunConfig)
+    for f in dataclasses.fields(schema.RunConfig):
+        cls = hints[f.name]
+        names = [f"{f.name}.{s.name}" for s in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else [f.name]
+        for name in names:
+            assert f"`{name}`" in pages["config.md"], name
+    assert "| `train.lr` | `float` | `0.003` | Peak learning rate, after the warm-up. |" in pages["config.md"]
+
+    help_text = subprocess.run([sys.executable, "-m", "deepseek_ds", "--help"], capture_output=True, text=True,
+                               cwd=ROOT, check=True).stdout
+    commands = re.findall(r"^    ([a-z][a-z-]*)", help_text.split("COMMAND\n", 1)[1], re.M)
+    assert {"train", "plan", "export", "bench"} <= set(commands), help_text
+    for command in commands:
+        assert f"## `deepseek-ds {command}`" in pages["cli.md"], command
+    parser = cli.build_parser()
+    plan = next(a for a in parser._actions if a.choices and "plan" in a.choices).choices["plan"]
+    for action in plan._actions:
+        for flag in action.option_strings if not isinstance(action, argparse._HelpAction) else []:
+            assert f"`{flag}`" in pages["cli.md"], flag
+
+    source = (ROOT_PATH / "deepseek_ds" / "config" / "validate.py").read_text()
+    for fragment in ("cannot be combined", "fp16 needs a CUDA GPU", "holds only PyTorch pickle weights",
+                     "is never scored with eval.interval 0", "needs an MoE layer on every pipeline stage"):
+        assert fragment in source and fragment in pages["refusals.md"], fragment
+
+
+def test_mkdocs_build_strict(tmp_path):
+    start = time.monotonic()
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert time.monotonic() - start < 30
+    index = (tmp_path / "site" / "reference" / "config" / "index.html").read_text()
+    assert "train.global_batch_size" in index
+
+
+def broken_links(path: Path) -> list[str]:
+    """The relative link targets in a markdown file that name no existing file or folder (#anchors are ignored)."""
+    text = CODE_SPAN.sub("", FENCE.sub("", path.read_text()))
+    broken = []
+    for target in LINK.findall(text):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I) or target.startswith("#"):
+            continue  # a URL (http:, mailto:) or an anchor on the same page
+        relative = target.split("#", 1)[0]
+        if relative.startswith("/") or not (path.parent / relative).exists():
+            broken.append(target)
+    return broken
+
+
+def _markdown_files() -> list[Path]:
+    return [ROOT_PATH / "README.md", *sorted((ROOT_PATH / "docs").rglob("*.md"))]
+
+
+def test_every_relative_link_resolves():
+    files = _markdown_files()
+    assert len(files) > 20
+    broken = {str(f.relative_to(ROOT_PATH)): links for f in files if (links := broken_links(f))}
+    assert not broken, f"links to files that do not exist: {broken}"
+
+
+def test_the_link_check_finds_a_broken_link(tmp_path):
+    (tmp_path / "there.md").write_text("x")
+    page = tmp_path / "page.md"
+    page.write_text("[ok](there.md#part) [gone](missing.md) ![img](gone.png) [web](https://example.org) [a](#x)\n"
+                    "`[code](nowhere.md)`\n```\n[fenced](nowhere.md)\n```\n[abs](/etc/passwd)\n")
+    assert broken_links(page) == ["missing.md", "gone.png", "/etc/passwd"]
+
+
+def test_readme_is_a_front_door():
+    text = (ROOT_PATH / "README.md").read_text()
+    assert len(text.splitlines()) <= 300
+    quick = text.split("## Quick start", 1)[1]
+    assert quick.lstrip().startswith("```bash\nbash scripts/demo.sh\nbash scripts/test.sh\n```")
+    assert "The second command runs the whole test suite (" in quick.split("\n## ", 1)[0]
+    assert "## Repository layout" in text
