@@ -118,8 +118,8 @@ def _flag_help(action: argparse.Action, prog: str) -> str:
 
 
 def _flag_value(action: argparse.Action) -> str:
-    if action.nargs == 0:
-        return ""
+    if action.nargs == 0 or not action.option_strings:
+        return ""  # a switch, or a positional (its name is the flag column)
     if action.choices:
         return "{" + ",".join(map(str, action.choices)) + "}"
     metavar = action.metavar or (action.dest.upper() if action.option_strings else action.dest)
