@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 
+import psutil
 import torch.distributed as dist
 
 from ..data import dataset_info
@@ -135,6 +137,10 @@ def _check_reshardable(tag_dir: str, saved: Layout, now: Layout, lora_r: int) ->
 def _remove_partials(ckpt_dir: str, log: logging.Logger) -> None:
     for name in os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []:
         if PARTIAL.match(name):
+            # A universal conversion's partial names its process (universal.to_universal): an eval converting now.
+            converter = re.match(r"^\..+\.(\d+)\.partial$", name)
+            if converter and psutil.pid_exists(int(converter.group(1))):
+                continue
             log.info("removing %s: a save or conversion that did not finish", os.path.join(ckpt_dir, name))
             shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
 

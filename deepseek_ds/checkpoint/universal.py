@@ -100,9 +100,18 @@ def to_universal(tag_dir: str, scheme: str, config: PretrainedConfig, out: str |
     with open(os.path.join(tmp, UNIVERSAL_DONE), "w") as f:
         json.dump({"source": tag_dir, "source_key": source_key(tag_dir), "source_layout": meta["layout"],
                    "scheme": scheme}, f, indent=2)
-    if os.path.isdir(out):
+    # Another process (a second eval) may have published this version meanwhile, and may be reading it: keep it.
+    if is_current(out, tag_dir):
+        shutil.rmtree(tmp, ignore_errors=True)
+        return out
+    if os.path.isdir(out):  # a conversion of an earlier tag of that name
         shutil.rmtree(out)
-    os.rename(tmp, out)
+    try:
+        os.rename(tmp, out)
+    except OSError:  # it published between our look and our rename
+        if not is_current(out, tag_dir):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

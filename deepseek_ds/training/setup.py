@@ -40,6 +40,7 @@ from ..models.pipeline import (
 )
 from ..models.presets import build_model_config
 from ..models.tensor_parallel import init_tensor_parallel_groups, shard_elements, sum_rope_key_grads
+from ..utils.jit_lock import announce, check_jit_locks
 from ..utils.redact import redact
 from ..utils.system import cache_cpu_probe, usable_cpus
 
@@ -74,6 +75,9 @@ def init_distributed(timeout_s: int = 1800) -> tuple[int, int]:
     # DeepSpeed's CPU backend prints "... shm_comm_op built successfully" on every rank, also when the op was
     # cached: drop that line, pass anything else through.
     cache_cpu_probe()  # before the first op loads (the shm comm op, here)
+    # Every distributed entry point (eval, task eval, the benchmarks) passes here before its first op loads; a
+    # training rank has already looked, before it wrote anything (training/main.py).
+    check_jit_locks(say=None if int(os.environ.get("LOCAL_RANK", 0)) else announce)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         deepspeed.init_distributed(dist_backend=None, timeout=timedelta(seconds=timeout_s))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shlex
 import time
 from collections.abc import Callable
 
@@ -19,10 +20,9 @@ from torch.utils.cpp_extension import _get_build_directory
 
 from .errors import UserError
 
-# Filesystems that other hosts may share (a cluster's home or project directory); FUSE ones too (sshfs, s3fs, ...)
-# but for fuse-overlayfs, a container's own root.
-_NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "lustre", "gpfs", "beegfs", "ceph", "glusterfs", "9p", "fuse")
-_LOCAL_FUSE = ("fuse.fuse-overlayfs",)
+# Filesystems no other host shares (a disk, RAM, a container's own root). Any other type (NFS, Lustre, GPFS, WekaFS,
+# BeeGFS, sshfs, ...: too many to list) may hold another host's live build, whose holder is invisible here.
+_LOCAL_FS = ("ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "tmpfs", "ramfs", "overlay", "fuse.fuse-overlayfs")
 
 
 class StaleJitLock(UserError):
@@ -73,7 +73,7 @@ def _network_fs(path: str) -> bool:
     real = os.path.realpath(path)
     best = max((m for m in mounts if real == m[0] or real.startswith(m[0].rstrip("/") + "/")),
                key=lambda m: len(m[0]), default=("/", ""))
-    return best[1] not in _LOCAL_FUSE and best[1].split(".")[0] in _NETWORK_FS
+    return best[1] not in _LOCAL_FS
 
 
 def _last_change(path: str) -> float:
@@ -106,7 +106,7 @@ def _stale(path: str) -> StaleJitLock:
              "or kill it first") if orphans else ""
     return StaleJitLock(
         f"{path} is left by a JIT build of DeepSpeed's {os.path.basename(os.path.dirname(path))!r} op that was killed "
-        f"(no running build holds it), and every start would wait on it forever: remove it (rm {path}) and start "
+        f"(no running build holds it), and every start would wait on it forever: remove it (rm {shlex.quote(path)}) and start "
         f"again, or build the ops elsewhere with TORCH_EXTENSIONS_DIR=<another directory>{still}")
 
 
@@ -117,16 +117,23 @@ def announce(line: str) -> None:
 def check_jit_locks(root: str | None = None, say: Callable[[str], None] | None = announce, poll_s: float = 1.0,
                     grace_s: float = 0.5, idle_s: float = 600.0) -> None:
     """Raise StaleJitLock for a lock under the extensions directory `root` (default: torch's) that no build holds;
-    wait, with one line per lock through `say` (None: silently), until a live build's lock is gone. A lock whose holder cannot be seen here (another
-    host's build on a shared filesystem, another user's) is stale once its build directory is `idle_s` unchanged."""
-    root = root or extensions_root()
+    wait, with one line per lock through `say` (None: silently), until a live build's lock is gone. A lock whose
+    holder cannot be seen here (another host's build on a shared filesystem, another user's) is stale once its build
+    directory is `idle_s` unchanged."""
+    try:
+        root = root or extensions_root()
+    except OSError:  # torch's default folder cannot even be made: no build ever held a lock there
+        return
     for path in sorted(glob.glob(os.path.join(root, "*", "lock"))):
         op, announced = os.path.basename(os.path.dirname(path)), False
         while os.path.exists(path):
             holders = lock_holders(path)
             if holders == []:
                 time.sleep(grace_s)  # torch closes the file a moment before it removes it
-                if not os.path.exists(path) or lock_holders(path):
+                if not os.path.exists(path):
+                    continue
+                holders = lock_holders(path)  # None now: its holder became invisible, so it is waited for
+                if holders:
                     continue
             try:
                 idle = time.time() - _last_change(path)
