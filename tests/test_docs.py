@@ -5,10 +5,13 @@ commands unchanged, at most 300 lines)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
+import io
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -124,3 +127,34 @@ def test_readme_is_a_front_door():
     assert quick.lstrip().startswith("```bash\nbash scripts/demo.sh\nbash scripts/test.sh\n```")
     assert "The second command runs the whole test suite (" in quick.split("\n## ", 1)[0]
     assert "## Repository layout" in text
+
+
+def documented_runs() -> list[tuple[str, str, str]]:
+    """(file, command, printed output) of every fenced block in the docs that starts with `$ deepseek-ds ...`
+    (backslash-continued lines joined) followed by what the command prints."""
+    runs = []
+    for path in _markdown_files():
+        for block in re.findall(r"^```[a-z]*\n(\$ deepseek-ds .*?)^```", path.read_text(), re.S | re.M):
+            lines = block.splitlines()
+            command = lines.pop(0)[2:]
+            while command.endswith("\\"):
+                command = command[:-1] + " " + lines.pop(0).strip()
+            runs.append((str(path.relative_to(ROOT_PATH)), command, "\n".join(lines)))
+    return runs
+
+
+def test_documented_outputs_are_what_the_commands_print(monkeypatch):
+    """The plan and partition tables quoted in the docs, re-run: a planner change that moves a number fails here
+    until the page is updated."""
+    from deepseek_ds import cli
+
+    runs = documented_runs()
+    assert len(runs) >= 6, runs
+    monkeypatch.chdir(ROOT)
+    for where, command, expected in runs:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+            status = cli.main(shlex.split(command)[1:])
+        assert status in (0, 1), (where, command, printed.getvalue())
+        assert printed.getvalue().rstrip("\n").splitlines() == expected.splitlines(), \
+            f"{where}: `{command}` prints something else now: update the page with its output"
