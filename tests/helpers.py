@@ -1,24 +1,27 @@
-"""What the tests share: launching the real `deepspeed` launcher (on train.py or another script) and reading what
-it wrote, the `deepseek-ds` command line in-process, checkpoint-directory copies, and the loss of a training step's
-global batch recomputed in one process. Tests import this module, never each other."""
+"""What the tests share: launching ranks (run_ranks; the real `deepspeed` launcher where the launcher is under test)
+of train.py or another script and reading what they wrote, the `deepseek-ds` command line in-process,
+checkpoint-directory copies, and the loss of a training step's global batch recomputed in one process. Tests import this module, never each other."""
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import functools
 import io
 import json
 import multiprocessing
 import multiprocessing.context
+import multiprocessing.forkserver
 import os
 import runpy
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-import traceback
 from pathlib import Path
 
 import psutil
@@ -46,8 +49,18 @@ def launch_env() -> dict:
 
 def deepspeed(nproc: int, script_args: list[str], timeout: int = 600,
               check: bool = True) -> subprocess.CompletedProcess:
+    """The real `deepspeed` launcher on this host. It runs in a session of its own, so that a timeout (its own or
+    the test's) ends its launch.py and ranks too, not only the runner."""
     cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port())] + script_args
-    proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=timeout)
+    with subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as job:
+        try:
+            out, err = job.communicate(timeout=timeout)
+        finally:
+            if job.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(job.pid, signal.SIGKILL)
+    proc = subprocess.CompletedProcess(cmd, job.returncode, out, err)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
                              f"--- stderr\n{proc.stderr[-6000:]}")
@@ -59,28 +72,42 @@ def run_ranks(nproc: int, script_args: list[str], timeout: int = 600, check: boo
     imported torch, DeepSpeed, transformers and this toolkit once for the session (RANK_PRELOAD), instead of an
     interpreter per rank importing them (~4.5 CPU-s each) behind the launcher's own two (its runner and launch.py,
     ~3 s, and launch.py's once-a-second poll). The ranks get what launch.py gives them (its environment,
-    `--local_rank=N`, unbuffered output, `-m` for --module, sys.argv and __main__ as `python SCRIPT` sets them) and
-    the job ends as launch.py ends it: when a rank fails, the others' process trees get SIGTERM, then SIGKILL 30 s
-    later, and the job's status is the failed rank's. Tests of the launcher itself use deepspeed()."""
+    `--local_rank=N`, unbuffered output, `-m` for --module, sys.argv, sys.path and __main__ as `python SCRIPT` sets
+    them, the default start method for their own subprocesses, non-daemon threads joined at exit) and the job ends
+    as launch.py ends it: when a rank fails, the others' process trees get SIGTERM, then SIGKILL 30 s later, and the
+    job's status is the failed rank's. A job past `timeout` (or the test's own limit) first has every rank print its
+    threads' stacks. What differs: a module the server preloaded keeps what it read from the environment at import
+    (the server starts with the session's environment, before any test changes it). Tests of the launcher itself
+    use deepspeed()."""
     module = script_args[0] == "--module"
     target, rest = (script_args[1], script_args[2:]) if module else (script_args[0], script_args[1:])
     env = launch_env()
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)  # as the runner sets it
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc), LOCAL_SIZE=str(nproc),
                CROSS_RANK="0", CROSS_SIZE="1", CUDA_VISIBLE_DEVICES=",".join(map(str, range(nproc))))
     what = " ".join([sys.executable, "-u"] + (["-m"] if module else []) + [target] + rest)
     procs = []
     with tempfile.TemporaryDirectory() as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        ended = False
         try:
             for rank in range(nproc):
                 procs.append(_rank_server().Process(target=_run_rank, args=(
                     module, target, [f"--local_rank={rank}"] + rest,
                     {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, out, err)))
                 procs[-1].start()
-            status = _wait_like_launch_py(procs, time.monotonic() + timeout, what)
+            status = _wait_like_launch_py(procs, time.monotonic() + timeout, what, timeout)
+            ended = True
         finally:
-            _end_process_trees([p for p in procs if p.exitcode is None], grace_s=30)
+            running = [p for p in procs if p.exitcode is None]
+            if not ended and running:  # a timeout or the test's limit: what each rank was doing goes to the report
+                for p in running:  # one at a time: their stacks would interleave in the shared file
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p.pid, signal.SIGUSR1)
+                    time.sleep(1)
+                if os.path.exists(err):
+                    print(f"--- the ranks' stderr (stacks at the end) of {what}\n{Path(err).read_text()[-20000:]}",
+                          file=sys.stderr)
+            _end_process_trees(running, grace_s=30)
         proc = subprocess.CompletedProcess(what, status, *(Path(f).read_text() if os.path.exists(f) else ""
                                                            for f in (out, err)))
     if check and status != 0:
@@ -92,17 +119,29 @@ def run_ranks(nproc: int, script_args: list[str], timeout: int = 600, check: boo
 # What every rank imports before its first line runs (train.py and the test workers): imported once, in the server.
 RANK_PRELOAD = ["torch", "deepspeed", "transformers", "deepspeed.runtime.zero.muon.muon_optimizer", "peft",
                 "matplotlib.pyplot", "deepseek_ds.training.main", "deepseek_ds.inference.cli", "deepseek_ds.cli"]
+# The environment the session started with: the server's, whichever test first needs it.
+SESSION_ENV = dict(os.environ)
+TESTS = os.path.join(ROOT, "tests")
 
 
 @functools.cache
 def _rank_server() -> multiprocessing.context.BaseContext:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(RANK_PRELOAD)
+    test_env = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(SESSION_ENV)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(test_env)
     return ctx
 
 
 def _run_rank(module: bool, target: str, args: list[str], env: dict, out: str, err: str) -> None:
     """One rank, in a process forked from the server: `python -u [-m] TARGET ARGS` with env, cwd ROOT."""
+    multiprocessing.set_start_method(None, force=True)  # a rank's own subprocesses: the platform's default method
     os.environ.clear()
     os.environ.update(env)
     os.chdir(ROOT)
@@ -110,30 +149,39 @@ def _run_rank(module: bool, target: str, args: list[str], env: dict, out: str, e
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), fd)
     sys.stdout, sys.stderr = (io.TextIOWrapper(open(fd, "wb", buffering=0, closefd=False), write_through=True)
                               for fd in (1, 2))  # python -u
-    sys.path[0] = ROOT if module else os.path.dirname(os.path.abspath(target))
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # run_ranks asks for stacks on a hang
+    # sys.path as `python [-m] TARGET` makes it: the script's folder (the working directory for -m) first, then
+    # PYTHONPATH, then the interpreter's own; not the test session's folders.
+    own = [p for p in sys.path if p not in ("", ROOT, TESTS)]
+    first = ROOT if module else os.path.dirname(os.path.abspath(target))
+    sys.path[:] = [first] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p] + own
+    sys.argv = [target] + args
     code = 0
     try:
         if module:
-            sys.argv = [target] + args
+            sys.modules.pop(target, None)  # preloaded: `python -m` runs the module once, as __main__
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
-            sys.argv = [target] + args
-            runpy.run_path(target, run_name="__main__")
+            sys.argv[0] = os.path.abspath(target)
+            runpy.run_path(sys.argv[0], run_name="__main__")
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) or e.code is None else 1
-        if not isinstance(e.code, int) and e.code is not None:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
             print(e.code, file=sys.stderr)
+            code = 1
     except BaseException:
-        traceback.print_exc()
+        sys.excepthook(*sys.exc_info())
         code = 1
     finally:
-        atexit._run_exitfuncs()  # as the interpreter does at exit (multiprocessing's children skip it)
+        threading._shutdown()  # what the interpreter does at exit, in its order: join non-daemon threads,
+        atexit._run_exitfuncs()  # then the exit functions (multiprocessing's children skip both)
         sys.stdout.flush()
         sys.stderr.flush()
-    os._exit(code or 0)
+    os._exit(code)
 
 
-def _wait_like_launch_py(procs: list, deadline: float, what: str) -> int:
+def _wait_like_launch_py(procs: list, deadline: float, what: str, timeout: float) -> int:
     while True:
         codes = [p.exitcode for p in procs]
         failed = [c for c in codes if c not in (None, 0)]
@@ -143,7 +191,7 @@ def _wait_like_launch_py(procs: list, deadline: float, what: str) -> int:
         if all(c == 0 for c in codes):
             return 0
         if time.monotonic() > deadline:
-            raise subprocess.TimeoutExpired(what, 0)
+            raise subprocess.TimeoutExpired(what, timeout)
         time.sleep(0.05)
 
 

@@ -330,7 +330,7 @@ def test_waiting_for_rank_0s_conversion_is_bounded_by_its_progress_not_a_timeout
         if now < converting_s:
             if now >= CONVERTING_HEARTBEAT_S * (len(beats) + 1):
                 beats.append(now)
-                os.utime(status, ns=(len(beats), len(beats)))  # a new mtime each beat
+                os.utime(status, ns=(len(beats) * 10**9,) * 2)  # a new mtime each beat, a second apart
         elif not out.exists():
             out.mkdir()
             (out / UNIVERSAL_DONE).write_text("{}")

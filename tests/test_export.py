@@ -6,20 +6,22 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from helpers import cli, training_loss
+from helpers import cli, fresh_ckpt_dir, training_loss
 
 
-def _run(kind: str, request) -> tuple:
+def _run(kind: str, request, dest: Path) -> tuple:
     """(step directory, next step, training loss logged at that next step) of conftest.py's run `kind`; only the
-    runs a selected test needs are launched."""
+    runs a selected test needs are launched. The step is a copy in `dest`: an export keeps its universal conversion
+    beside the step, which the session's other users of the run must not find there."""
     run = request.getfixturevalue(kind)
     tag, step = (run["step4"], 5) if kind == "zero3" else (run["step2"], 3)
-    return tag, step, run["losses"][step]
+    return fresh_ckpt_dir(tag, dest / "ckpt") / tag.name, step, run["losses"][step]
 
 
 @pytest.mark.launch
@@ -27,7 +29,7 @@ def _run(kind: str, request) -> tuple:
 def test_export_hf_reproduces_the_training_loss(kind, request, tmp_path, data_dir):
     from transformers import AutoModelForCausalLM
 
-    tag, step, logged = _run(kind, request)
+    tag, step, logged = _run(kind, request, tmp_path)
     out = tmp_path / "hf"
     assert cli(["export", "hf", str(tag), "--out", str(out), "--dtype", "fp32", "--max-shard-size", "2MB",
                 "--work-dir", str(tmp_path)]) == 0
@@ -48,7 +50,7 @@ def test_export_hf_reads_zero0_model_files(kind, request, tmp_path, data_dir):
 
     from deepseek_ds.checkpoint import META
 
-    tag, step, logged = _run(kind, request)
+    tag, step, logged = _run(kind, request, tmp_path)
     copy = shutil.copytree(tag, tmp_path / "ckpt" / tag.name)
     meta = json.loads((copy / META).read_text())
     meta["layout"]["zero_stage"] = 0
@@ -66,7 +68,7 @@ def test_export_hf_bf16_keeps_router_in_fp32_and_ships_the_tokenizer(request, tm
 
     from deepseek_ds.data import load_tokenizer
 
-    tag, step, logged = _run("zero1", request)
+    tag, step, logged = _run("zero1", request, tmp_path)
     out = tmp_path / "hf"
     assert cli(["export", "hf", str(tag.parent), "--out", str(out), "--work-dir", str(tmp_path)]) == 0  # bf16 default
     # Every exported file readable by all, the weights as much as their siblings (save_pretrained leaves 0600).
@@ -104,7 +106,7 @@ def test_torchscript_of_an_moe_checkpoint(request, tmp_path, data_dir):
     """From a training checkpoint (routing traced with the batched_mm experts), against its HF export."""
     from transformers import AutoModelForCausalLM
 
-    tag, _, _ = _run("zero1", request)
+    tag, _, _ = _run("zero1", request, tmp_path)
     assert cli(["export", "hf", str(tag), "--out", str(tmp_path / "hf"), "--dtype", "fp32"]) == 0
     reference = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     _check_traced_exports(str(tag), reference, tmp_path, ["torchscript"])

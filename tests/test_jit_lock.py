@@ -34,8 +34,17 @@ def _holder(lock, seconds: float, release: bool) -> subprocess.Popen:
     return proc
 
 
+@pytest.fixture
+def local_fs(monkeypatch):
+    """tmp_path as a filesystem no other host shares, whatever /tmp is here (9p, NFS, ... would make check_jit_locks
+    wait for an unseen holder on another host)."""
+    from deepseek_ds.utils import jit_lock
+
+    monkeypatch.setattr(jit_lock, "_network_fs", lambda path: False)
+
+
 @pytest.mark.unit
-def test_a_lock_no_process_holds_is_an_error_naming_the_file(tmp_path):
+def test_a_lock_no_process_holds_is_an_error_naming_the_file(tmp_path, local_fs):
     lock = tmp_path / "fused_adam" / "lock"
     lock.parent.mkdir()
     lock.touch()
@@ -47,7 +56,7 @@ def test_a_lock_no_process_holds_is_an_error_naming_the_file(tmp_path):
 
 
 @pytest.mark.unit
-def test_a_compiler_the_killed_build_left_running_is_named(tmp_path):
+def test_a_compiler_the_killed_build_left_running_is_named(tmp_path, local_fs):
     lock = tmp_path / "fused_adam" / "lock"
     lock.parent.mkdir()
     lock.touch()
@@ -61,7 +70,7 @@ def test_a_compiler_the_killed_build_left_running_is_named(tmp_path):
 
 
 @pytest.mark.unit
-def test_a_live_build_is_waited_for_with_a_line_and_its_death_is_an_error(tmp_path):
+def test_a_live_build_is_waited_for_with_a_line_and_its_death_is_an_error(tmp_path, local_fs):
     lock = tmp_path / "cpu_adam" / "lock"
     lock.parent.mkdir()
     said = []

@@ -30,6 +30,9 @@ SETS = [f"train.steps={STEPS}", "train.micro_batch_size=2", "train.global_batch_
 # test_lora.SETS's adapters, on a base that is tiny-v3 at its seeded initialisation; the routing stays the base's.
 LORA = ["model.preset=null", "lora.r=4", "lora.alpha=8", "moe.bias_update_speed=0"]
 TOLERANCE = 1e-5
+# The logged gradient norm: the controls' agree to ~3e-6, the one mutation it must catch (LoRA's scaling) moves it 4x;
+# a wider bound keeps the controls clear of another CPU's roundoff.
+GRAD_NORM_TOLERANCE = 1e-4
 # Each bug and the comparison that must catch it (test_equivalence's loss comparison wherever it can).
 MUTATIONS = {
     "loss-scale": "loss",      # rank 1's loss x (1 + 1e-4): the logged loss moves by ~5e-5
@@ -102,9 +105,9 @@ def mismatches(records: list[dict], reference: dict) -> list[str]:
     """What differs from the reference beyond TOLERANCE: empty when the run passes."""
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     found = []
-    for key in ("loss", "grad_norm"):
+    for key, tolerance in (("loss", TOLERANCE), ("grad_norm", GRAD_NORM_TOLERANCE)):
         got = [r[key] for r in records]
-        if got != pytest.approx(reference[key], rel=TOLERANCE):
+        if got != pytest.approx(reference[key], rel=tolerance):
             found.append(f"{key}: {got} vs reference {reference[key]}")
     if "bias" in reference:
         logged = list(router_biases(records).values())

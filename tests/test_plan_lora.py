@@ -81,19 +81,21 @@ def test_a_plan_without_a_gpu_says_it_assumed_an_h100(capsys):
 
 
 @pytest.mark.unit
-def test_a_recipe_whose_model_path_is_absent_is_planned_from_its_preset(capsys):
+def test_a_recipe_whose_model_path_is_absent_is_planned_from_its_preset(capsys, tmp_path):
+    # The recipe's /models/DeepSeek-V2-Lite, at a path that is absent on any machine (a GPU host may have the model).
+    absent = tmp_path / "models" / "DeepSeek-V2-Lite"
     args = ["plan", "--config", "recipes/sft-deepseek-v2-lite.yaml", "--num_gpus", "8", "--gpu", "h100", "--json"]
-    cli(args)
+    assert cli([*args, "--set", f"model.path={absent}"]) == 0
     captured = capsys.readouterr()
     out = json.loads(captured.out)
-    assert captured.err.strip() == ("note: model.path /models/DeepSeek-V2-Lite is not on this machine: planning from "
+    assert captured.err.strip() == (f"note: model.path {absent} is not on this machine: planning from "
                                     "the deepseek-v2-lite preset")
     cli([*args, "--set", "model.path=null", "--set", "model.preset=deepseek-v2-lite"])
     reference = json.loads(capsys.readouterr().out)
     assert out == reference and out["model"] == "deepseek-v2-lite"
     # A path that names no preset: one line saying how to plan it.
-    status = cli([*args, "--set", "model.path=/models/my-model"])
+    status = cli([*args, "--set", f"model.path={tmp_path / 'models' / 'my-model'}"])
     err = capsys.readouterr().err
-    assert status == 2 and err.startswith("deepseek-ds: error: model.path /models/my-model is not on this machine "
-                                          "and names no preset: set model.preset")
+    assert status == 2 and err.startswith(f"deepseek-ds: error: model.path {tmp_path / 'models' / 'my-model'} is not "
+                                          "on this machine and names no preset: set model.preset")
 
