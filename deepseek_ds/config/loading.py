@@ -25,7 +25,7 @@ import yaml
 from .schema import ConfigError, RunConfig
 
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
-RECIPE_PATHS = (("deepspeed_config",), ("model", "path"), ("data", "path"), ("eval", "task"))
+RECIPE_PATHS = (("deepspeed_config",), ("model", "path"), ("data", "path"), ("eval", "task"), ("preference", "reference"))
 
 
 def _unknown_key(where: str, key: str, known: list[str]) -> ConfigError:

@@ -15,6 +15,8 @@ NAN_POLICIES = ("skip", "stop")
 RESUME_SCHEDULES = ("keep", "replan")
 BUILTIN_CORPORA = ("stdlib",)
 TRUNCATIONS = ("drop", "truncate_left", "truncate_right")
+OBJECTIVES = ("lm", "dpo")
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo")
 
 
 class ConfigError(UserError):
@@ -130,6 +132,9 @@ class TrainSection:
     mtp_loss_weight: float = 0.3
     """lambda of DeepSeek-V3's multi-token-prediction loss (0.3, later 0.1, in its training); the depth is the model's
     num_nextn_predict_layers (model.overrides), 0 in the tiny presets and 1 in deepseek-v3."""
+    objective: str = "lm"
+    """"lm": next-token loss; "dpo": preference optimization on a `--format preference` dataset (the preference
+    section: DPO, IPO or SimPO)."""
 
     def __post_init__(self):
         problems = _at_least("train", 1, steps=self.steps, micro_batch_size=self.micro_batch_size,
@@ -146,6 +151,9 @@ class TrainSection:
             problems.append(f"train.peak_tflops = {self.peak_tflops}: must be > 0 (TFLOP/s of one device), or null")
         if self.mtp_loss_weight < 0:
             problems.append(f"train.mtp_loss_weight = {self.mtp_loss_weight} must be >= 0")
+        if self.objective not in OBJECTIVES:
+            problems.append(f"train.objective = {self.objective!r}: use 'lm' (next-token loss) or 'dpo' (preference "
+                            "optimization, the preference section)")
         _refuse(problems)
 
 
@@ -258,6 +266,32 @@ class MoESection:
 
 
 @dataclass
+class PreferenceSection:
+    """train.objective dpo (models/preference_loss.py has the formulas, TRL's)."""
+    loss: str = "sigmoid"
+    """sigmoid (DPO), ipo, or simpo (reference-free, length-normalised)."""
+    beta: float = 0.1
+    """How far the policy may move from the reference (DPO/IPO); SimPO's reward scale."""
+    label_smoothing: float = 0.0
+    """Conservative DPO: the chance a preference label is wrong (sigmoid and simpo)."""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin gamma (the loss uses gamma / beta)."""
+    reference: str | None = None
+    """The reference model, an HF directory of the policy's architecture and vocabulary; null: the starting weights.
+    Its log-probabilities are computed once before training and stored beside the checkpoints."""
+
+    def __post_init__(self):
+        problems = []
+        if self.loss not in PREFERENCE_LOSSES:
+            problems.append(f"preference.loss = {self.loss!r}: use 'sigmoid' (DPO), 'ipo' or 'simpo'")
+        if self.beta <= 0:
+            problems.append(f"preference.beta = {self.beta} must be > 0")
+        if not 0 <= self.label_smoothing < 0.5:
+            problems.append(f"preference.label_smoothing = {self.label_smoothing} must be in [0, 0.5)")
+        _refuse(problems)
+
+
+@dataclass
 class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
@@ -267,6 +301,7 @@ class RunConfig:
     eval: EvalSection = field(default_factory=EvalSection)
     moe: MoESection = field(default_factory=MoESection)
     lora: LoraSection = field(default_factory=LoraSection)
+    preference: PreferenceSection = field(default_factory=PreferenceSection)
     deepspeed_config: str = "ds_configs/zero1.json"
     """The DeepSpeed JSON when --deepspeed_config is not given (relative paths: see loading.py)."""
 

@@ -9,7 +9,7 @@ import os
 import torch
 
 from ..data import DataError, dataset_info
-from ..data.layout import CHAT_FORMAT, TOKENIZER_DIR, dataset_format
+from ..data.layout import MASKED_FORMATS, PREFERENCE_FORMAT, TOKENIZER_DIR, dataset_format
 from ..data.sft import dataset_option_errors
 from ..data.tokenizer import dataset_tokenizer_hashes, describe, directory_tokenizer
 from ..models.hf_io import has_weights, pickled_weights
@@ -44,7 +44,8 @@ def validate(cfg: RunConfig, ds: dict, world_size: int, cuda_available: bool | N
     errors = (unknown_top_level_keys(ds) + _layout_errors(cfg, world_size) + _deepspeed_errors(cfg, ds, cuda_available)
               + _model_errors(cfg, ds, files) + (_data_errors(cfg) if files else []) + _task_errors(cfg, files)
               + _nan_policy_errors(cfg, ds) + missing_monitor_packages(ds)
-              + asynchronous_checkpoint_engines(ds) + _tensor_parallel_errors(cfg, ds))
+              + asynchronous_checkpoint_engines(ds) + _tensor_parallel_errors(cfg, ds)
+              + _preference_errors(cfg, ds, files))
     if not errors:
         try:
             errors = deepspeed_refusals(resolve_ds_config(ds, cfg, world_size))
@@ -164,7 +165,7 @@ def _data_errors(cfg: RunConfig) -> list[str]:
     except DataError as e:
         return [str(e)]
     options = dataset_option_errors(cfg.data.path, info, cfg.data, ("train", "valid") if cfg.eval.interval else ("train",))
-    if dataset_format(info) == CHAT_FORMAT:
+    if dataset_format(info) in MASKED_FORMATS:
         # Chat samples need not fill a sequence (they are padded): one held-out conversation is enough.
         held_out = info["splits"].get("valid", {}).get("num_docs", 0)
         chat = [f"eval.interval is {cfg.eval.interval} but the validation split of {cfg.data.path!r} holds no "
@@ -185,6 +186,70 @@ def _data_errors(cfg: RunConfig) -> list[str]:
                       f"than one sample of data.seq_len {cfg.data.seq_len} + 1; prepare it with a larger "
                       "--valid-fraction (or more documents), or set eval.interval: 0")
     return options + errors + _vocab_errors(cfg, info)
+
+
+# The architecture fields a reference model must share with the policy (its log-probabilities are of the same
+# tokens through a model of the same shape, built and laid out as the policy is).
+_REFERENCE_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "intermediate_size", "moe_intermediate_size", "n_routed_experts", "n_shared_experts",
+                     "num_experts_per_tok", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                     "v_head_dim", "first_k_dense_replace")
+
+
+def _preference_errors(cfg: RunConfig, ds: dict, files: bool = True) -> list[str]:
+    """train.objective against the dataset's format, what dpo does not support yet, and preference.reference."""
+    dpo, p, errors = cfg.train.objective == "dpo", cfg.preference, []
+    if files and cfg.data.path and os.path.isfile(os.path.join(cfg.data.path, "meta.json")):
+        try:
+            preference_data = dataset_format(dataset_info(cfg.data.path)) == PREFERENCE_FORMAT
+        except DataError:
+            preference_data = dpo  # the dataset's own problem, reported by _data_errors
+        if dpo and not preference_data:
+            errors.append(f"train.objective is dpo but data.path {cfg.data.path!r} is not a preference dataset: prepare "
+                          "one with `deepseek-ds data prepare --format preference` or set train.objective: lm")
+        elif preference_data and not dpo:
+            errors.append(f"data.path {cfg.data.path!r} is a preference dataset (chosen/rejected pairs): set "
+                          "train.objective: dpo, or prepare the data with --format chat for next-token training")
+    elif dpo and not cfg.data.path:
+        errors.append("train.objective dpo needs data.path: a dataset from `deepseek-ds data prepare --format "
+                      "preference` (the built-in corpus is raw text)")
+    if not dpo:
+        return errors
+    unsupported = [what for what, on in (
+        ("parallel.pipeline_stages > 1", cfg.parallel.pipeline_stages > 1),
+        ("parallel.tensor_parallel > 1", cfg.parallel.tensor_parallel > 1), ("lora.r > 0", cfg.lora.r > 0),
+        ("data.packing", cfg.data.packing), ("eval.interval > 0", cfg.eval.interval > 0)) if on]
+    if unsupported:
+        errors.append(f"train.objective dpo does not support {', '.join(unsupported)} yet: train with ZeRO 0-3 data "
+                      "parallelism (and expert_parallel), without them")
+    if p.reference and zero_stage(ds) == 3:
+        # Measured: swapping a reference's weights into a ZeRO-3 engine for the pass gives other log-probabilities.
+        errors.append(f"preference.reference {p.reference!r} with ZeRO-3 is not supported yet: use ZeRO 0-2, or "
+                      "preference.reference: null (the starting weights)")
+    if p.reference and p.loss == "simpo":
+        errors.append(f"preference.reference {p.reference!r} is unused: simpo is reference-free; remove it or use "
+                      "preference.loss sigmoid or ipo")
+    elif p.reference and files:
+        errors += _reference_errors(cfg)
+    return errors
+
+
+def _reference_errors(cfg: RunConfig) -> list[str]:
+    ref = cfg.preference.reference
+    if not os.path.isdir(ref) or not has_weights(ref):
+        return [f"preference.reference {ref!r} is not an HF model directory with safetensors weights: point it at "
+                "one (e.g. an `deepseek-ds export hf` of the SFT model), or set it to null for the starting weights"]
+    try:
+        theirs = build_model_config(None, ref, {})
+        ours = build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides)
+    except (ModelConfigError, TypeError, ValueError) as e:
+        return [f"preference.reference {ref!r}: {e}"]
+    differ = [f"{k} {getattr(theirs, k, None)} vs {getattr(ours, k, None)}" for k in _REFERENCE_FIELDS
+              if getattr(theirs, k, None) != getattr(ours, k, None)]
+    if differ:
+        return [f"preference.reference {ref!r} is another architecture or vocabulary than the policy's "
+                f"({'; '.join(differ)}): use a reference of the policy's own architecture and tokenizer"]
+    return []
 
 
 def _task_errors(cfg: RunConfig, files: bool = True) -> list[str]:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 from .errors import DataError
 from .formats import AUTO, as_messages
+from .layout import PREFERENCE_FORMAT as PREFERENCE
+from .pairs import pair_messages
 
 SYSTEM, USER, ASSISTANT = "system", "user", "assistant"
 ROLES = (SYSTEM, USER, ASSISTANT)
@@ -55,8 +57,14 @@ class Encoded:
 
 
 # ----------------------------------------------------------------------------------------------- parsing
-def _messages_of(record, fmt: str) -> tuple[Message, ...]:
-    raw = as_messages(record, fmt)
+def _messages_of(record, fmt: str):
+    """The conversation of a record; for PREFERENCE records the pair (chosen, rejected) of conversations."""
+    if fmt == PREFERENCE:
+        return tuple(_checked(raw) for raw in pair_messages(record))
+    return _checked(as_messages(record, fmt))
+
+
+def _checked(raw) -> tuple[Message, ...]:
     if not isinstance(raw, list) or not raw:
         raise ValueError("empty conversation: 'messages' must be a non-empty list")
     messages = []
@@ -80,8 +88,8 @@ def _messages_of(record, fmt: str) -> tuple[Message, ...]:
 
 
 def parse_line(line: str, where: str, fmt: str = AUTO) -> tuple[Message, ...]:
-    """The messages of one JSON Lines line in format `fmt` (formats.LINE_FORMATS; AUTO: each line's own);
-    ChatFormatError naming `where` (file:line) and what is wrong."""
+    """The messages of one JSON Lines line in format `fmt` (formats.LINE_FORMATS; AUTO: each line's own; PREFERENCE:
+    the pair (chosen, rejected) of conversations, pairs.py); ChatFormatError naming `where` (file:line) and what is wrong."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:

@@ -14,7 +14,7 @@ from ..utils.cli_args import spellings
 from .builtin import stdlib_files
 from .chat import TRAIN_ON
 from .formats import INPUT_FORMATS
-from .layout import CHAT_FORMAT, TEXT_FORMAT, dataset_format, dataset_info
+from .layout import MASKED_FORMATS, PREFERENCE_FORMAT, TEXT_FORMAT, dataset_format, dataset_info
 from .prepare import prepare_dataset
 from .sampler import GlobalBatchSampler
 from .sft import DROP, TRUNCATE_LEFT, TRUNCATE_RIGHT, chat_sample_lengths, open_dataset
@@ -45,9 +45,15 @@ def summary(out: str) -> list[str]:
         vocab += (f" (requested {requested:,}: the corpus holds too little text to learn more merges; "
                   "pass more text or a smaller --vocab-size)")
     lines.append(vocab)
-    if dataset_format(meta) == CHAT_FORMAT:
-        lines.append(f"  chat samples trained on {meta['train_on']} assistant turns; {meta['bad_lines']:,} bad lines "
-                     "skipped" + "".join(f"\n    {e}" for e in meta["bad_line_errors"]))
+    if dataset_format(meta) in MASKED_FORMATS:
+        what = ("preference pairs (documents) of two samples, each trained on its response"
+                if dataset_format(meta) == PREFERENCE_FORMAT else f"chat samples trained on {meta['train_on']} "
+                "assistant turns")
+        lines.append(f"  {what}; {meta['bad_lines']:,} bad lines skipped"
+                     + "".join(f"\n    {e}" for e in meta["bad_line_errors"]))
+        if meta.get("identical_pairs"):
+            lines.append(f"  warning: {meta['identical_pairs']:,} pairs have the same chosen and rejected response: "
+                         "they teach no preference (their loss is ln 2 at any weights); remove them from the inputs")
         lengths = chat_sample_lengths(out, "train")
         if len(lengths):
             # What data.seq_len must be before a run drops (or truncates) samples: said here, before any config.
@@ -88,7 +94,10 @@ def _dump(args: argparse.Namespace) -> int:
     order = GlobalBatchSampler(len(ds), 1, 1, 0, 1, args.seed, shuffle=args.shuffle).positions(args.start, count)
     for i in order:
         sample = ds[int(i)]
-        if getattr(ds, "gives_position_ids", False):
+        if getattr(ds, "pairs", False):
+            print(json.dumps({side: dict(zip(("input_ids", "labels", "position_ids"), seq.tolist()))
+                              for side, seq in zip(("chosen", "rejected"), sample)}))
+        elif getattr(ds, "gives_position_ids", False):
             print(json.dumps(dict(zip(("input_ids", "labels", "position_ids"), sample.tolist()))))
         else:
             print(json.dumps(sample.tolist()))
@@ -134,7 +143,9 @@ def register(subparsers) -> None:
                         "\"input\", \"output\"} (optional \"system\", \"history\"; the user turn is instruction + "
                         "newline + input, as LLaMA-Factory reads it) or ShareGPT {\"conversations\": [{\"from\", "
                         "\"value\"}, ...]} (human/gpt/system; optional \"system\"; no tool turns). alpaca, "
-                        "sharegpt: a chat dataset whose records must all be in that format")
+                        "sharegpt: a chat dataset whose records must all be in that format. preference: pairs for "
+                        "train.objective: dpo, {\"prompt\", \"chosen\", \"rejected\"} strings or TRL's "
+                        "conversational form (message lists; without \"prompt\" their shared turns are the prompt)")
     p.add_argument(*spellings("--train-on"), choices=TRAIN_ON, default="all",
                    help="chat: the loss on all assistant turns (default) or the last one only")
     p.add_argument("--split", help="the split of saved DatasetDict inputs to read (default: train); the summary "
@@ -144,7 +155,8 @@ def register(subparsers) -> None:
     p.set_defaults(func=_prepare)
 
     d = subparsers.add_parser("dump", help="print samples in training order: JSON lists of token ids, or for chat data "
-                          "and --document-mask one object of input_ids, labels and position_ids each")
+                          "and --document-mask one object of input_ids, labels and position_ids each; for preference "
+                          "data one object a pair: {\"chosen\": {...}, \"rejected\": {...}}")
     d.add_argument("--data", required=True, help="prepared dataset directory")
     d.add_argument(*spellings("--seq-len"), type=int, required=True, help="tokens per sample")
     d.add_argument("--start", type=int, default=0, help="first global sample position (default 0)")

@@ -28,6 +28,7 @@ from .layout import (
     FORMAT_VERSION,
     META,
     PLAN,
+    PREFERENCE_FORMAT,
     SPLITS,
     TEXT_FORMAT,
     TOKENIZER_DIR,
@@ -99,7 +100,10 @@ def _iter_texts(table: DocTable, field: str) -> Iterator[str]:
 def _iter_chat_texts(table: DocTable, fmt: str) -> Iterator[str]:
     for start in range(0, len(table), _TRAIN_CHUNK):
         rows = table.subset(np.arange(start, min(start + _TRAIN_CHUNK, len(table))))
-        yield from (m.content for messages in read_conversation_rows(rows, fmt) for m in messages)
+        for row in read_conversation_rows(rows, fmt):
+            # A preference row is a pair of conversations; their shared prompt is read twice, as it is trained on.
+            for messages in (row if fmt == PREFERENCE_FORMAT else (row,)):
+                yield from (m.content for m in messages)
 
 
 def _ensure_tokenizer(out: Path, src_tok, train: Callable[[Path], None]):
@@ -211,7 +215,9 @@ def prepare_dataset(inputs: list[str], out_dir: str, tokenizer_dir: str | None =
     trained mask (assistant turns: all, or the last with `train_on` "last"); a bad line is an error naming its
     file:line, or skipped and counted in meta.json with `skip_bad`. Whole conversations are held out for validation.
     Each record's format (messages, prompt/response, Alpaca, ShareGPT: formats.py) is told from its keys;
-    `data_format` "alpaca" or "sharegpt" makes a chat dataset of records that must all be in that format.
+    `data_format` "alpaca" or "sharegpt" makes a chat dataset of records that must all be in that format;
+    "preference" a preference dataset of {"prompt", "chosen", "rejected"} records (data/pairs.py), two samples a
+    pair (layout.py), with a count of the pairs whose chosen and rejected are the same.
     A saved DatasetDict input contributes its split `split` ("train" when None); meta.json says which.
     """
     if workers < 1:
@@ -221,7 +227,10 @@ def prepare_dataset(inputs: list[str], out_dir: str, tokenizer_dir: str | None =
     if train_on not in TRAIN_ON:
         raise DataError(f"train_on {train_on!r}: use one of {', '.join(TRAIN_ON)}")
     chat = data_format != TEXT_FORMAT
-    line_format = data_format if data_format in (ALPACA, SHAREGPT) else AUTO
+    line_format = data_format if data_format in (ALPACA, SHAREGPT, PREFERENCE_FORMAT) else AUTO
+    stored_format = PREFERENCE_FORMAT if data_format == PREFERENCE_FORMAT else CHAT_FORMAT
+    if data_format == PREFERENCE_FORMAT:
+        train_on = "last"  # each conversation of a pair is trained on its response (and EOS) only
     out = Path(out_dir)
     bad: list[str] = []
     if chat:
@@ -239,7 +248,7 @@ def prepare_dataset(inputs: list[str], out_dir: str, tokenizer_dir: str | None =
                 "tokenizer": ({"bpe_vocab_size": vocab_size} if src_tok is None
                               else {"imported_hash": tokenizer_hash(backend_json(src_tok))})}
         if chat:  # text plans keep their old keys, so datasets prepared before chat data existed still re-run
-            plan.update(format=CHAT_FORMAT, train_on=train_on)
+            plan.update(format=stored_format, train_on=train_on)
         plan_hash = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
         out.mkdir(parents=True, exist_ok=True)
         _check_plan(out, plan)
@@ -249,7 +258,8 @@ def prepare_dataset(inputs: list[str], out_dir: str, tokenizer_dir: str | None =
             tok = _ensure_tokenizer(out, src_tok, lambda d: train_bpe(_iter_chat_texts(train_docs, line_format),
                                                                       vocab_size, d, progress, chat=True))
             # Rendered here once, so a tokenizer that cannot render conversations fails before any shard is tokenized.
-            encode(tok, read_conversation_rows(table.subset(np.arange(1)), line_format)[0], train_on)
+            first = read_conversation_rows(table.subset(np.arange(1)), line_format)[0]
+            encode(tok, first[0] if line_format == PREFERENCE_FORMAT else first, train_on)
         else:
             tok = _ensure_tokenizer(out, src_tok, lambda d: train_bpe(_iter_texts(train_docs, jsonl_field), vocab_size,
                                                                       d, progress))
@@ -261,7 +271,9 @@ def prepare_dataset(inputs: list[str], out_dir: str, tokenizer_dir: str | None =
         meta["read_splits"] = list(table.read_splits)
     if chat:
         # The first few errors are kept for the summary; the count is of all lines skipped.
-        meta.update(format=CHAT_FORMAT, train_on=train_on, bad_lines=len(bad), bad_line_errors=bad[:5])
+        meta.update(format=stored_format, train_on=train_on, bad_lines=len(bad), bad_line_errors=bad[:5])
+    if line_format == PREFERENCE_FORMAT:
+        meta["identical_pairs"] = sum(read_json(shard_files(out, t.name)[2]).get("identical_pairs", 0) for t in tasks)
     if src_tok is None:
         meta["requested_vocab_size"] = vocab_size
     if meta["splits"]["train"]["num_tokens"] == 0:

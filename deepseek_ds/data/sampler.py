@@ -96,6 +96,8 @@ def micro_batch(dataset, indices) -> tuple:
     import torch
 
     x = torch.from_numpy(np.stack([dataset[i] for i in indices]).astype(np.int64))
+    if getattr(dataset, "pairs", False):  # [B, 2, 3, seq_len] -> [2B, 3, seq_len]: the B chosen rows, then rejected
+        x = x.transpose(0, 1).reshape(-1, *x.shape[2:])
     if getattr(dataset, "gives_position_ids", False):
         return x[:, 0].contiguous(), x[:, 1].contiguous(), x[:, 2].contiguous()
     return x[:, :-1].contiguous(), x[:, 1:].contiguous()

@@ -22,7 +22,9 @@ import numpy as np
 from .errors import DataError
 from .layout import (
     CHAT_FORMAT,
+    MASKED_FORMATS,
     META,
+    PREFERENCE_FORMAT,
     TEXT_FORMAT,
     check_shard_checksums,
     check_shard_sizes,
@@ -70,7 +72,7 @@ class ChatDataset(MappedShards):
         if truncation not in (DROP, TRUNCATE_LEFT, TRUNCATE_RIGHT):
             raise DataError(f"truncation {truncation!r}: use {DROP}, {TRUNCATE_LEFT} or {TRUNCATE_RIGHT}")
         meta = read_meta(dataset_dir)
-        if dataset_format(meta) != CHAT_FORMAT:
+        if dataset_format(meta) not in MASKED_FORMATS:
             raise DataError(f"{dataset_dir} is not a chat dataset: prepare it with `deepseek-ds data prepare "
                             f"--format chat`")
         self.dataset_dir, self.seq_len, self.split = str(dataset_dir), seq_len, split
@@ -149,6 +151,47 @@ class ChatDataset(MappedShards):
         return self._maps[k]
 
 
+class PreferenceDataset:
+    """Pairs of one split of a preference dataset: item k is an int64 array [2, 3, seq_len], pair k's chosen and
+    rejected sequences as ChatDataset makes them (one sample a sequence: pairs are never packed). A pair with a side
+    longer than seq_len is dropped whole (truncation drop), or its long sides are cut (truncate_left/right);
+    `counts` and `report()` say how many."""
+
+    gives_position_ids = True
+    pairs = True  # sampler.micro_batch: a micro-batch of B pairs is 2B rows, the B chosen ones first
+
+    def __init__(self, dataset_dir: str, seq_len: int, split: str = "train", *, truncation: str = DROP,
+                 verify_checksums: bool = True):
+        if dataset_format(read_meta(dataset_dir)) != PREFERENCE_FORMAT:
+            raise DataError(f"{dataset_dir} is not a preference dataset: prepare it with `deepseek-ds data prepare "
+                            "--format preference`")
+        self.dataset_dir, self.seq_len, self.split, self.truncation = str(dataset_dir), seq_len, split, truncation
+        long = (chat_sample_lengths(dataset_dir, split).reshape(-1, 2) > seq_len).any(1)
+        # Every sample kept (cut where it must be), so sequence j is sample j and pair k is sequences 2k and 2k + 1.
+        self._sequences = ChatDataset(dataset_dir, seq_len, split, verify_checksums=verify_checksums,
+                                      truncation=TRUNCATE_RIGHT if truncation == DROP else truncation)
+        self.pair_ids = np.flatnonzero(~long) if truncation == DROP else np.arange(len(long))
+        cut = int(long.sum())
+        self.counts = {"pairs": len(long), "dropped": cut if truncation == DROP else 0,
+                       "truncated": 0 if truncation == DROP else cut}
+        if not len(self.pair_ids):
+            raise DataError(f"split {split!r} of {dataset_dir}: all {len(long)} pairs have a side longer than seq_len "
+                            f"{seq_len} and truncation is drop: raise data.seq_len or set data.truncation")
+
+    def report(self) -> str:
+        c = self.counts
+        return (f"preference data ({self.split}): {c['pairs']:,} pairs, two sequences of {self.seq_len} tokens each; "
+                f"{c['truncated']:,} truncated, {c['dropped']:,} dropped as longer than seq_len "
+                f"(data.truncation: {self.truncation})")
+
+    def __len__(self) -> int:
+        return len(self.pair_ids)
+
+    def __getitem__(self, k: int) -> np.ndarray:
+        p = int(self.pair_ids[k])
+        return np.stack([self._sequences[2 * p], self._sequences[2 * p + 1]])
+
+
 def dataset_option_errors(dataset_dir: str, meta: dict, options, splits: tuple[str, ...] = ("train",)) -> list[str]:
     """What `options` (data.seq_len / packing / truncation) cannot do with these splits of the dataset, one line
     each."""
@@ -190,7 +233,7 @@ def _too_long(dataset_dir: str, split: str, lengths: np.ndarray, seq_len: int) -
 def dataset_option_notes(dataset_dir: str, options, splits: tuple[str, ...] = ("train",)) -> list[str]:
     """One line per split of a chat dataset where some samples (at most half: more is an error) are longer than
     data.seq_len: how many, and what data.truncation does with them; [] for raw text or when all fit."""
-    if not dataset_dir or not (Path(dataset_dir) / META).is_file() or dataset_format(read_meta(dataset_dir)) != CHAT_FORMAT:
+    if not dataset_dir or not (Path(dataset_dir) / META).is_file() or dataset_format(read_meta(dataset_dir)) not in MASKED_FORMATS:
         return []
     notes = []
     for split in splits:
@@ -209,6 +252,8 @@ def open_dataset(dataset_dir: str, options, split: str = "train"):
     errors = dataset_option_errors(dataset_dir, meta, options, (split,))
     if errors:
         raise DataError(errors[0])
+    if dataset_format(meta) == PREFERENCE_FORMAT:
+        return PreferenceDataset(dataset_dir, options.seq_len, split, truncation=options.truncation)
     if dataset_format(meta) == CHAT_FORMAT:
         return ChatDataset(dataset_dir, options.seq_len, split, packing=options.packing,
                            truncation=options.truncation)

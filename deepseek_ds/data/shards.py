@@ -20,6 +20,7 @@ from ..utils.fs import write_bytes_atomic, write_json_atomic
 from .chat import encode
 from .errors import DataError
 from .formats import AUTO
+from .layout import PREFERENCE_FORMAT as PREFERENCE
 from .layout import TOKENIZER_DIR, check_shard, mask_file, read_json, shard_files
 from .sources import DocTable, read_conversation_rows, read_docs
 
@@ -106,8 +107,11 @@ def _dataset_tokenizer(out_dir: str):
 def _encode_chat(task: ShardTask) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens, sample bounds, trained mask) of the shard's conversations, rendered by chat.encode."""
     tok = _dataset_tokenizer(task.out_dir)
-    encoded = [encode(tok, messages, task.train_on) for messages in read_conversation_rows(task.docs,
-                                                                                          task.line_format)]
+    rows = read_conversation_rows(task.docs, task.line_format)
+    if task.line_format == PREFERENCE:  # a pair's chosen, then its rejected conversation: trained on the response
+        encoded = [encode(tok, messages, "last") for pair in rows for messages in pair]
+    else:
+        encoded = [encode(tok, messages, task.train_on) for messages in rows]
     tokens = np.array([i for e in encoded for i in e.ids], task.dtype)
     mask = np.array([t for e in encoded for t in e.trained], np.uint8)
     bounds = np.concatenate([[0], np.cumsum([len(e.ids) for e in encoded])]).astype(np.int64)
@@ -132,8 +136,16 @@ def write_shard(task: ShardTask) -> dict:
         mask_bytes = mask.tobytes()
         write_bytes_atomic(mask_file(Path(task.out_dir), task.name), mask_bytes)
         record["mask_sha256"] = hashlib.sha256(mask_bytes).hexdigest()
+    if task.line_format == PREFERENCE:
+        record["identical_pairs"] = identical_pairs(tokens, bounds)
     write_json_atomic(record_path, record)
     return record
+
+
+def identical_pairs(tokens: np.ndarray, bounds: np.ndarray) -> int:
+    """Pairs (samples 2k, 2k + 1) whose chosen and rejected conversations are the same tokens: no preference."""
+    return sum(np.array_equal(tokens[bounds[k]:bounds[k + 1]], tokens[bounds[k + 1]:bounds[k + 2]])
+               for k in range(0, len(bounds) - 2, 2))
 
 
 def init_worker() -> None:

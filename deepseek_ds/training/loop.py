@@ -18,7 +18,7 @@ from ..launcher.supervise import STOP_RECORD
 from ..models.loss import valid_token_counts
 from ..models.pipeline import split_micro_batch, to_device
 from ..utils.fs import write_json_atomic
-from . import monitors, nan_policy
+from . import monitors, nan_policy, preference
 from .evaluation import evaluate_run
 from .metrics import MetricsWriter, StepMeter, flops_per_token, peak_tflops, plot_loss
 from .progress import Progress
@@ -37,6 +37,8 @@ def _local_step(run: Run, micro_batches: list) -> torch.Tensor:
     """One optimizer step on this rank's share of the global batch, nothing read to the host: the sum of this rank's
     scaled micro losses (dp x gas x its share of the token-weighted global loss; a float64 device scalar, to be
     summed over the data-parallel ranks), or with a pipeline the global-batch loss DeepSpeed reduced already."""
+    if preference.is_dpo(run):
+        return preference.local_step(run, micro_batches)
     engine = run.engine
     # Counted on the host (the batches are host tensors) without reading them; collectives take device tensors (NCCL
     # refuses host ones).
@@ -117,7 +119,8 @@ def _reduced_metrics(run: Run, meter: StepMeter, routers: RouterStats | None, lo
     # The TP ranks of a replica compute the same losses: one of them counts, so the sums are over replicas.
     replica = 1.0 if run.tp_rank == 0 else 0.0
     # MTP parts: pipeline stages other than the last hold zeros.
-    parts = run.loss_fn.take_parts(device) * replica if depth else None
+    dpo = preference.is_dpo(run)  # its parts: the pair metrics (preference_loss.METRICS), summed
+    parts = run.loss_fn.take_parts(device) * replica if depth or dpo else None
     aux = balancer.take_aux() if balancer and balancer.s.has_aux else None
     summed = _cat([None if run.pipeline else local.reshape(1) * replica, parts, aux,
                    routers.local_load() if routers else None], device)
@@ -142,6 +145,10 @@ def _reduced_metrics(run: Run, meter: StepMeter, routers: RouterStats | None, lo
     else:
         # The scaled micro losses sum to (dp x gas) x the token-weighted global loss.
         out["loss"], summed = summed[0] / gas_dp, summed[1:]
+    if dpo:
+        n_metrics = parts.numel()
+        out.update({k: v for k, v in run.loss_fn.metrics(summed[:n_metrics]).items() if k != "loss"})
+        summed = summed[n_metrics:]
     out["grad_norm"] = kept[0] if norm_on_device else (float(grad_norm) if grad_norm is not None else None)
     out["memory_gb"] = maxed[0]
     stop_asked = stop is not None and maxed[1] > 0
@@ -183,6 +190,8 @@ def train(run: Run, on_accepted=None) -> dict:
 def _train(run: Run, stop: StopOnSignal, on_accepted=None) -> dict:
     cfg, engine, log = run.cfg, run.engine, run.log
     is_rank0 = run.rank == 0
+    if preference.is_dpo(run):  # before the resume: the engine still holds the starting weights
+        run.reference = preference.ensure_reference(run)
     state = resume(run) or {}
     if on_accepted:  # the run, and its resume if any, passed every check: e.g. record resolved_config.yaml
         on_accepted()
@@ -220,7 +229,8 @@ def _train(run: Run, stop: StopOnSignal, on_accepted=None) -> dict:
 
 def step_meter(run: Run) -> StepMeter:
     cfg, engine = run.cfg, run.engine
-    tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
+    # A preference sample is a pair: two sequences.
+    tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len * (2 if preference.is_dpo(run) else 1)
     flops_per_step = flops_per_token(run.model_config, cfg.data.seq_len) * tokens_per_step
     meter = StepMeter(flops_per_step, tokens_per_step, cfg.train.global_batch_size, run.world, engine.device,
                       peak_tflops(engine.device, cfg.train.peak_tflops))
@@ -239,7 +249,8 @@ def _steps(run: Run, sampler: GlobalBatchSampler, metrics: MetricsWriter | None,
            start_step: int) -> tuple[str | None, int]:
     """The optimizer steps after `start_step`; returns (the last checkpoint saved, the last step trained)."""
     cfg, engine, log = run.cfg, run.engine, run.log
-    batches = micro_batches(run.dataset, sampler)
+    batches = (preference.pair_batches(run, sampler, run.reference) if preference.is_dpo(run)
+               else micro_batches(run.dataset, sampler))
     meter, routers = step_meter(run), router_stats(run)
     valid = open_dataset(run.dataset_dir, cfg.data, split="valid") if cfg.eval.interval else None
     progress = Progress(cfg.train.steps, start_step, run.rank == 0, cfg.train.log_interval, log)

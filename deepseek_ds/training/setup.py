@@ -38,6 +38,7 @@ from ..models.pipeline import (
     partition_table,
     prepare_config,
 )
+from ..models.preference_loss import PreferenceLoss
 from ..models.presets import build_model_config
 from ..models.tensor_parallel import init_tensor_parallel_groups, shard_elements, sum_rope_key_grads
 from ..utils.jit_lock import announce, check_jit_locks
@@ -52,7 +53,7 @@ class Run:
     ds: dict                         # the resolved DeepSpeed config
     engine: DeepSpeedEngine          # a PipelineEngine when `pipeline`
     model_config: PretrainedConfig
-    loss_fn: TokenWeightedLoss
+    loss_fn: TokenWeightedLoss | PreferenceLoss  # PreferenceLoss: train.objective dpo
     dataset: PackedDataset | ChatDataset  # the training split (data.open_dataset)
     dataset_dir: str
     rank: int
@@ -65,6 +66,7 @@ class Run:
     log: logging.Logger
     balancer: LoadBalancer | None = None  # MoE load balancing: after_step() once per optimizer step
     tp_rank: int = 0                 # rank within its tensor-parallel group (the replica's TP ranks see one batch)
+    reference: object = None         # dpo: the training split's reference log-probabilities (training/preference.py)
 
 
 def init_distributed(timeout_s: int = 1800) -> tuple[int, int]:
@@ -213,12 +215,14 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
         raise DataError(f"dataset {dataset_dir} uses a tokenizer with {info['vocab_size']} tokens but the model's "
                         f"vocab_size is {mcfg.vocab_size}; use a matching tokenizer or set model.overrides.vocab_size")
     dataset = open_dataset(dataset_dir, cfg.data)
-    if rank == 0 and isinstance(dataset, ChatDataset):
+    if rank == 0 and hasattr(dataset, "report"):
         log.info(dataset.report())  # what packing and truncation made of the samples
 
     pp = cfg.parallel.pipeline_stages
     dp = cfg.data_parallel_size(world)
-    loss_fn = TokenWeightedLoss(mtp_depth(mcfg), cfg.train.mtp_loss_weight)
+    p = cfg.preference
+    loss_fn = (PreferenceLoss(p.loss, p.beta, p.label_smoothing, p.simpo_gamma, cfg.train.global_batch_size)
+               if cfg.train.objective == "dpo" else TokenWeightedLoss(mtp_depth(mcfg), cfg.train.mtp_loss_weight))
     torch.manual_seed(cfg.train.seed)
     tp = cfg.parallel.tensor_parallel
     # DeepSpeed's config (zero.Init's and the engine's) counts data-parallel ranks through the TP mesh.

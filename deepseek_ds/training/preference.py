@@ -1,0 +1,163 @@
+"""train.objective dpo: the reference pass and the preference step (models/preference_loss.py has the losses).
+
+The reference model's log-probabilities of every pair of the training split are computed once, before training and
+before any resume (so `preference.reference: null` is the starting weights even on a resume), on the training
+layout itself: the engine's weights are swapped for the reference's (an HF directory) for the pass and back, so the
+run never holds two models. They are stored in <checkpoint dir>/reference_logps/ with their sha256 and a key of
+what they depend on (the dataset's shards, seq_len, truncation, the reference or starting weights' files): a resume
+or re-run with the same key reuses them; another key, or a damaged file, recomputes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..data import micro_batch
+from ..data.layout import file_sha256, read_meta
+from ..models.hf_io import load_hf_weights
+from ..models.pipeline import local_layers, split_micro_batch, to_device
+from ..models.preference_loss import sequence_logps
+from ..utils.fs import write_bytes_atomic, write_json_atomic
+from .setup import Run
+
+REFERENCE_DIR = "reference_logps"
+
+
+def is_dpo(run: Run) -> bool:
+    return run.cfg.train.objective == "dpo"
+
+
+def _files_identity(directory: str) -> list:
+    """A model directory by its files' names, sizes and modification times (hashing a 671B model's weights to key a
+    cache would cost more than the pass)."""
+    root = Path(directory)
+    return sorted([p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in root.iterdir() if p.is_file())
+
+
+def reference_key(run: Run) -> str:
+    cfg, meta = run.cfg, read_meta(run.dataset_dir)
+    ref = cfg.preference.reference
+    start = ({"path": _files_identity(cfg.model.path)} if cfg.model.path else
+             {"preset": cfg.model.preset, "seed": cfg.train.seed})
+    desc = {"shards": [s["bin_sha256"] for s in meta["splits"]["train"]["shards"]], "seq_len": cfg.data.seq_len,
+            "truncation": cfg.data.truncation, "overrides": cfg.model.overrides, "ds_precision": _precision(run),
+            "reference": {"path": _files_identity(ref)} if ref else {"starting_weights": start}}
+    return hashlib.sha256(json.dumps(desc, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _precision(run: Run) -> str:
+    return "bf16" if run.engine.bfloat16_enabled() else "fp16" if run.engine.fp16_enabled() else "fp32"
+
+
+def ensure_reference(run: Run) -> np.ndarray | None:
+    """[pairs, 2] float64 (chosen, rejected) reference log-probabilities of the training split, reused or computed;
+    None for a reference-free loss. Every rank calls it."""
+    if not run.loss_fn.needs_reference:
+        return None
+    folder = Path(run.cfg.checkpoint_dir) / REFERENCE_DIR
+    key = reference_key(run)
+    stored = _stored(folder, key)
+    if stored is not None and len(stored) == len(run.dataset):
+        if run.rank == 0:
+            run.log.info("reference log-probabilities: reused %s (%d pairs)", folder, len(stored))
+        return stored
+    ref = run.cfg.preference.reference
+    with _reference_weights(run, ref):
+        values = reference_pass(run, run.dataset)
+    if run.rank == 0:
+        data = values.astype("<f8").tobytes()
+        folder.mkdir(parents=True, exist_ok=True)
+        write_bytes_atomic(folder / "train.bin", data)
+        write_json_atomic(folder / "train.json", {"key": key, "pairs": len(values),
+                                                  "sha256": hashlib.sha256(data).hexdigest()})
+        run.log.info("reference log-probabilities of %d pairs (%s) stored in %s", len(values),
+                     ref or "the starting weights", folder)
+    dist.barrier()
+    return values
+
+
+def _stored(folder: Path, key: str) -> np.ndarray | None:
+    try:
+        record = json.loads((folder / "train.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if record.get("key") != key or file_sha256(folder / "train.bin") != record.get("sha256"):
+        return None
+    return np.fromfile(folder / "train.bin", dtype="<f8").reshape(-1, 2)
+
+
+@contextlib.contextmanager
+def _reference_weights(run: Run, reference: str | None):
+    """The engine holding the reference's weights inside the block (none to load: the starting weights), its own
+    restored after: each rank keeps a copy of its own share (ZeRO-3: its partition) meanwhile."""
+    if not reference:
+        yield
+        return
+    module = run.engine.module
+    # ZeRO-3 keeps small parameters gathered (persistent) as well as partitioned: both copies are restored.
+    tensors = [t.data for p in module.parameters() for t in (p, getattr(p, "ds_tensor", None))
+               if t is not None and t.numel()] + [b.data for b in module.buffers()]
+    saved = [t.clone() for t in tensors]
+    try:
+        load_hf_weights(local_layers(module), reference, run.model_config)
+        yield
+    finally:
+        with torch.no_grad():
+            for t, s in zip(tensors, saved):
+                t.copy_(s)
+
+
+def reference_pass(run: Run, dataset) -> np.ndarray:
+    """[len(dataset), 2] summed log-probabilities of every pair's chosen and rejected response under the engine's
+    current weights: each data-parallel rank its contiguous share, the same number of forwards everywhere (ZeRO-3
+    gathers in lockstep), gathered to every rank."""
+    engine, mb = run.engine, run.cfg.train.micro_batch_size
+    n = len(dataset)
+    per_rank = math.ceil(n / run.dp_size)
+    mine = [min(i, n - 1) for i in range(run.dp_rank * per_rank, (run.dp_rank + 1) * per_rank)]
+    out = torch.zeros(per_rank, 2, dtype=torch.float64, device=engine.device)
+    was_training = engine.module.training
+    engine.module.eval()
+    with torch.no_grad():
+        for a in range(0, per_rank, mb):
+            idx = mine[a:a + mb]
+            inputs, labels = split_micro_batch(micro_batch(dataset, idx))
+            logps, _ = sequence_logps(engine(to_device(inputs, engine.device)), labels.to(engine.device))
+            out[a:a + len(idx)] = logps.double().reshape(2, -1).t()
+    engine.module.train(was_training)
+    gathered = [torch.zeros_like(out) for _ in range(run.dp_size)]
+    dist.all_gather(gathered, out, group=run.dp_group)
+    return torch.cat(gathered)[:n].cpu().numpy()
+
+
+def pair_batches(run: Run, sampler, reference: np.ndarray | None):
+    """Per global batch, this rank's micro-batches: ((input_ids, position_ids), labels, reference [2B] or None)."""
+    for micro in sampler:
+        out = []
+        for idx in micro:
+            inputs, labels = split_micro_batch(micro_batch(run.dataset, idx))
+            ref = None if reference is None else torch.from_numpy(np.ascontiguousarray(reference[idx].T).reshape(-1))
+            out.append((inputs, labels, ref))
+        yield out
+
+
+def local_step(run: Run, micro_batches: list) -> torch.Tensor:
+    """One optimizer step of pair losses: the sum of this rank's scaled micro losses (float64 device scalar)."""
+    engine = run.engine
+    run.loss_fn.set_scale(run.dp_size, run.grad_accum)
+    total = torch.zeros((), dtype=torch.float64, device=engine.device)
+    for inputs, labels, ref in micro_batches:
+        logits = engine(to_device(inputs, engine.device))
+        loss = run.loss_fn(logits, (labels.to(engine.device), None if ref is None else ref.to(engine.device)))
+        engine.backward(loss)
+        engine.step()
+        total += loss.detach().double()
+    return total
