@@ -118,6 +118,19 @@ def straight(tmp_path_factory, data_dir) -> list[dict]:
     return train(2, str(out), resuming_sets(data_dir, STRAIGHT_STEPS, 0))
 
 
+@pytest.fixture(scope="session")
+def lora_base(tmp_path_factory, data_dir) -> str:
+    """The pretrained model LoRA adapts (test_lora.py, test_mutations.py): tiny-v3 at its seeded initialisation, as
+    an HF directory."""
+    from deepseek_ds.config import load_run_config
+    from reference import reference_model
+
+    cfg = load_run_config("recipes/tiny-v3.yaml", [f"data.path={data_dir}"])
+    out = str(tmp_path_factory.mktemp("lora_base") / "hf")
+    reference_model(cfg)[0].save_pretrained(out)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------- DeepSeek tokenizer
 @pytest.fixture(scope="session")
 def deepseek_tokenizer_dir(tmp_path_factory) -> str:

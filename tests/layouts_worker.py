@@ -9,6 +9,7 @@ ZeRO 0-3, pipelines and expert parallelism can follow each other in any order.""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -46,15 +47,19 @@ def tear_down(run: Run) -> None:
             handler.close()
 
 
-def run_layouts(argv: list[str], train_one: Callable[[Run], object] = train) -> int:
+def run_layouts(argv: list[str], train_one: Callable[[Run], object] = train,
+                around: Callable[[list[str]], contextlib.AbstractContextManager] = lambda layout: contextlib.nullcontext()) -> int:
     """argv: train.py's arguments that every layout shares, and --layouts JSON: [[deepspeed_config, [--set values]],
-    ...]; each layout is built, trained by `train_one(run)` and torn down before the next."""
+    ...]; each layout is built and trained by `train_one(run)` inside `around(its train.py arguments)`, and torn
+    down before the next."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--layouts", required=True, type=json.loads)
     ours, shared = parser.parse_known_args(argv)
     for ds_config, sets in ours.layouts:
-        run = build_layout(shared + ["--deepspeed_config", ds_config] + [a for s in sets for a in ("--set", s)])
-        train_one(run)
+        layout = shared + ["--deepspeed_config", ds_config] + [a for s in sets for a in ("--set", s)]
+        with around(layout):
+            run = build_layout(layout)
+            train_one(run)
         dist.barrier()
         tear_down(run)
         del run

@@ -9,10 +9,7 @@ where it lives (the function or method the product calls), so it reaches the run
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import gc
-import json
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -20,7 +17,6 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-import torch.distributed as dist
 from peft.tuners.lora import LoraLayer
 
 from deepseek_ds.config import load_run_config
@@ -29,7 +25,7 @@ from deepseek_ds.models import loss
 from deepseek_ds.models.moe import LoadBalancer
 from deepseek_ds.training.loop import train
 from deepseek_ds.training.main import parse_args
-from layouts_worker import build_layout, tear_down
+from layouts_worker import run_layouts
 from lora_worker import tensors
 
 LOSS_SCALE = 1 + 1e-4
@@ -84,29 +80,20 @@ def mutation(name: str, rank: int, global_batch: int):
     raise ValueError(f"unknown mutation {name!r}")
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--layouts", required=True, type=json.loads)
-    ours, shared = parser.parse_known_args(argv)
-    rank = int(os.environ["RANK"])
-    for ds_config, sets in ours.layouts:
-        layout = shared + ["--deepspeed_config", ds_config] + [a for s in sets for a in ("--set", s)]
-        args = parse_args(layout)
-        cfg = load_run_config(args.config, args.set)
-        out = cfg.train.output_dir
-        with mutation(Path(out).name, rank, cfg.train.global_batch_size):
-            run = build_layout(layout)
-            if cfg.lora.r and rank == 0:
-                os.makedirs(out, exist_ok=True)
-                torch.save(tensors(run, trainable=True), os.path.join(out, "initial_adapters.pt"))
-            train(run)
-        dist.barrier()
-        tear_down(run)
-        del run
-        gc.collect()  # the engine's tensors and hooks go before the next layout builds its own
-    dist.destroy_process_group()
-    return 0
+def around(layout: list[str]):
+    """The mutation a layout's name (its train.output_dir's last component) names, applied on this rank while the
+    run is built (peft reads LoRA's scaling then) and trained."""
+    args = parse_args(layout)
+    cfg = load_run_config(args.config, args.set)
+    return mutation(Path(cfg.train.output_dir).name, int(os.environ["RANK"]), cfg.train.global_batch_size)
+
+
+def train_one(run) -> None:
+    if run.cfg.lora.r and run.rank == 0:  # the adapters' start, for the reference
+        os.makedirs(run.cfg.train.output_dir, exist_ok=True)
+        torch.save(tensors(run, trainable=True), os.path.join(run.cfg.train.output_dir, "initial_adapters.pt"))
+    train(run)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_layouts(sys.argv[1:], train_one, around))

@@ -21,7 +21,7 @@ from deepseek_ds.models.names import hf_state_dict
 from deepseek_ds.models.pipeline import build_model, local_layers, prepare_config
 from deepseek_ds.models.presets import build_model_config
 from helpers import cli, losses, read_metrics, refused, run_ranks
-from reference import lora_reference_losses, reference_model
+from reference import lora_reference_losses
 
 STEPS = 3
 LORA = ["lora.r=4", "lora.alpha=8"]
@@ -29,15 +29,6 @@ SETS = [f"train.steps={STEPS}", "train.micro_batch_size=2", "train.global_batch_
         "train.warmup_steps=0", "eval.interval=0", "model.preset=null", *LORA,
         "moe.bias_update_speed=0"]  # the base's routing stays as it is: a peft adapter describes the whole change
 K_FP32_ADAM = 12  # bytes of optimizer state per trainable fp32 parameter: master copy, exp_avg, exp_avg_sq
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory, data_dir) -> str:
-    """The pretrained model LoRA adapts: tiny-v3 at its seeded initialisation, as an HF directory."""
-    cfg = load_run_config("recipes/tiny-v3.yaml", [f"data.path={data_dir}"])
-    out = str(tmp_path_factory.mktemp("lora_base") / "hf")
-    reference_model(cfg)[0].save_pretrained(out)
-    return out
 
 
 def _sets(data_dir: str, base_dir: str, *extra: str) -> list[str]:
@@ -59,9 +50,9 @@ def _launch(tmp_path_factory, name: str, sets: list[str], ds_config: str, ranks:
 
 
 @pytest.fixture(scope="module")
-def zero1(tmp_path_factory, data_dir, base) -> dict:
+def zero1(tmp_path_factory, data_dir, lora_base) -> dict:
     """ZeRO-1 on 2 ranks, 3 steps, checkpoints at 2 and 3."""
-    return _launch(tmp_path_factory, "lora_zero1", _sets(data_dir, base, "checkpoint.interval=2", "checkpoint.keep=2"),
+    return _launch(tmp_path_factory, "lora_zero1", _sets(data_dir, lora_base, "checkpoint.interval=2", "checkpoint.keep=2"),
                    "ds_configs/zero1.json")
 
 
@@ -77,9 +68,9 @@ def _merged(dumps: list[dict], key: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def reference(zero1, data_dir, base) -> list[float]:
-    cfg = load_run_config("recipes/tiny-v3.yaml", _sets(data_dir, base))
-    return lora_reference_losses(cfg, base, data_dir, _merged(zero1["ranks"], "initial"))
+def reference(zero1, data_dir, lora_base) -> list[float]:
+    cfg = load_run_config("recipes/tiny-v3.yaml", _sets(data_dir, lora_base))
+    return lora_reference_losses(cfg, lora_base, data_dir, _merged(zero1["ranks"], "initial"))
 
 
 def _check_run(run: dict, reference: list[float], base_dir: str) -> None:
@@ -99,28 +90,28 @@ def _check_run(run: dict, reference: list[float], base_dir: str) -> None:
 
 
 @pytest.mark.launch
-def test_lora_zero1_equals_transformers_peft_reference(zero1, reference, base):
+def test_lora_zero1_equals_transformers_peft_reference(zero1, reference, lora_base):
     assert len(reference) == STEPS
-    _check_run(zero1, reference, base)
+    _check_run(zero1, reference, lora_base)
 
 
 @pytest.mark.launch
 @pytest.mark.parametrize("layout", ["zero3", "pp2"])
-def test_lora_zero3_and_pipeline_equal_the_reference(layout, tmp_path_factory, data_dir, base, zero1, reference):
+def test_lora_zero3_and_pipeline_equal_the_reference(layout, tmp_path_factory, data_dir, lora_base, zero1, reference):
     ds, extra = {"zero3": ("ds_configs/zero3.json", []),
                  "pp2": ("ds_configs/zero1_pp.json", ["parallel.pipeline_stages=2"])}[layout]
-    run = _launch(tmp_path_factory, f"lora_{layout}", _sets(data_dir, base, *extra), ds)
+    run = _launch(tmp_path_factory, f"lora_{layout}", _sets(data_dir, lora_base, *extra), ds)
     # The same initial adapters whatever the layout: each is seeded by its own HF name.
     assert all(torch.equal(t, _merged(zero1["ranks"], "initial")[n]) for n, t in _merged(run["ranks"], "initial").items())
-    _check_run(run, reference, base)
+    _check_run(run, reference, lora_base)
 
 
 @pytest.mark.launch
-def test_lora_checkpoint_holds_only_adapters_and_resumes_bitwise(tmp_path_factory, zero1, data_dir, base):
+def test_lora_checkpoint_holds_only_adapters_and_resumes_bitwise(tmp_path_factory, zero1, data_dir, lora_base):
     """The step directory is small (no frozen base in any file); resuming step 2 gives step 3 bitwise."""
     step2 = zero1["out"] / "checkpoints" / "step00000002"
     size = sum(f.stat().st_size for f in step2.rglob("*") if f.is_file())
-    base_bytes = sum(f.stat().st_size for f in os.scandir(base) if f.name.endswith(".safetensors"))
+    base_bytes = sum(f.stat().st_size for f in os.scandir(lora_base) if f.name.endswith(".safetensors"))
     assert size < 0.25 * base_bytes, (size, base_bytes)
     states = torch.load(step2 / "mp_rank_00_model_states.pt", weights_only=False)["module"]
     assert states and all(".lora_" in k or k.endswith("e_score_correction_bias") for k in states)
@@ -128,7 +119,7 @@ def test_lora_checkpoint_holds_only_adapters_and_resumes_bitwise(tmp_path_factor
     keep.mkdir()
     shutil.copytree(step2, keep / step2.name)
     (keep / "latest").write_text(step2.name)
-    resumed = _launch(tmp_path_factory, "lora_resume", _sets(data_dir, base), "ds_configs/zero1.json",
+    resumed = _launch(tmp_path_factory, "lora_resume", _sets(data_dir, lora_base), "ds_configs/zero1.json",
                       checkpoints=str(keep))
     assert resumed["losses"][3] == zero1["losses"][3]
     final, again = _merged(zero1["ranks"], "final"), _merged(resumed["ranks"], "final")
@@ -163,7 +154,7 @@ def _toolkit_logits(base_dir: str, adapters: dict[str, torch.Tensor], section, i
 
 
 @pytest.mark.launch
-def test_exported_adapter_and_merged_model_give_the_toolkit_logits(tmp_path, zero1, data_dir, base):
+def test_exported_adapter_and_merged_model_give_the_toolkit_logits(tmp_path, zero1, data_dir, lora_base):
     from peft import PeftModel
 
     from deepseek_ds.inference.generate import load_model
@@ -172,13 +163,13 @@ def test_exported_adapter_and_merged_model_give_the_toolkit_logits(tmp_path, zer
     assert cli(["export", "lora", str(ckpt), "--out", str(tmp_path / "adapter")]) == 0
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(tmp_path / "adapter"))
     assert cli(["export", "hf", str(ckpt), "--out", str(tmp_path / "merged"), "--dtype", "fp32"]) == 0
-    cfg = load_run_config("recipes/tiny-v3.yaml", _sets(data_dir, base))
+    cfg = load_run_config("recipes/tiny-v3.yaml", _sets(data_dir, lora_base))
     ids = torch.randint(0, 2048, (2, 33), generator=torch.Generator().manual_seed(5))
-    want = _toolkit_logits(base, _merged(zero1["ranks"], "final"), cfg.lora, ids, ckpt / f"step{STEPS:08d}")
+    want = _toolkit_logits(lora_base, _merged(zero1["ranks"], "final"), cfg.lora, ids, ckpt / f"step{STEPS:08d}")
     with torch.no_grad():
-        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(tmp_path / "adapter")).eval()
+        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(lora_base), str(tmp_path / "adapter")).eval()
         merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
-        plain = AutoModelForCausalLM.from_pretrained(base).eval()
+        plain = AutoModelForCausalLM.from_pretrained(lora_base).eval()
         assert (peft(input_ids=ids).logits - want).abs().max() < 1e-5
         assert (merged(input_ids=ids).logits - want).abs().max() < 1e-5
         assert (plain(input_ids=ids).logits - want).abs().max() > 1e-4  # the adapters change the model

@@ -19,7 +19,7 @@ import torch
 
 from deepseek_ds.config import load_run_config
 from helpers import read_metrics, router_biases, train_layouts
-from reference import lora_reference_losses, reference_losses, reference_model
+from reference import lora_reference_losses, reference_losses
 
 pytestmark = pytest.mark.launch
 
@@ -48,14 +48,6 @@ def is_lora(name: str) -> bool:
     return name.startswith("lora-")
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory, data_dir) -> str:
-    cfg = load_run_config("recipes/tiny-v3.yaml", [f"data.path={data_dir}"])
-    out = str(tmp_path_factory.mktemp("mutations_base") / "hf")
-    reference_model(cfg)[0].save_pretrained(out)
-    return out
-
-
 def extra(base_dir: str, name: str) -> list[str]:
     return [f"model.path={base_dir}", *LORA] if is_lora(name) else []
 
@@ -65,10 +57,10 @@ def config(data_dir: str, base_dir: str, name: str):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, data_dir, base) -> dict:
+def runs(tmp_path_factory, data_dir, lora_base) -> dict:
     """name -> (metrics records, initial adapters or None): every run in one launch of mutations_worker.py."""
     names = ["control", *[n for n in MUTATIONS if not is_lora(n)], "lora-control", *[n for n in MUTATIONS if is_lora(n)]]
-    layouts = [(n, "ds_configs/zero1.json", extra(base, n)) for n in names]
+    layouts = [(n, "ds_configs/zero1.json", extra(lora_base, n)) for n in names]
     dirs = train_layouts(2, tmp_path_factory.mktemp("mutations"), layouts, SETS + [f"data.path={data_dir}"],
                          worker="tests/mutations_worker.py")
     return {n: (read_metrics(str(d)), torch.load(d / "initial_adapters.pt") if is_lora(n) else None)
@@ -76,15 +68,15 @@ def runs(tmp_path_factory, data_dir, base) -> dict:
 
 
 @pytest.fixture(scope="module")
-def references(runs, data_dir, base) -> dict:
+def references(runs, data_dir, lora_base) -> dict:
     """"main" and "lora": the reference's losses, gradient norms and router-bias statistics (per step)."""
     out = {}
     norms, log = [], []
-    out["main"] = {"loss": reference_losses(config(data_dir, base, "control"), data_dir, log, grad_norms=norms),
+    out["main"] = {"loss": reference_losses(config(data_dir, lora_base, "control"), data_dir, log, grad_norms=norms),
                    "grad_norm": norms,
                    "bias": [bias_stats(step["biases"]) for step in log]}
     norms = []
-    out["lora"] = {"loss": lora_reference_losses(config(data_dir, base, "lora-control"), base, data_dir,
+    out["lora"] = {"loss": lora_reference_losses(config(data_dir, lora_base, "lora-control"), lora_base, data_dir,
                                                  runs["lora-control"][1], grad_norms=norms), "grad_norm": norms}
     return out
 
