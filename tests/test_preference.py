@@ -161,12 +161,15 @@ def reference_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def dpo_runs(tmp_path_factory, pref_data, reference_dir):
     sets = SETS + [f"data.path={pref_data}", f"preference.reference={reference_dir}"]
-    start = ["preference.reference=null"]  # ZeRO-3 takes only the starting weights as its reference (validate)
+    start = ["preference.reference=null"]  # the starting weights
+    # "one" twice: the second resumes the first's run for one more step (the same output directory).
     one = train_layouts(1, tmp_path_factory.mktemp("dpo1"), [("one", "ds_configs/zero1.json", []),
-                                                            ("one-start", "ds_configs/zero1.json", start)], sets)
+                                                            ("one-start", "ds_configs/zero1.json", start),
+                                                            ("one", "ds_configs/zero1.json", [f"train.steps={STEPS + 1}"])],
+                        sets)
     two = train_layouts(2, tmp_path_factory.mktemp("dpo2"), [("zero1", "ds_configs/zero1.json", []),
-                                                            ("zero3", "ds_configs/zero3.json", start)], sets)
-    return {k: read_metrics(str(v)) for k, v in {**one, **two}.items()}
+                                                            ("zero3", "ds_configs/zero3.json", [])], sets)
+    return {**{k: read_metrics(str(v)) for k, v in {**one, **two}.items()}, "one_dir": one["one"]}
 
 
 def _logps(model, rows) -> torch.Tensor:
@@ -183,8 +186,8 @@ def _logps(model, rows) -> torch.Tensor:
 @pytest.mark.launch
 def test_first_step_equals_trl_formulas_and_layouts_equal_one_process(dpo_runs, pref_data, reference_dir):
     """Step 1's loss, rewards and accuracy equal TRL's sigmoid DPO computed here on transformers' models (the
-    policy's seeded init and the reference directory); 2-rank ZeRO-1 (with the reference directory) and ZeRO-3 (the starting weights as reference) equal one process over 3
-    steps."""
+    policy's seeded init and the reference directory); 2-rank ZeRO-1 and ZeRO-3 equal one process over 3 steps; with
+    the starting weights as the reference the first loss is ln 2; a resumed run reuses the stored reference pass."""
     from transformers import AutoModelForCausalLM
 
     cfg = load_run_config("recipes/tiny-v3.yaml", SETS + [f"data.path={pref_data}"])
@@ -205,13 +208,18 @@ def test_first_step_equals_trl_formulas_and_layouts_equal_one_process(dpo_runs, 
     assert first["reward_margin"] == pytest.approx((chosen - rejected).mean().item(), rel=1e-5, abs=1e-6)
     assert first["reward_accuracy"] == (chosen > rejected).double().mean().item()
     one = [r["loss"] for r in dpo_runs["one"]]
+    assert [r["step"] for r in dpo_runs["one"]] == list(range(1, STEPS + 2))
+    one = one[:STEPS]
     assert len(set(one)) == STEPS and one[-1] < one[0]  # it trains
+    stored = json.loads((dpo_runs["one_dir"] / "checkpoints" / "reference_logps" / "train.json").read_text())
+    assert stored["pairs"] == len(ds) and len(stored["sha256"]) == 64
+    log = (dpo_runs["one_dir"] / "logs" / "rank0.log").read_text()
+    assert log.count("reference log-probabilities of") == 1 and "reference log-probabilities: reused" in log
     start = [r["loss"] for r in dpo_runs["one-start"]]
     assert start[0] == pytest.approx(math.log(2), abs=1e-6)  # the reference is the policy at step 1
-    for name, expected in (("zero1", "one"), ("zero3", "one-start")):
-        one = [r["loss"] for r in dpo_runs[expected]]
+    for name in ("zero1", "zero3"):
         assert [r["loss"] for r in dpo_runs[name]] == pytest.approx(one, rel=1e-5), name
         # A margin is beta x a difference of fp32 sequence log-probabilities of magnitude ~30 that the layouts sum
         # in other orders: measured within 1.8e-5 of one process's (the losses agree to 1e-5 relative).
         assert [r["reward_margin"] for r in dpo_runs[name]] == pytest.approx(
-            [r["reward_margin"] for r in dpo_runs[expected]], abs=5e-5), name
+            [r["reward_margin"] for r in dpo_runs["one"]][:STEPS], abs=5e-5), name

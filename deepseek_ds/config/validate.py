@@ -45,7 +45,7 @@ def validate(cfg: RunConfig, ds: dict, world_size: int, cuda_available: bool | N
               + _model_errors(cfg, ds, files) + (_data_errors(cfg) if files else []) + _task_errors(cfg, files)
               + _nan_policy_errors(cfg, ds) + missing_monitor_packages(ds)
               + asynchronous_checkpoint_engines(ds) + _tensor_parallel_errors(cfg, ds)
-              + _preference_errors(cfg, ds, files))
+              + _preference_errors(cfg, files))
     if not errors:
         try:
             errors = deepspeed_refusals(resolve_ds_config(ds, cfg, world_size))
@@ -196,7 +196,7 @@ _REFERENCE_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_laye
                      "v_head_dim", "first_k_dense_replace")
 
 
-def _preference_errors(cfg: RunConfig, ds: dict, files: bool = True) -> list[str]:
+def _preference_errors(cfg: RunConfig, files: bool = True) -> list[str]:
     """train.objective against the dataset's format, what dpo does not support yet, and preference.reference."""
     dpo, p, errors = cfg.train.objective == "dpo", cfg.preference, []
     if files and cfg.data.path and os.path.isfile(os.path.join(cfg.data.path, "meta.json")):
@@ -222,10 +222,6 @@ def _preference_errors(cfg: RunConfig, ds: dict, files: bool = True) -> list[str
     if unsupported:
         errors.append(f"train.objective dpo does not support {', '.join(unsupported)} yet: train with ZeRO 0-3 data "
                       "parallelism (and expert_parallel), without them")
-    if p.reference and zero_stage(ds) == 3:
-        # Measured: swapping a reference's weights into a ZeRO-3 engine for the pass gives other log-probabilities.
-        errors.append(f"preference.reference {p.reference!r} with ZeRO-3 is not supported yet: use ZeRO 0-2, or "
-                      "preference.reference: null (the starting weights)")
     if p.reference and p.loss == "simpo":
         errors.append(f"preference.reference {p.reference!r} is unused: simpo is reference-free; remove it or use "
                       "preference.loss sigmoid or ipo")

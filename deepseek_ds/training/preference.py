@@ -102,17 +102,26 @@ def _reference_weights(run: Run, reference: str | None):
         yield
         return
     module = run.engine.module
-    # ZeRO-3 keeps small parameters gathered (persistent) as well as partitioned: both copies are restored.
-    tensors = [t.data for p in module.parameters() for t in (p, getattr(p, "ds_tensor", None))
-               if t is not None and t.numel()] + [b.data for b in module.buffers()]
-    saved = [t.clone() for t in tensors]
+    saved = {name: _own(p).clone() for name, p in module.named_parameters()}
+    buffers = [b.data.clone() for b in module.buffers()]
     try:
         load_hf_weights(local_layers(module), reference, run.model_config)
         yield
     finally:
         with torch.no_grad():
-            for t, s in zip(tensors, saved):
-                t.copy_(s)
+            for name, p in module.named_parameters():
+                if hasattr(p, "ds_tensor") and p.data.numel():
+                    # ZeRO-3 keeps some parameters gathered (persistent ones, recently used ones): released, so the
+                    # next forward gathers them again from the restored partitions instead of using the reference's.
+                    p.partition()
+                _own(p).copy_(saved[name])
+            for b, s in zip(module.buffers(), buffers, strict=True):
+                b.data.copy_(s)
+
+
+def _own(p) -> torch.Tensor:
+    """What this rank holds of a parameter: its ZeRO-3 partition, or its data."""
+    return p.ds_tensor.data if hasattr(p, "ds_tensor") else p.data
 
 
 def reference_pass(run: Run, dataset) -> np.ndarray:
