@@ -100,7 +100,8 @@ def _sharegpt(record: dict) -> list[dict]:
         if not isinstance(turn, dict):
             raise ValueError(f"turn {i}: a {type(turn).__name__}, not a {{\"from\", \"value\"}} object")
         # A column of a saved HF dataset holds None where a turn lacks a key: None is absent.
-        role, value = turn.get("from") or turn.get("role"), turn.get("value", turn.get("content"))
+        role = turn.get("from") or turn.get("role")
+        value = turn.get("value") if turn.get("value") is not None else turn.get("content")
         if role in _TOOL_ROLES:
             raise ValueError(f"turn {i}: {role!r} is a tool-use turn, which is not supported: remove tool turns "
                              "(or the line)")

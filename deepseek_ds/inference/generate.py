@@ -14,7 +14,15 @@ from ..checkpoint.format import META, read_meta, tag_dir_of
 from ..data import DataError, load_tokenizer
 from ..data.chat import USER, Message, encode_prompt
 from ..data.layout import META as DATASET_META
-from ..data.tokenizer import backend_json, describe, directory_tokenizer, has_tokenizer, tokenizer_hash, vocab_size_of
+from ..data.tokenizer import (
+    backend_json,
+    dataset_tokenizer_hashes,
+    describe,
+    directory_tokenizer,
+    has_tokenizer,
+    tokenizer_hash,
+    vocab_size_of,
+)
 from ..models.hf_io import to_hf_model
 from .eval import model_from_checkpoint, run_config_for
 from .export_lora import ADAPTER_CONFIG, adapter_model, is_lora_checkpoint, merged_model_from_checkpoint
@@ -36,7 +44,10 @@ def _same_tokenizer(tok, source: str, model: str, vocab_size: int) -> None:
     ships, or, when it ships none, ids past the model's embedding: its answers would be scored as noise."""
     theirs = directory_tokenizer(model)
     found = tokenizer_hash(backend_json(tok))
-    if theirs is not None and theirs[1] != found:
+    # A prepared dataset is also known by the hash its tokenizer had where it was imported from (validate's rule).
+    dataset = os.path.isfile(os.path.join(source, DATASET_META))
+    known = {found} | (dataset_tokenizer_hashes(source) if dataset else set())
+    if theirs is not None and theirs[1] not in known:
         raise DataError(f"--tokenizer {describe(tok, source, found)} is not the tokenizer of "
                         f"{describe(theirs[0], model, theirs[1])}: the model's token ids would be read with another "
                         "vocabulary",
@@ -70,9 +81,12 @@ def load_model(model: str, tokenizer: str | None = None, config: str | None = No
         raise DataError(f"the tokenizer of {source} (hash {found[:12]}) is not the one {tag_dir} was trained with "
                         f"(hash {meta['tokenizer_hash'][:12]})", hint="pass the tokenizer of its training data")
     if is_lora_checkpoint(tag_dir):
-        return merged_model_from_checkpoint(tag_dir)[0], tok
-    seq_model, mcfg = model_from_checkpoint(tag_dir, run_config_for(tag_dir, config, sets or []))
-    return to_hf_model(seq_model.layers, mcfg), tok
+        hf = merged_model_from_checkpoint(tag_dir)[0]
+    else:
+        seq_model, mcfg = model_from_checkpoint(tag_dir, run_config_for(tag_dir, config, sets or []))
+        hf = to_hf_model(seq_model.layers, mcfg)
+    hf.generation_config.eos_token_id = tok.eos_token_id  # the data's EOS, not the preset's (an export writes it so)
+    return hf, tok
 
 
 def prompt_ids(tokenizer, prompt: str) -> torch.Tensor:
@@ -95,8 +109,13 @@ def generate(model: nn.Module, tokenizer, prompt: str, max_new_tokens: int = 64,
     tokenizer's EOS (not the model config's: a preset's may be another id). `chat`: the prompt is a user turn."""
     device = next(model.parameters()).device
     inputs = (chat_prompt_ids if chat else prompt_ids)(tokenizer, prompt).to(device)
-    kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.eos_token_id,
-                  eos_token_id=tokenizer.eos_token_id, use_cache=True)
+    # The tokenizer's EOS and any stop ids the model's generation_config adds (an end-of-turn token); a checkpoint's
+    # model has its tokenizer's (load_model: a preset's own eos may be another id).
+    stops = model.generation_config.eos_token_id
+    stops = [tokenizer.eos_token_id] + [i for i in (stops if isinstance(stops, list) else [stops])
+                                        if i is not None and i != tokenizer.eos_token_id]
+    kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.eos_token_id, eos_token_id=stops,
+                  use_cache=True)
     if top_p is None:
         kwargs.update(do_sample=False)
     else:
