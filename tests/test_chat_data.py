@@ -28,6 +28,7 @@ from deepseek_ds.data import (
 from deepseek_ds.data.chat import ChatFormatError, encode, parse_line
 from deepseek_ds.data.layout import META
 from deepseek_ds.data.prepare import split_rows
+from deepseek_ds.data.sft import dataset_option_notes
 from helpers import IGNORE_INDEX, cli, refused
 
 pytestmark = pytest.mark.unit
@@ -308,14 +309,14 @@ def test_a_saved_hf_dataset_of_conversations_prepares_as_its_jsonl_does(deepseek
                         progress=False, data_format="chat")
 
 
-def _train_lengths(deepseek_chat, chat_file, deepseek_tokenizer_dir) -> list[int]:
+def _train_lengths(chat_file, deepseek_tokenizer_dir) -> list[int]:
     tok = AutoTokenizer.from_pretrained(deepseek_tokenizer_dir)
     return [len(x) for x, _ in _expected(tok, chat_file, split_rows(N_CONVERSATIONS, 0.1, 0)["train"], "all")]
 
 
-def test_a_seq_len_that_drops_or_cuts_most_samples_is_refused_and_a_few_are_noted(deepseek_chat, chat_file, tmp_path,
+def test_a_seq_len_that_drops_most_samples_is_refused_and_cut_or_few_are_noted(deepseek_chat, chat_file, tmp_path,
                                                                                   deepseek_tokenizer_dir, capsys):
-    lengths = sorted(_train_lengths(deepseek_chat, chat_file, deepseek_tokenizer_dir))
+    lengths = sorted(_train_lengths(chat_file, deepseek_tokenizer_dir))
     n = len(lengths)
 
     def config(seq_len, *sets):
@@ -330,8 +331,12 @@ def test_a_seq_len_that_drops_or_cuts_most_samples_is_refused_and_a_few_are_note
     refused(*config(most, "data.packing=true"), world=2,
             match=share + rf"\(shortest: {lengths[0]}, longest: {lengths[-1]} tokens; .*\), so data.truncation: drop "
                           "drops them: raise data.seq_len or set data.truncation: truncate_right")
-    refused(*config(most, "data.truncation=truncate_left"), world=2,
-            match=share + r".*so data.truncation: truncate_left cuts most of them: raise data.seq_len")
+    # Cutting them is what data.truncation asks for: validate passes, and says how many it cuts.
+    validate(*config(most, "data.truncation=truncate_left"), 2, cuda_available=False)
+    assert dataset_option_notes(deepseek_chat, config(most, "data.truncation=truncate_left")[0].data) == [
+        f"data.path {deepseek_chat!r}: {long} of {n} ({long / n:.0%}) chat samples of its train split are longer "
+        f"than data.seq_len {most} (shortest: {lengths[0]}, longest: {lengths[-1]} tokens; "
+        f"{int(np.quantile(lengths, 0.9, method='higher'))} fits 90% of them): they are cut (truncate_left)"]
     # A few longer samples pass, and `validate` says how many and what happens to them.
     few = lengths[-3]
     cut = sum(x > few for x in lengths)
@@ -349,7 +354,7 @@ def test_a_seq_len_that_drops_or_cuts_most_samples_is_refused_and_a_few_are_note
 def test_prepare_reports_the_conversation_lengths(chat_file, deepseek_tokenizer_dir, tmp_path, capsys):
     assert cli(["data", "prepare", "--input", str(chat_file), "--out", str(tmp_path / "ds"), "--format", "chat",
                 "--tokenizer", deepseek_tokenizer_dir, "--valid-fraction", "0.1", "--no-progress"]) == 0
-    lengths = np.array(_train_lengths(None, chat_file, deepseek_tokenizer_dir))
+    lengths = np.array(_train_lengths(chat_file, deepseek_tokenizer_dir))
     assert (f"conversation lengths (train): median {int(np.median(lengths))}, 90% within "
             f"{int(np.quantile(lengths, 0.9, method='higher'))}, longest {lengths.max()} tokens") in capsys.readouterr().out
 
@@ -361,13 +366,16 @@ def test_dump_prints_each_sequence_once_however_many_are_asked_for(deepseek_chat
     assert cli(["data", "dump", "--data", deepseek_chat, "--seq-len", "4096", "--packing", "--count", "100"]) == 0
     out, err = capsys.readouterr()
     assert [json.loads(line)["input_ids"] for line in out.splitlines()] == [packed[0][0].tolist()]
-    assert "the train split holds 1 sequences of --seq-len 4096" in err and "printing those 1, not 100" in err
+    assert "the train split holds 1 sequences of --seq-len 4096" in err and "printing the 1 left of --start 0's" in err
     # Unpacked, every sample is a sequence: 100 asked of 36 prints the 36, each once, in order.
     one = open_dataset(deepseek_chat, SimpleNamespace(seq_len=512, packing=False, truncation="drop",
                                                       document_mask=False))
     assert cli(["data", "dump", "--data", deepseek_chat, "--seq-len", "512", "--count", "100"]) == 0
     rows = [json.loads(line)["input_ids"] for line in capsys.readouterr().out.splitlines()]
     assert rows == [one[i][0].tolist() for i in range(len(one))] and len({tuple(r) for r in rows}) == len(one) == 36
+    # From --start 30: the 6 left of that epoch, the tail of the whole dump, not a wrap into the next epoch.
+    assert cli(["data", "dump", "--data", deepseek_chat, "--seq-len", "512", "--count", "100", "--start", "30"]) == 0
+    assert [json.loads(line)["input_ids"] for line in capsys.readouterr().out.splitlines()] == rows[30:]
     assert cli(["data", "dump", "--data", deepseek_chat, "--seq-len", "512", "--count", "30", "--start", "3"]) == 0
     assert [json.loads(line)["input_ids"] for line in capsys.readouterr().out.splitlines()] == [
         one[i][0].tolist() for i in range(3, 33)]

@@ -83,13 +83,14 @@ def _dump(args: argparse.Namespace) -> int:
     options = SimpleNamespace(seq_len=args.seq_len, packing=args.packing, truncation=args.truncation,
                               document_mask=args.document_mask)
     ds = open_dataset(args.data, options, args.split)
-    count = args.count
-    if count > len(ds):
+    count, left = args.count, len(ds) - args.start % len(ds)  # what is left of --start's epoch
+    if count > left:
         # Past one epoch the order wraps: a split of one packed sequence would print that sequence --count times.
         report = f" ({ds.report()})" if hasattr(ds, "report") else ""
         print(f"note: the {args.split} split holds {len(ds):,} sequences of --seq-len {args.seq_len}{report}: printing "
-              f"those {len(ds):,}, not {count:,}; training repeats them every epoch", file=sys.stderr)
-        count = len(ds)
+              f"the {left:,} left of --start {args.start}'s epoch, not {count:,}; training repeats them every epoch",
+              file=sys.stderr)
+        count = left
     # The training order itself (a one-sample global batch on one rank), so dumps match what is trained on.
     order = GlobalBatchSampler(len(ds), 1, 1, 0, 1, args.seed, shuffle=args.shuffle).positions(args.start, count)
     for i in order:

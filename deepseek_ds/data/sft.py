@@ -208,15 +208,15 @@ def dataset_option_errors(dataset_dir: str, meta: dict, options, splits: tuple[s
     for split in splits:
         lengths = chat_sample_lengths(dataset_dir, split)
         long = int((lengths > options.seq_len).sum())
-        # More than half the samples lost or cut is a seq_len chosen for other data, not a few outliers.
-        if not len(lengths) or long * 2 <= len(lengths):
+        # Dropping more than half of the training samples is a seq_len chosen for other data, not a few outliers; a
+        # small validation split is refused only when nothing of it is left. Cutting them (data.truncation) is what
+        # the user asked for: a note (dataset_option_notes), not an error.
+        limit = len(lengths) // 2 if split == "train" else len(lengths) - 1
+        if not len(lengths) or options.truncation != DROP or long <= limit:
             continue
         what = _too_long(dataset_dir, split, lengths, options.seq_len)
-        if options.truncation == DROP:
-            errors.append(f"{what}, so data.truncation: drop {'leaves nothing' if long == len(lengths) else 'drops them'}"
-                          ": raise data.seq_len or set data.truncation: truncate_right (or truncate_left)")
-        else:
-            errors.append(f"{what}, so data.truncation: {options.truncation} cuts most of them: raise data.seq_len")
+        errors.append(f"{what}, so data.truncation: drop {'leaves nothing' if long == len(lengths) else 'drops them'}"
+                      ": raise data.seq_len or set data.truncation: truncate_right (or truncate_left)")
     return errors
 
 
@@ -231,8 +231,9 @@ def _too_long(dataset_dir: str, split: str, lengths: np.ndarray, seq_len: int) -
 
 
 def dataset_option_notes(dataset_dir: str, options, splits: tuple[str, ...] = ("train",)) -> list[str]:
-    """One line per split of a chat dataset where some samples (at most half: more is an error) are longer than
-    data.seq_len: how many, and what data.truncation does with them; [] for raw text or when all fit."""
+    """One line per split of a chat dataset where some samples are longer than data.seq_len (and
+    dataset_option_errors lets it pass): how many, and what data.truncation does with them; [] for raw text or when
+    all fit."""
     if not dataset_dir or not (Path(dataset_dir) / META).is_file() or dataset_format(read_meta(dataset_dir)) not in MASKED_FORMATS:
         return []
     notes = []
