@@ -165,11 +165,30 @@ def dpo_runs(tmp_path_factory, pref_data, reference_dir):
     # "one" twice: the second resumes the first's run for one more step (the same output directory).
     one = train_layouts(1, tmp_path_factory.mktemp("dpo1"), [("one", "ds_configs/zero1.json", []),
                                                             ("one-start", "ds_configs/zero1.json", start),
-                                                            ("one", "ds_configs/zero1.json", [f"train.steps={STEPS + 1}"])],
+                                                            ("one", "ds_configs/zero1.json", [f"train.steps={STEPS + 1}"]),
+                                                            ("ipo", "ds_configs/zero1.json", ["preference.loss=ipo"]),
+                                                            ("simpo", "ds_configs/zero1.json", start + [
+                                                                "preference.loss=simpo", "preference.simpo_gamma=0.4"])],
                         sets)
     two = train_layouts(2, tmp_path_factory.mktemp("dpo2"), [("zero1", "ds_configs/zero1.json", []),
-                                                            ("zero3", "ds_configs/zero3.json", [])], sets)
+                                                            ("zero3", "ds_configs/zero3.json", []),
+                                                            ("ep2-start", "ds_configs/zero1.json",
+                                                             start + ["parallel.expert_parallel=2"])], sets)
     return {**{k: read_metrics(str(v)) for k, v in {**one, **two}.items()}, "one_dir": one["one"]}
+
+
+def _first_step(cfg, pref_data, reference_dir):
+    """(policy logps, reference logps, trained labels) of step 1's rows, B chosen then B rejected, computed with
+    transformers' models: the policy's seeded init and the reference directory."""
+    from transformers import AutoModelForCausalLM
+
+    policy, _ = reference_model(cfg)
+    ref = AutoModelForCausalLM.from_pretrained(reference_dir)
+    ds = open_dataset(pref_data, cfg.data)
+    pairs = [ds[i] for i in step_samples(1, len(ds), GLOBAL, cfg.train.seed, cfg.train.shuffle)]
+    rows = [torch.from_numpy(p[side]) for side in (0, 1) for p in pairs]
+    counts = torch.tensor([float((r[1] != IGNORE_INDEX).sum()) for r in rows], dtype=torch.float64)
+    return _logps(policy.eval(), rows), _logps(ref.eval(), rows), counts
 
 
 def _logps(model, rows) -> torch.Tensor:
@@ -188,15 +207,9 @@ def test_first_step_equals_trl_formulas_and_layouts_equal_one_process(dpo_runs, 
     """Step 1's loss, rewards and accuracy equal TRL's sigmoid DPO computed here on transformers' models (the
     policy's seeded init and the reference directory); 2-rank ZeRO-1 and ZeRO-3 equal one process over 3 steps; with
     the starting weights as the reference the first loss is ln 2; a resumed run reuses the stored reference pass."""
-    from transformers import AutoModelForCausalLM
-
     cfg = load_run_config("recipes/tiny-v3.yaml", SETS + [f"data.path={pref_data}"])
-    policy, _ = reference_model(cfg)
-    ref = AutoModelForCausalLM.from_pretrained(reference_dir)
     ds = open_dataset(pref_data, cfg.data)
-    pairs = [ds[i] for i in step_samples(1, len(ds), GLOBAL, cfg.train.seed, cfg.train.shuffle)]
-    rows = [torch.from_numpy(p[side]) for side in (0, 1) for p in pairs]
-    pol, rf = _logps(policy.eval(), rows), _logps(ref.eval(), rows)
+    pol, rf, _ = _first_step(cfg, pref_data, reference_dir)
     beta = 0.5
     z = (pol[:GLOBAL] - pol[GLOBAL:]) - (rf[:GLOBAL] - rf[GLOBAL:])
     chosen, rejected = beta * (pol[:GLOBAL] - rf[:GLOBAL]), beta * (pol[GLOBAL:] - rf[GLOBAL:])
@@ -217,9 +230,31 @@ def test_first_step_equals_trl_formulas_and_layouts_equal_one_process(dpo_runs, 
     assert log.count("reference log-probabilities of") == 1 and "reference log-probabilities: reused" in log
     start = [r["loss"] for r in dpo_runs["one-start"]]
     assert start[0] == pytest.approx(math.log(2), abs=1e-6)  # the reference is the policy at step 1
-    for name in ("zero1", "zero3"):
+    # Expert parallelism takes the starting weights as its reference (validate refuses a directory there).
+    for name, single in (("zero1", "one"), ("zero3", "one"), ("ep2-start", "one-start")):
+        one = [r["loss"] for r in dpo_runs[single]][:STEPS]
         assert [r["loss"] for r in dpo_runs[name]] == pytest.approx(one, rel=1e-5), name
         # A margin is beta x a difference of fp32 sequence log-probabilities of magnitude ~30 that the layouts sum
         # in other orders: measured within 1.8e-5 of one process's (the losses agree to 1e-5 relative).
         assert [r["reward_margin"] for r in dpo_runs[name]] == pytest.approx(
-            [r["reward_margin"] for r in dpo_runs["one"]][:STEPS], abs=5e-5), name
+            [r["reward_margin"] for r in dpo_runs[single]][:STEPS], abs=5e-5), name
+
+
+@pytest.mark.launch
+def test_ipo_and_simpo_first_losses_equal_their_formulas(dpo_runs, pref_data, reference_dir):
+    """IPO: ((z - 1/(2 beta))^2) with z on per-token mean logps (TRL DPOTrainer); SimPO: -logsigmoid(beta z) with
+    z = mean-logp margin - gamma / beta and no reference (TRL CPOTrainer), rewards beta x mean logps."""
+    cfg = load_run_config("recipes/tiny-v3.yaml", SETS + [f"data.path={pref_data}"])
+    pol, rf, n = _first_step(cfg, pref_data, reference_dir)
+    pol, rf, beta, B = pol / n, rf / n, 0.5, GLOBAL
+    z = (pol[:B] - pol[B:]) - (rf[:B] - rf[B:])
+    assert dpo_runs["ipo"][0]["loss"] == pytest.approx(((z - 1 / (2 * beta)) ** 2).mean().item(), rel=1e-5)
+    z = (pol[:B] - pol[B:]) - 0.4 / beta
+    simpo = dpo_runs["simpo"][0]
+    assert simpo["loss"] == pytest.approx(-F.logsigmoid(beta * z).mean().item(), rel=1e-5)
+    assert simpo["rewards_chosen"] == pytest.approx(beta * pol[:B].mean().item(), rel=1e-5)
+    assert simpo["reward_accuracy"] == (pol[:B] > pol[B:]).double().mean().item()
+    ipo = [r["loss"] for r in dpo_runs["ipo"]]
+    assert ipo[-1] < ipo[0]
+    # SimPO from a random init at this rate rises before it falls: it moves (trains) at every step.
+    assert len({r["loss"] for r in dpo_runs["simpo"]}) == STEPS

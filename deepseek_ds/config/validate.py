@@ -222,6 +222,10 @@ def _preference_errors(cfg: RunConfig, files: bool = True) -> list[str]:
     if unsupported:
         errors.append(f"train.objective dpo does not support {', '.join(unsupported)} yet: train with ZeRO 0-3 data "
                       "parallelism (and expert_parallel), without them")
+    if p.reference and cfg.parallel.expert_parallel > 1:
+        # AutoEP replaces the experts with its own modules, which a directory's weights cannot be loaded into.
+        errors.append(f"preference.reference {p.reference!r} with parallel.expert_parallel > 1 is not supported yet: "
+                      "use preference.reference: null (the starting weights), or expert_parallel: 1")
     if p.reference and p.loss == "simpo":
         errors.append(f"preference.reference {p.reference!r} is unused: simpo is reference-free; remove it or use "
                       "preference.loss sigmoid or ipo")
