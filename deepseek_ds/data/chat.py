@@ -138,13 +138,24 @@ def _text_ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids if text else []
 
 
-def _deepseek_ids(tokenizer) -> tuple[int, int, int, int]:
-    """(BOS, EOS, <｜User｜>, <｜Assistant｜>) ids; ChatFormatError when the tokenizer lacks any of them."""
+def _deepseek_markers(tokenizer) -> tuple[dict[str, int], list[str]]:
+    """(the two chat markers' ids, what of DeepSeek's chat tokens the tokenizer lacks: markers, BOS, EOS)."""
     # One id lookup per marker: get_vocab() builds the whole vocabulary dict (~0.3 s for DeepSeek's 129k tokens) and
     # this runs once per conversation. An absent token converts to the unknown token's id, or None without one.
     markers = dict(zip((USER_MARKER, ASSISTANT_MARKER), tokenizer.convert_tokens_to_ids([USER_MARKER, ASSISTANT_MARKER])))
     missing = [t for t, i in markers.items() if i is None or (i == tokenizer.unk_token_id and t != tokenizer.unk_token)]
     missing += [name for name, i in (("BOS", tokenizer.bos_token_id), ("EOS", tokenizer.eos_token_id)) if i is None]
+    return markers, missing
+
+
+def has_deepseek_chat_tokens(tokenizer) -> bool:
+    """Whether the tokenizer can render DeepSeek-V3's chat format (its markers, BOS and EOS)."""
+    return not _deepseek_markers(tokenizer)[1]
+
+
+def _deepseek_ids(tokenizer) -> tuple[int, int, int, int]:
+    """(BOS, EOS, <｜User｜>, <｜Assistant｜>) ids; ChatFormatError when the tokenizer lacks any of them."""
+    markers, missing = _deepseek_markers(tokenizer)
     if missing:
         where = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
         raise ChatFormatError(f"{where} has no chat_template and lacks DeepSeek's chat tokens ({', '.join(missing)})",

@@ -14,7 +14,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
 from tokenizers.models import BPE
 
-from .chat import ASSISTANT_MARKER, USER_MARKER
+from .chat import ASSISTANT_MARKER, USER_MARKER, has_deepseek_chat_tokens
 from .errors import DataError
 from .layout import META, PLAN, TOKENIZER_DIR, read_json, read_meta
 
@@ -120,10 +120,7 @@ def chat_template_of(tok) -> str | None:
     DeepSeek-V3's format when it has DeepSeek's chat tokens, else None (it cannot render conversations)."""
     if getattr(tok, "chat_template", None):
         return tok.chat_template
-    vocab = tok.get_vocab()
-    if tok.bos_token_id is None or tok.eos_token_id is None or not {USER_MARKER, ASSISTANT_MARKER} <= vocab.keys():
-        return None
-    return DEEPSEEK_CHAT_TEMPLATE
+    return DEEPSEEK_CHAT_TEMPLATE if has_deepseek_chat_tokens(tok) else None
 
 
 def has_tokenizer(directory: str) -> bool:
