@@ -185,7 +185,8 @@ class LoraSection:
     target_modules: list[str] | str | None = None
     """transformers' module names that get adapters (e.g. q_b_proj, kv_b_proj, o_proj), each matching a module
     name or its dotted suffix as peft matches them; `all-linear` (peft's shorthand): every linear layer but the
-    output head; null: the model family's default (models/lora.py)."""
+    output head, and on DeepSeek models but the MLPs' gate/up/down_proj too (peft would load those names back onto
+    the fused routed experts); null: the model family's default (models/lora.py)."""
     modules_to_save: list[str] = field(default_factory=list)
     """Modules trained in full alongside the adapters (e.g. lm_head)."""
     routed_experts: bool = False
