@@ -143,6 +143,20 @@ def test_a_prompt_past_max_position_embeddings_is_refused_or_skipped_and_counted
 
 
 @pytest.mark.unit
+def test_eval_task_during_training_leaves_out_a_prompt_past_max_position_embeddings(tiny_hf, tmp_path, monkeypatch):
+    """Training's eval.task (training/evaluation.py) scores only the items that can be answered: a prompt with no
+    room left would be an empty answer counted as a miss."""
+    from deepseek_ds.training import evaluation
+
+    task = tmp_path / "task.jsonl"
+    task.write_text("".join(json.dumps({"prompt": p, "response": r}) + "\n"
+                            for p, r in (("Hi", "a"), ("word " * 1100, "b"), ("Hey", "c"))))
+    monkeypatch.setattr(evaluation, "load_tokenizer", lambda dataset_dir: tiny_hf["tok"])  # the run's dataset's
+    _, items, left_out = evaluation._run_task(str(task), str(tmp_path), 0, 1024)
+    assert left_out == 1 and [item.reference for item in items] == ["a", "c"]
+
+
+@pytest.mark.unit
 def test_a_tokenizer_of_another_vocabulary_is_refused_before_generating(tiny_hf, tmp_path, capsys):
     task, other = tmp_path / "task.jsonl", tmp_path / "bpe"
     write_task(task, ["four"] * len(SHOWN))

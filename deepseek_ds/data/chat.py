@@ -239,3 +239,21 @@ def task_items(path: str, tokenizer, items: int = 0, skip_bad: bool = False) -> 
         shown, reference = split_reference(messages)
         out.append(TaskItem(encode_prompt(tokenizer, shown), reference))
     return out, bad
+
+
+def fitting_items(items: list[TaskItem], max_positions: int, task: str, skip_bad: bool) -> tuple[list[TaskItem], int]:
+    """(the items whose prompt leaves the model room to answer, how many do not); without skip_bad a prompt that
+    does not fit is refused: the model would answer nothing and the item would count as a miss (`eval --task`
+    and, skipping, `eval.task` during training)."""
+    long = [number for number, item in enumerate(items, 1) if len(item.prompt_ids) >= max_positions]
+    if long and not skip_bad:
+        first = items[long[0] - 1]
+        raise ChatFormatError(f"{task}: {len(long)} of {len(items)} items have a prompt of at least the model's "
+                              f"max_position_embeddings ({max_positions}) tokens, e.g. item {long[0]} "
+                              f"({len(first.prompt_ids)} tokens), which leaves no room for an answer",
+                              hint="shorten those prompts, or pass --skip-bad to skip (and count) them")
+    if len(long) == len(items):
+        raise ChatFormatError(f"{task}: no item has a prompt shorter than the model's max_position_embeddings "
+                              f"({max_positions} tokens)")
+    skipped = set(long)
+    return [item for number, item in enumerate(items, 1) if number not in skipped], len(long)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..data.chat import ChatFormatError, TaskItem, task_items
+from ..data.chat import fitting_items, task_items
 from ..training.evaluation import predict, scores
 from ..training.setup import init_distributed
 from ..utils.fs import write_bytes_atomic
@@ -29,30 +29,13 @@ def _write(path: str, text: str) -> None:
     write_bytes_atomic(target, text.encode())
 
 
-def _fitting(items: list[TaskItem], max_positions: int, task: str, skip_bad: bool) -> tuple[list[TaskItem], int]:
-    """(the items whose prompt leaves the model room to answer, how many do not); without skip_bad a prompt that
-    does not fit is refused: the model would answer nothing and the item would count as a miss."""
-    long = [number for number, item in enumerate(items, 1) if len(item.prompt_ids) >= max_positions]
-    if long and not skip_bad:
-        first = items[long[0] - 1]
-        raise ChatFormatError(f"{task}: {len(long)} of {len(items)} items have a prompt of at least the model's "
-                              f"max_position_embeddings ({max_positions}) tokens, e.g. item {long[0]} "
-                              f"({len(first.prompt_ids)} tokens), which leaves no room for an answer",
-                              hint="shorten those prompts, or pass --skip-bad to skip (and count) them")
-    if len(long) == len(items):
-        raise ChatFormatError(f"{task}: no item has a prompt shorter than the model's max_position_embeddings "
-                              f"({max_positions} tokens)")
-    skipped = set(long)
-    return [item for number, item in enumerate(items, 1) if number not in skipped], len(long)
-
-
 def run_task_eval(args: argparse.Namespace) -> dict:
     """Score args.checkpoint or args.model on args.task; rank 0 prints the scores as JSON and writes args.out
     (n, exact_match, bleu) and args.predictions (one {"prediction", "reference"} line per item scored). Items whose
     prompt leaves no room for an answer are refused, or with args.skip_bad skipped and counted."""
     model, tokenizer = load_model(args.checkpoint or args.model, args.tokenizer, args.config, args.set)
     items, bad = task_items(args.task, tokenizer, skip_bad=args.skip_bad)
-    items, too_long = _fitting(items, model.config.max_position_embeddings, args.task, args.skip_bad)
+    items, too_long = fitting_items(items, model.config.max_position_embeddings, args.task, args.skip_bad)
     distributed = int(os.environ.get("WORLD_SIZE", 1)) > 1
     if distributed:
         init_distributed()

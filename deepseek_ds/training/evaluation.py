@@ -29,7 +29,7 @@ from torch import nn
 
 from ..config import ConfigError
 from ..data import ChatDataset, PackedDataset, load_tokenizer, micro_batch
-from ..data.chat import TaskItem, task_items
+from ..data.chat import TaskItem, fitting_items, task_items
 from ..models.hf_io import to_hf_model
 from ..models.loss import IGNORE_INDEX
 from ..models.pipeline import split_micro_batch, to_device
@@ -192,10 +192,11 @@ def predict(model, tokenizer, items: list[TaskItem], max_new_tokens: int, batch_
 
 
 @lru_cache(maxsize=1)
-def _run_task(path: str, dataset_dir: str, items: int) -> tuple:
-    """(tokenizer, items) of eval.task, rendered with the tokenizer of the run's dataset; read once per run."""
+def _run_task(path: str, dataset_dir: str, items: int, max_positions: int) -> tuple:
+    """(tokenizer, items, how many were left out) of eval.task, rendered with the tokenizer of the run's dataset;
+    read once per run. An item whose prompt leaves the model no room to answer is left out (a miss otherwise)."""
     tokenizer = load_tokenizer(dataset_dir)
-    return tokenizer, task_items(path, tokenizer, items)[0]
+    return (tokenizer, *fitting_items(task_items(path, tokenizer, items)[0], max_positions, path, skip_bad=True))
 
 
 _TASK_BATCH = 8  # items generated together per rank during training
@@ -210,7 +211,11 @@ def task_scores_run(run: Run) -> dict:
         raise ConfigError("eval.task needs the whole model on every rank: use parallel.pipeline_stages=1, "
                           "parallel.expert_parallel=1 and parallel.tensor_parallel=1, or score the checkpoints with "
                           "`deepseek-ds eval --task`")
-    tokenizer, items = _run_task(cfg.eval.task, run.dataset_dir, cfg.eval.task_items)
+    tokenizer, items, too_long = _run_task(cfg.eval.task, run.dataset_dir, cfg.eval.task_items,
+                                           run.model_config.max_position_embeddings)
+    if too_long and run.rank == 0:
+        run.log.warning("eval.task: %d items of %s left out: their prompt leaves no room under max_position_embeddings "
+                        "(%d)", too_long, cfg.eval.task, run.model_config.max_position_embeddings)
     module = run.engine.module
     with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=run.engine.zero_optimization_stage() == 3):
         model = to_hf_model(module.layers, run.model_config, cfg.lora).to(run.engine.device)
