@@ -164,7 +164,8 @@ def dpo_runs(tmp_path_factory, pref_data, reference_dir):
     start = ["preference.reference=null"]  # the starting weights
     # "one" twice: the second resumes the first's run for one more step (the same output directory).
     one = train_layouts(1, tmp_path_factory.mktemp("dpo1"), [("one", "ds_configs/zero1.json", []),
-                                                            ("one-start", "ds_configs/zero1.json", start),
+                                                            ("one-start", "ds_configs/zero1.json",
+                                                             start + [f"eval.interval={STEPS}"]),
                                                             ("one", "ds_configs/zero1.json", [f"train.steps={STEPS + 1}"]),
                                                             ("ipo", "ds_configs/zero1.json", ["preference.loss=ipo"]),
                                                             ("simpo", "ds_configs/zero1.json", start + [
@@ -227,9 +228,14 @@ def test_first_step_equals_trl_formulas_and_layouts_equal_one_process(dpo_runs, 
     stored = json.loads((dpo_runs["one_dir"] / "checkpoints" / "reference_logps" / "train.json").read_text())
     assert stored["pairs"] == len(ds) and len(stored["sha256"]) == 64
     log = (dpo_runs["one_dir"] / "logs" / "rank0.log").read_text()
-    assert log.count("reference log-probabilities of") == 1 and "reference log-probabilities: reused" in log
+    assert log.count("reference log-probabilities (train) of") == 1 and "reference log-probabilities (train): reused" in log
     start = [r["loss"] for r in dpo_runs["one-start"]]
     assert start[0] == pytest.approx(math.log(2), abs=1e-6)  # the reference is the policy at step 1
+    evaluated = dpo_runs["one-start"][-1]  # eval.interval: the validation pairs' metrics, on their stored reference
+    assert evaluated["eval_pairs"] == 4 and 0 <= evaluated["eval_reward_accuracy"] <= 1
+    assert evaluated["eval_reward_margin"] == pytest.approx(
+        evaluated["eval_rewards_chosen"] - evaluated["eval_rewards_rejected"], abs=1e-9)
+    assert math.isfinite(evaluated["eval_loss"]) and evaluated["eval_loss"] != pytest.approx(math.log(2), abs=1e-4)
     # Expert parallelism takes the starting weights as its reference (validate refuses a directory there).
     for name, single in (("zero1", "one"), ("zero3", "one"), ("ep2-start", "one-start")):
         one = [r["loss"] for r in dpo_runs[single]][:STEPS]

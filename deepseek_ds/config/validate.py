@@ -218,7 +218,7 @@ def _preference_errors(cfg: RunConfig, files: bool = True) -> list[str]:
     unsupported = [what for what, on in (
         ("parallel.pipeline_stages > 1", cfg.parallel.pipeline_stages > 1),
         ("parallel.tensor_parallel > 1", cfg.parallel.tensor_parallel > 1), ("lora.r > 0", cfg.lora.r > 0),
-        ("data.packing", cfg.data.packing), ("eval.interval > 0", cfg.eval.interval > 0)) if on]
+        ("data.packing", cfg.data.packing)) if on]
     if unsupported:
         errors.append(f"train.objective dpo does not support {', '.join(unsupported)} yet: train with ZeRO 0-3 data "
                       "parallelism (and expert_parallel), without them")

@@ -191,7 +191,10 @@ def _train(run: Run, stop: StopOnSignal, on_accepted=None) -> dict:
     cfg, engine, log = run.cfg, run.engine, run.log
     is_rank0 = run.rank == 0
     if preference.is_dpo(run):  # before the resume: the engine still holds the starting weights
-        run.reference = preference.ensure_reference(run)
+        run.reference = preference.ensure_reference(run, run.dataset)
+        if cfg.eval.interval:
+            run.valid_reference = preference.ensure_reference(run, open_dataset(run.dataset_dir, cfg.data, "valid"),
+                                                              "valid")
     state = resume(run) or {}
     if on_accepted:  # the run, and its resume if any, passed every check: e.g. record resolved_config.yaml
         on_accepted()
@@ -270,9 +273,14 @@ def _steps(run: Run, sampler: GlobalBatchSampler, metrics: MetricsWriter | None,
         loss = record["loss"]
         if valid is not None and (step % cfg.eval.interval == 0 or step == cfg.train.steps):
             with stop.busy():
-                record.update(evaluate_run(run, valid).as_record())
-            log.info("step %d: validation loss %.4f, perplexity %.2f, next-token accuracy %.2f%%", step,
-                     record["eval_loss"], record["eval_ppl"], 100 * record["eval_accuracy"])
+                record.update(preference.evaluate_run(run, valid, run.valid_reference) if preference.is_dpo(run)
+                              else evaluate_run(run, valid).as_record())
+            if preference.is_dpo(run):
+                log.info("step %d: validation loss %.4f, reward accuracy %.2f%%, margin %.4f", step,
+                         record["eval_loss"], 100 * record["eval_reward_accuracy"], record["eval_reward_margin"])
+            else:
+                log.info("step %d: validation loss %.4f, perplexity %.2f, next-token accuracy %.2f%%", step,
+                         record["eval_loss"], record["eval_ppl"], 100 * record["eval_accuracy"])
             if record.get("task_n"):
                 log.info("step %d: %s", step, _task_scores(record))
         if metrics:
@@ -346,6 +354,9 @@ def _validation_lines(records: list[dict]) -> list[str]:
     if not evals:
         return []
     r = evals[-1]
+    if "eval_reward_accuracy" in r:
+        return [f"  validation  pair loss {r['eval_loss']:.4f}, reward accuracy {100 * r['eval_reward_accuracy']:.1f}%"
+                f", margin {r['eval_reward_margin']:.4f} (step {r['step']})"]
     task = [f"  eval.task   {_task_scores(r)} (step {r['step']})"] if r.get("task_n") else []
     return [f"  validation  loss {r['eval_loss']:.4f}, perplexity {r['eval_ppl']:.2f}, "
             f"next-token accuracy {100 * r['eval_accuracy']:.2f}% (step {r['step']})"] + task

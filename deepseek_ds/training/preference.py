@@ -24,8 +24,9 @@ from ..data import micro_batch
 from ..data.layout import file_sha256, read_meta
 from ..models.hf_io import load_hf_weights
 from ..models.pipeline import local_layers, split_micro_batch, to_device
-from ..models.preference_loss import sequence_logps
+from ..models.preference_loss import METRICS, metric_sums, normalised, preference_terms, sequence_logps
 from ..utils.fs import write_bytes_atomic, write_json_atomic
+from .evaluation import eval_sample_count, task_scores_run
 from .setup import Run
 
 REFERENCE_DIR = "reference_logps"
@@ -42,12 +43,12 @@ def _files_identity(directory: str) -> list:
     return sorted([p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in root.iterdir() if p.is_file())
 
 
-def reference_key(run: Run) -> str:
+def reference_key(run: Run, split: str = "train") -> str:
     cfg, meta = run.cfg, read_meta(run.dataset_dir)
     ref = cfg.preference.reference
     start = ({"path": _files_identity(cfg.model.path)} if cfg.model.path else
              {"preset": cfg.model.preset, "seed": cfg.train.seed})
-    desc = {"shards": [s["bin_sha256"] for s in meta["splits"]["train"]["shards"]], "seq_len": cfg.data.seq_len,
+    desc = {"shards": [s["bin_sha256"] for s in meta["splits"][split]["shards"]], "seq_len": cfg.data.seq_len,
             "truncation": cfg.data.truncation, "overrides": cfg.model.overrides, "ds_precision": _precision(run),
             "reference": {"path": _files_identity(ref)} if ref else {"starting_weights": start}}
     return hashlib.sha256(json.dumps(desc, sort_keys=True, default=str).encode()).hexdigest()
@@ -57,41 +58,41 @@ def _precision(run: Run) -> str:
     return "bf16" if run.engine.bfloat16_enabled() else "fp16" if run.engine.fp16_enabled() else "fp32"
 
 
-def ensure_reference(run: Run) -> np.ndarray | None:
-    """[pairs, 2] float64 (chosen, rejected) reference log-probabilities of the training split, reused or computed;
-    None for a reference-free loss. Every rank calls it."""
+def ensure_reference(run: Run, dataset, split: str = "train") -> np.ndarray | None:
+    """[pairs, 2] float64 (chosen, rejected) reference log-probabilities of a split, reused or computed; None for a
+    reference-free loss. Every rank calls it."""
     if not run.loss_fn.needs_reference:
         return None
     folder = Path(run.cfg.checkpoint_dir) / REFERENCE_DIR
-    key = reference_key(run)
-    stored = _stored(folder, key)
-    if stored is not None and len(stored) == len(run.dataset):
+    key = reference_key(run, split)
+    stored = _stored(folder, split, key)
+    if stored is not None and len(stored) == len(dataset):
         if run.rank == 0:
-            run.log.info("reference log-probabilities: reused %s (%d pairs)", folder, len(stored))
+            run.log.info("reference log-probabilities (%s): reused %s (%d pairs)", split, folder, len(stored))
         return stored
     ref = run.cfg.preference.reference
     with _reference_weights(run, ref):
-        values = reference_pass(run, run.dataset)
+        values = reference_pass(run, dataset)[:, :2]
     if run.rank == 0:
         data = values.astype("<f8").tobytes()
         folder.mkdir(parents=True, exist_ok=True)
-        write_bytes_atomic(folder / "train.bin", data)
-        write_json_atomic(folder / "train.json", {"key": key, "pairs": len(values),
-                                                  "sha256": hashlib.sha256(data).hexdigest()})
-        run.log.info("reference log-probabilities of %d pairs (%s) stored in %s", len(values),
+        write_bytes_atomic(folder / f"{split}.bin", data)
+        write_json_atomic(folder / f"{split}.json", {"key": key, "pairs": len(values),
+                                                     "sha256": hashlib.sha256(data).hexdigest()})
+        run.log.info("reference log-probabilities (%s) of %d pairs (%s) stored in %s", split, len(values),
                      ref or "the starting weights", folder)
     dist.barrier()
     return values
 
 
-def _stored(folder: Path, key: str) -> np.ndarray | None:
+def _stored(folder: Path, split: str, key: str) -> np.ndarray | None:
     try:
-        record = json.loads((folder / "train.json").read_text())
+        record = json.loads((folder / f"{split}.json").read_text())
     except (OSError, ValueError):
         return None
-    if record.get("key") != key or file_sha256(folder / "train.bin") != record.get("sha256"):
+    if record.get("key") != key or file_sha256(folder / f"{split}.bin") != record.get("sha256"):
         return None
-    return np.fromfile(folder / "train.bin", dtype="<f8").reshape(-1, 2)
+    return np.fromfile(folder / f"{split}.bin", dtype="<f8").reshape(-1, 2)
 
 
 @contextlib.contextmanager
@@ -124,23 +125,23 @@ def _own(p) -> torch.Tensor:
     return p.ds_tensor.data if hasattr(p, "ds_tensor") else p.data
 
 
-def reference_pass(run: Run, dataset) -> np.ndarray:
-    """[len(dataset), 2] summed log-probabilities of every pair's chosen and rejected response under the engine's
-    current weights: each data-parallel rank its contiguous share, the same number of forwards everywhere (ZeRO-3
-    gathers in lockstep), gathered to every rank."""
+def reference_pass(run: Run, dataset, count: int | None = None) -> np.ndarray:
+    """[n, 4] summed log-probabilities of the first `count` pairs' (default all) chosen and rejected responses under
+    the engine's current weights, then their trained-token counts: each data-parallel rank its contiguous share, the
+    same number of forwards everywhere (ZeRO-3 gathers in lockstep), gathered to every rank."""
     engine, mb = run.engine, run.cfg.train.micro_batch_size
-    n = len(dataset)
+    n = len(dataset) if count is None else count
     per_rank = math.ceil(n / run.dp_size)
     mine = [min(i, n - 1) for i in range(run.dp_rank * per_rank, (run.dp_rank + 1) * per_rank)]
-    out = torch.zeros(per_rank, 2, dtype=torch.float64, device=engine.device)
+    out = torch.zeros(per_rank, 4, dtype=torch.float64, device=engine.device)
     was_training = engine.module.training
     engine.module.eval()
     with torch.no_grad():
         for a in range(0, per_rank, mb):
             idx = mine[a:a + mb]
             inputs, labels = split_micro_batch(micro_batch(dataset, idx))
-            logps, _ = sequence_logps(engine(to_device(inputs, engine.device)), labels.to(engine.device))
-            out[a:a + len(idx)] = logps.double().reshape(2, -1).t()
+            logps, counts = sequence_logps(engine(to_device(inputs, engine.device)), labels.to(engine.device))
+            out[a:a + len(idx)] = torch.cat([logps.double().reshape(2, -1), counts.double().reshape(2, -1)]).t()
     engine.module.train(was_training)
     gathered = [torch.zeros_like(out) for _ in range(run.dp_size)]
     dist.all_gather(gathered, out, group=run.dp_group)
@@ -170,3 +171,21 @@ def local_step(run: Run, micro_batches: list) -> torch.Tensor:
         engine.step()
         total += loss.detach().double()
     return total
+
+
+def evaluate_run(run: Run, dataset, reference: np.ndarray | None) -> dict:
+    """The validation record at eval.interval: the METRICS as eval_* means over the split's first eval.batches global
+    batches of pairs (eval_loss the pair loss), and eval.task's scores when the run has a task."""
+    cfg, loss_fn = run.cfg, run.loss_fn
+    n = eval_sample_count(len(dataset), cfg.eval.batches, cfg.train.global_batch_size)
+    values = torch.from_numpy(reference_pass(run, dataset, n))
+    counts = values[:, 2:].t().reshape(-1)
+    policy = normalised(values[:, :2].t().reshape(-1), counts, loss_fn.loss)
+    ref = None if reference is None else normalised(torch.from_numpy(reference[:n]).t().reshape(-1), counts,
+                                                    loss_fn.loss)
+    terms = preference_terms(policy, ref, loss_fn.loss, loss_fn.beta, loss_fn.label_smoothing, loss_fn.simpo_gamma)
+    record = {f"eval_{k}": v / n for k, v in zip(METRICS, metric_sums(*terms).tolist())}
+    record["eval_pairs"] = n
+    if cfg.eval.task:
+        record.update({f"task_{k}": v for k, v in task_scores_run(run).items()})
+    return record

@@ -67,6 +67,7 @@ class Run:
     balancer: LoadBalancer | None = None  # MoE load balancing: after_step() once per optimizer step
     tp_rank: int = 0                 # rank within its tensor-parallel group (the replica's TP ranks see one batch)
     reference: object = None         # dpo: the training split's reference log-probabilities (training/preference.py)
+    valid_reference: object = None   # dpo with eval.interval: the validation split's
 
 
 def init_distributed(timeout_s: int = 1800) -> tuple[int, int]:
