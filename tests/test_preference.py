@@ -168,6 +168,9 @@ def dpo_runs(tmp_path_factory, pref_data, reference_dir):
                                                              start + [f"eval.interval={STEPS}"]),
                                                             ("one", "ds_configs/zero1.json", [f"train.steps={STEPS + 1}"]),
                                                             ("ipo", "ds_configs/zero1.json", ["preference.loss=ipo"]),
+                                                            ("lora", "ds_configs/zero1.json", start + [
+                                                                f"model.path={reference_dir}", "model.preset=null",
+                                                                "lora.r=4", f"eval.interval={STEPS}"]),
                                                             ("simpo", "ds_configs/zero1.json", start + [
                                                                 "preference.loss=simpo", "preference.simpo_gamma=0.4"])],
                         sets)
@@ -175,7 +178,8 @@ def dpo_runs(tmp_path_factory, pref_data, reference_dir):
                                                             ("zero3", "ds_configs/zero3.json", []),
                                                             ("ep2-start", "ds_configs/zero1.json",
                                                              start + ["parallel.expert_parallel=2"])], sets)
-    return {**{k: read_metrics(str(v)) for k, v in {**one, **two}.items()}, "one_dir": one["one"]}
+    return {**{k: read_metrics(str(v)) for k, v in {**one, **two}.items()}, "one_dir": one["one"],
+            "lora_dir": one["lora"]}
 
 
 def _first_step(cfg, pref_data, reference_dir):
@@ -264,3 +268,15 @@ def test_ipo_and_simpo_first_losses_equal_their_formulas(dpo_runs, pref_data, re
     assert ipo[-1] < ipo[0]
     # SimPO from a random init at this rate rises before it falls: it moves (trains) at every step.
     assert len({r["loss"] for r in dpo_runs["simpo"]}) == STEPS
+
+
+@pytest.mark.launch
+def test_lora_reference_is_the_base_with_adapters_off(dpo_runs):
+    """LoRA without preference.reference: no reference pass; at step 1 the adapters (B = 0) change nothing, so the
+    loss is ln 2 and the rewards 0; then the loss falls, and validation measures against the base too."""
+    records = dpo_runs["lora"]
+    assert records[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert records[0]["reward_margin"] == pytest.approx(0.0, abs=1e-6)
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert records[-1]["eval_reward_margin"] != pytest.approx(0.0, abs=1e-6)
+    assert not (dpo_runs["lora_dir"] / "checkpoints" / "reference_logps").exists()

@@ -217,11 +217,14 @@ def _preference_errors(cfg: RunConfig, files: bool = True) -> list[str]:
         return errors
     unsupported = [what for what, on in (
         ("parallel.pipeline_stages > 1", cfg.parallel.pipeline_stages > 1),
-        ("parallel.tensor_parallel > 1", cfg.parallel.tensor_parallel > 1), ("lora.r > 0", cfg.lora.r > 0),
+        ("parallel.tensor_parallel > 1", cfg.parallel.tensor_parallel > 1),
         ("data.packing", cfg.data.packing)) if on]
     if unsupported:
         errors.append(f"train.objective dpo does not support {', '.join(unsupported)} yet: train with ZeRO 0-3 data "
                       "parallelism (and expert_parallel), without them")
+    if p.reference and cfg.lora.r:
+        errors.append(f"preference.reference {p.reference!r} with LoRA: the reference is the base model with the "
+                      "adapters off (no pass, no second model); remove preference.reference")
     if p.reference and cfg.parallel.expert_parallel > 1:
         # AutoEP replaces the experts with its own modules, which a directory's weights cannot be loaded into.
         errors.append(f"preference.reference {p.reference!r} with parallel.expert_parallel > 1 is not supported yet: "

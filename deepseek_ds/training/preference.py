@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from peft.tuners.lora import LoraLayer
 
 from ..data import micro_batch
 from ..data.layout import file_sha256, read_meta
@@ -62,6 +63,11 @@ def ensure_reference(run: Run, dataset, split: str = "train") -> np.ndarray | No
     """[pairs, 2] float64 (chosen, rejected) reference log-probabilities of a split, reused or computed; None for a
     reference-free loss. Every rank calls it."""
     if not run.loss_fn.needs_reference:
+        return None
+    if lora_base_reference(run):
+        if run.rank == 0 and split == "train":
+            run.log.info("LoRA: the reference is the base model (the adapters off), computed with each micro-batch: "
+                         "no reference pass")
         return None
     folder = Path(run.cfg.checkpoint_dir) / REFERENCE_DIR
     key = reference_key(run, split)
@@ -125,6 +131,30 @@ def _own(p) -> torch.Tensor:
     return p.ds_tensor.data if hasattr(p, "ds_tensor") else p.data
 
 
+def lora_base_reference(run: Run) -> bool:
+    """LoRA without preference.reference: the reference is the frozen base, the policy with its adapters off."""
+    return bool(run.cfg.lora.r) and not run.cfg.preference.reference
+
+
+@contextlib.contextmanager
+def adapters_off(module):
+    """The model without its LoRA adapters (peft's switch on each adapted layer) inside the block."""
+    layers = [m for m in module.modules() if isinstance(m, LoraLayer)]
+    for m in layers:
+        m.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.enable_adapters(True)
+
+
+def _base_logps(run: Run, inputs, labels) -> torch.Tensor:
+    """The reference log-probabilities of a micro-batch's rows under the LoRA base (no gradient)."""
+    with torch.no_grad(), adapters_off(run.engine.module):
+        return sequence_logps(run.engine(to_device(inputs, run.engine.device)), labels)[0].double()
+
+
 def reference_pass(run: Run, dataset, count: int | None = None) -> np.ndarray:
     """[n, 4] summed log-probabilities of the first `count` pairs' (default all) chosen and rejected responses under
     the engine's current weights, then their trained-token counts: each data-parallel rank its contiguous share, the
@@ -164,9 +194,12 @@ def local_step(run: Run, micro_batches: list) -> torch.Tensor:
     engine = run.engine
     run.loss_fn.set_scale(run.dp_size, run.grad_accum)
     total = torch.zeros((), dtype=torch.float64, device=engine.device)
+    base = run.loss_fn.needs_reference and lora_base_reference(run)
     for inputs, labels, ref in micro_batches:
+        labels = labels.to(engine.device)
+        ref = _base_logps(run, inputs, labels) if base else None if ref is None else ref.to(engine.device)
         logits = engine(to_device(inputs, engine.device))
-        loss = run.loss_fn(logits, (labels.to(engine.device), None if ref is None else ref.to(engine.device)))
+        loss = run.loss_fn(logits, (labels, ref))
         engine.backward(loss)
         engine.step()
         total += loss.detach().double()
@@ -179,6 +212,9 @@ def evaluate_run(run: Run, dataset, reference: np.ndarray | None) -> dict:
     cfg, loss_fn = run.cfg, run.loss_fn
     n = eval_sample_count(len(dataset), cfg.eval.batches, cfg.train.global_batch_size)
     values = torch.from_numpy(reference_pass(run, dataset, n))
+    if loss_fn.needs_reference and lora_base_reference(run):
+        with adapters_off(run.engine.module):
+            reference = reference_pass(run, dataset, n)[:, :2]
     counts = values[:, 2:].t().reshape(-1)
     policy = normalised(values[:, :2].t().reshape(-1), counts, loss_fn.loss)
     ref = None if reference is None else normalised(torch.from_numpy(reference[:n]).t().reshape(-1), counts,
