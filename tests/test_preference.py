@@ -176,6 +176,8 @@ def dpo_runs(tmp_path_factory, pref_data, reference_dir):
                         sets)
     two = train_layouts(2, tmp_path_factory.mktemp("dpo2"), [("zero1", "ds_configs/zero1.json", []),
                                                             ("zero3", "ds_configs/zero3.json", []),
+                                                            ("pp2", "ds_configs/zero1_pp.json",
+                                                             ["parallel.pipeline_stages=2"]),
                                                             ("ep2-start", "ds_configs/zero1.json",
                                                              start + ["parallel.expert_parallel=2"])], sets)
     return {**{k: read_metrics(str(v)) for k, v in {**one, **two}.items()}, "one_dir": one["one"],
@@ -210,7 +212,7 @@ def _logps(model, rows) -> torch.Tensor:
 @pytest.mark.launch
 def test_first_step_equals_trl_formulas_and_layouts_equal_one_process(dpo_runs, pref_data, reference_dir):
     """Step 1's loss, rewards and accuracy equal TRL's sigmoid DPO computed here on transformers' models (the
-    policy's seeded init and the reference directory); 2-rank ZeRO-1 and ZeRO-3 equal one process over 3 steps; with
+    policy's seeded init and the reference directory); 2-rank ZeRO-1, ZeRO-3 and PP=2 equal one process over 3 steps; with
     the starting weights as the reference the first loss is ln 2; a resumed run reuses the stored reference pass."""
     cfg = load_run_config("recipes/tiny-v3.yaml", SETS + [f"data.path={pref_data}"])
     ds = open_dataset(pref_data, cfg.data)
@@ -241,7 +243,7 @@ def test_first_step_equals_trl_formulas_and_layouts_equal_one_process(dpo_runs, 
         evaluated["eval_rewards_chosen"] - evaluated["eval_rewards_rejected"], abs=1e-9)
     assert math.isfinite(evaluated["eval_loss"]) and evaluated["eval_loss"] != pytest.approx(math.log(2), abs=1e-4)
     # Expert parallelism takes the starting weights as its reference (validate refuses a directory there).
-    for name, single in (("zero1", "one"), ("zero3", "one"), ("ep2-start", "one-start")):
+    for name, single in (("zero1", "one"), ("zero3", "one"), ("pp2", "one"), ("ep2-start", "one-start")):
         one = [r["loss"] for r in dpo_runs[single]][:STEPS]
         assert [r["loss"] for r in dpo_runs[name]] == pytest.approx(one, rel=1e-5), name
         # A margin is beta x a difference of fp32 sequence log-probabilities of magnitude ~30 that the layouts sum

@@ -216,7 +216,7 @@ def _preference_errors(cfg: RunConfig, files: bool = True) -> list[str]:
     if not dpo:
         return errors
     unsupported = [what for what, on in (
-        ("parallel.pipeline_stages > 1", cfg.parallel.pipeline_stages > 1),
+        ("LoRA with parallel.pipeline_stages > 1", cfg.parallel.pipeline_stages > 1 and cfg.lora.r > 0),
         ("parallel.tensor_parallel > 1", cfg.parallel.tensor_parallel > 1),
         ("data.packing", cfg.data.packing)) if on]
     if unsupported:

@@ -27,7 +27,7 @@ from ..models.hf_io import load_hf_weights
 from ..models.pipeline import local_layers, split_micro_batch, to_device
 from ..models.preference_loss import METRICS, metric_sums, normalised, preference_terms, sequence_logps
 from ..utils.fs import write_bytes_atomic, write_json_atomic
-from .evaluation import eval_sample_count, task_scores_run
+from .evaluation import _pipeline_eval_loss, eval_sample_count, task_scores_run
 from .setup import Run
 
 REFERENCE_DIR = "reference_logps"
@@ -161,18 +161,30 @@ def reference_pass(run: Run, dataset, count: int | None = None) -> np.ndarray:
     same number of forwards everywhere (ZeRO-3 gathers in lockstep), gathered to every rank."""
     engine, mb = run.engine, run.cfg.train.micro_batch_size
     n = len(dataset) if count is None else count
-    per_rank = math.ceil(n / run.dp_size)
+    # Whole micro-batches (a pipeline's shapes are fixed), the last rows repeating the last pair.
+    per_rank = math.ceil(math.ceil(n / run.dp_size) / mb) * mb
     mine = [min(i, n - 1) for i in range(run.dp_rank * per_rank, (run.dp_rank + 1) * per_rank)]
-    out = torch.zeros(per_rank, 4, dtype=torch.float64, device=engine.device)
-    was_training = engine.module.training
-    engine.module.eval()
-    with torch.no_grad():
-        for a in range(0, per_rank, mb):
-            idx = mine[a:a + mb]
-            inputs, labels = split_micro_batch(micro_batch(dataset, idx))
-            logps, counts = sequence_logps(engine(to_device(inputs, engine.device)), labels.to(engine.device))
-            out[a:a + len(idx)] = torch.cat([logps.double().reshape(2, -1), counts.double().reshape(2, -1)]).t()
-    engine.module.train(was_training)
+    batches = [split_micro_batch(micro_batch(dataset, mine[a:a + mb])) for a in range(0, per_rank, mb)]
+    rows: list[torch.Tensor] = []
+
+    def collect(logits, labels):
+        logps, counts = sequence_logps(logits, labels)
+        rows.append(torch.cat([logps.double().reshape(2, -1), counts.double().reshape(2, -1)]).t())
+        return logps.sum() * 0  # the pipeline engine wants a loss to reduce
+
+    if run.pipeline:
+        with _pipeline_eval_loss(engine, collect):
+            engine.eval_batch(iter(batches), compute_loss=True, bcast_loss=False, num_micro_batches=len(batches))
+    else:
+        was_training = engine.module.training
+        engine.module.eval()
+        with torch.no_grad():
+            for inputs, labels in batches:
+                collect(engine(to_device(inputs, engine.device)), labels.to(engine.device))
+        engine.module.train(was_training)
+    out = torch.cat(rows) if rows else torch.zeros(per_rank, 4, dtype=torch.float64, device=engine.device)
+    if run.pipeline:  # only the last stage computed them
+        dist.all_reduce(out, group=engine.grid.get_pipe_parallel_group())
     gathered = [torch.zeros_like(out) for _ in range(run.dp_size)]
     dist.all_gather(gathered, out, group=run.dp_group)
     return torch.cat(gathered)[:n].cpu().numpy()
@@ -193,6 +205,10 @@ def local_step(run: Run, micro_batches: list) -> torch.Tensor:
     """One optimizer step of pair losses: the sum of this rank's scaled micro losses (float64 device scalar)."""
     engine = run.engine
     run.loss_fn.set_scale(run.dp_size, run.grad_accum)
+    if run.pipeline:  # (labels, reference) travel to the last stage; a reference-free loss gets zeros there
+        split = [(inputs, (labels, torch.zeros(labels.shape[0], dtype=torch.float64) if ref is None else ref))
+                 for inputs, labels, ref in micro_batches]
+        return engine.train_batch(iter(split)).detach().double()
     total = torch.zeros((), dtype=torch.float64, device=engine.device)
     base = run.loss_fn.needs_reference and lora_base_reference(run)
     for inputs, labels, ref in micro_batches:
