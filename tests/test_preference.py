@@ -181,7 +181,7 @@ def dpo_runs(tmp_path_factory, pref_data, reference_dir):
                                                             ("ep2-start", "ds_configs/zero1.json",
                                                              start + ["parallel.expert_parallel=2"])], sets)
     return {**{k: read_metrics(str(v)) for k, v in {**one, **two}.items()}, "one_dir": one["one"],
-            "lora_dir": one["lora"]}
+            "lora_dir": one["lora"], "start_dir": one["one-start"]}
 
 
 def _first_step(cfg, pref_data, reference_dir):
@@ -282,3 +282,21 @@ def test_lora_reference_is_the_base_with_adapters_off(dpo_runs):
     assert records[-1]["loss"] < records[0]["loss"]
     assert records[-1]["eval_reward_margin"] != pytest.approx(0.0, abs=1e-6)
     assert not (dpo_runs["lora_dir"] / "checkpoints" / "reference_logps").exists()
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("run", ["one-start", "lora"])
+def test_eval_of_a_checkpoint_on_the_preference_split_equals_training_validation(run, dpo_runs, tmp_path):
+    """`deepseek-ds eval` of the last checkpoint (a model rebuilt from its weights, the reference rebuilt from the run's
+    starting weights or LoRA base) gives the pair metrics training's validation logged at that step (the engine, the
+    stored or adapters-off reference)."""
+    from deepseek_ds.cli import main
+
+    folder = dpo_runs["start_dir" if run == "one-start" else "lora_dir"]
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--checkpoint", str(folder / "checkpoints"), "--split", "valid", "--out", str(out)]) == 0
+    got, logged = json.loads(out.read_text()), dpo_runs[run][-1]
+    assert got["eval_pairs"] == logged["eval_pairs"] == 4
+    for key in ("eval_loss", "eval_rewards_chosen", "eval_rewards_rejected", "eval_reward_margin"):
+        assert got[key] == pytest.approx(logged[key], rel=1e-4, abs=1e-5), key
+    assert got["eval_reward_accuracy"] == logged["eval_reward_accuracy"]

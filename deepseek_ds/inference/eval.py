@@ -19,11 +19,13 @@ from ..checkpoint.tensor_names import layout_names
 from ..checkpoint.weights import read_weights
 from ..config import RunConfig, apply_overrides, load_run_config, run_config_from_dict
 from ..data import DataError, PackedDataset, dataset_info
+from ..data.layout import PREFERENCE_FORMAT, dataset_format
 from ..models.pipeline import SequentialLM, build_model, prepare_config
 from ..models.presets import build_model_config
 from ..training.evaluation import EvalResult, eval_sample_count, evaluate, rank_batches
 from ..training.setup import init_distributed
 from .export_lora import is_lora_checkpoint, merged_model_from_checkpoint
+from .preference_eval import preference_eval
 
 
 def run_config_for(tag_dir: str, config: str | None, sets: list[str]) -> RunConfig:
@@ -59,7 +61,15 @@ def _check_tokenizer(data: str, meta: dict) -> None:
                         f"{os.path.join(meta['dataset_dir'], 'tokenizer')} ...`)")
 
 
-def run_eval(args: argparse.Namespace) -> EvalResult:
+def _report(record: dict, out: str | None) -> None:
+    text = json.dumps(record)
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+
+
+def run_eval(args: argparse.Namespace) -> EvalResult | dict:
     """Evaluate args.checkpoint on args.data (default: the dataset it trained on); rank 0 prints the result as JSON
     (and writes it to args.out)."""
     tag_dir = tag_dir_of(args.checkpoint)
@@ -76,17 +86,18 @@ def run_eval(args: argparse.Namespace) -> EvalResult:
         model, mcfg = model_from_checkpoint(tag_dir, cfg)
         if dataset_info(data)["vocab_size"] > mcfg.vocab_size:
             raise DataError(f"{data} was tokenized with a larger vocabulary than the model's {mcfg.vocab_size}")
+        if dataset_format(dataset_info(data)) == PREFERENCE_FORMAT:  # pair metrics, in this process on every rank
+            record = preference_eval(model.to(device), cfg, mcfg, data, args.split, device)
+            if rank == 0:
+                _report({"checkpoint": tag_dir, "data": data, "split": args.split, **record}, args.out)
+            return record
         dataset = PackedDataset(data, cfg.data.seq_len, split=args.split)
         n = eval_sample_count(len(dataset), cfg.eval.batches, cfg.train.global_batch_size)
         batches = rank_batches(dataset, n, cfg.train.micro_batch_size, rank, world)
         result = evaluate(model.to(device), batches, device)
         if rank == 0:
-            text = json.dumps({"checkpoint": tag_dir, "data": data, "split": args.split, "samples": n, "ranks": world,
-                               **result.as_record()})
-            print(text)
-            if args.out:
-                with open(args.out, "w") as f:
-                    f.write(text + "\n")
+            _report({"checkpoint": tag_dir, "data": data, "split": args.split, "samples": n, "ranks": world,
+                     **result.as_record()}, args.out)
         return result
     finally:
         if distributed:

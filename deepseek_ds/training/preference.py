@@ -65,6 +65,8 @@ def ensure_reference(run: Run, dataset, split: str = "train") -> np.ndarray | No
     if not run.loss_fn.needs_reference:
         return None
     if lora_base_reference(run):
+        # The base as it starts: training moves the router biases (buffers, not adapters), the reference keeps them.
+        run.base_buffers = run.base_buffers or [b.detach().clone() for b in run.engine.module.buffers()]
         if run.rank == 0 and split == "train":
             run.log.info("LoRA: the reference is the base model (the adapters off), computed with each micro-batch: "
                          "no reference pass")
@@ -137,21 +139,30 @@ def lora_base_reference(run: Run) -> bool:
 
 
 @contextlib.contextmanager
-def adapters_off(module):
-    """The model without its LoRA adapters (peft's switch on each adapted layer) inside the block."""
+def adapters_off(module, base_buffers: list[torch.Tensor]):
+    """The model without its LoRA adapters (peft's switch on each adapted layer) and with the base's starting
+    buffers (router biases) inside the block."""
     layers = [m for m in module.modules() if isinstance(m, LoraLayer)]
+    buffers = list(module.buffers())
+    current = [b.detach().clone() for b in buffers]
     for m in layers:
         m.enable_adapters(False)
+    with torch.no_grad():
+        for b, base in zip(buffers, base_buffers, strict=True):
+            b.copy_(base)
     try:
         yield
     finally:
         for m in layers:
             m.enable_adapters(True)
+        with torch.no_grad():
+            for b, now in zip(buffers, current, strict=True):
+                b.copy_(now)
 
 
 def _base_logps(run: Run, inputs, labels) -> torch.Tensor:
     """The reference log-probabilities of a micro-batch's rows under the LoRA base (no gradient)."""
-    with torch.no_grad(), adapters_off(run.engine.module):
+    with torch.no_grad(), adapters_off(run.engine.module, run.base_buffers):
         return sequence_logps(run.engine(to_device(inputs, run.engine.device)), labels)[0].double()
 
 
@@ -229,7 +240,7 @@ def evaluate_run(run: Run, dataset, reference: np.ndarray | None) -> dict:
     n = eval_sample_count(len(dataset), cfg.eval.batches, cfg.train.global_batch_size)
     values = torch.from_numpy(reference_pass(run, dataset, n))
     if loss_fn.needs_reference and lora_base_reference(run):
-        with adapters_off(run.engine.module):
+        with adapters_off(run.engine.module, run.base_buffers):
             reference = reference_pass(run, dataset, n)[:, :2]
     counts = values[:, 2:].t().reshape(-1)
     policy = normalised(values[:, :2].t().reshape(-1), counts, loss_fn.loss)

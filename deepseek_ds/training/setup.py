@@ -68,6 +68,7 @@ class Run:
     tp_rank: int = 0                 # rank within its tensor-parallel group (the replica's TP ranks see one batch)
     reference: object = None         # dpo: the training split's reference log-probabilities (training/preference.py)
     valid_reference: object = None   # dpo with eval.interval: the validation split's
+    base_buffers: list | None = None  # dpo with LoRA: the base's starting buffers (router biases), its reference's
 
 
 def init_distributed(timeout_s: int = 1800) -> tuple[int, int]:
