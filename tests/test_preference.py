@@ -88,6 +88,11 @@ def test_bad_pairs_name_file_and_line_or_are_skipped(tmp_path, pairs_file, capsy
     assert main(["data", "prepare", "--format", "preference", "--input", str(bad), "--out", str(tmp_path / "b"),
                  "--vocab-size", "300", "--skip-bad", "--valid-fraction", "0", "--no-progress"]) == 0
     assert "1 bad lines skipped" in capsys.readouterr().out
+    same = tmp_path / "same.jsonl"
+    same.write_text(bad.read_text().splitlines()[0] + "\n" + json.dumps({"prompt": "q", "chosen": "a", "rejected": "a"}))
+    assert main(["data", "prepare", "--format", "preference", "--input", str(same), "--out", str(tmp_path / "c"),
+                 "--vocab-size", "300", "--valid-fraction", "0", "--no-progress"]) == 0
+    assert "warning: 1 pairs have the same chosen and rejected response" in capsys.readouterr().out
     assert main(["data", "dump", "--data", str(tmp_path / "b"), "--seq-len", "24"]) == 0
     dumped = json.loads(capsys.readouterr().out)
     assert set(dumped) == {"chosen", "rejected"} and dumped["chosen"]["input_ids"] != dumped["rejected"]["input_ids"]
@@ -138,6 +143,14 @@ def test_validate_refuses_objective_and_data_mismatches_and_another_reference(pr
     cfg = load_run_config("recipes/tiny-v3.yaml", base + [f"data.path={pref_data}", "train.objective=dpo",
                                                           f"preference.reference={tmp_path / 'other'}"])
     refused(cfg, ds, match=r"another architecture or vocabulary than the policy's \(vocab_size 512 vs")
+    dpo = base + [f"data.path={pref_data}", "train.objective=dpo"]
+    for sets, match in ((["preference.loss=simpo", f"preference.reference={tmp_path / 'other'}"], "simpo is reference-free"),
+                        (["lora.r=4", f"preference.reference={tmp_path / 'other'}"], "with LoRA: the reference is the base"),
+                        (["parallel.expert_parallel=2", "train.global_batch_size=8", f"preference.reference={tmp_path}"],
+                         "with parallel.expert_parallel > 1 is not supported yet"),
+                        (["data.packing=true"], "dpo does not support data.packing")):
+        refused(load_run_config("recipes/tiny-v3.yaml", dpo + sets), ds, world=2 if "expert" in match else 1,
+                match=match)
 
 
 # ----------------------------------------------------------------------------------------------- launches
