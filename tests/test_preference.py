@@ -148,7 +148,9 @@ def test_validate_refuses_objective_and_data_mismatches_and_another_reference(pr
                         (["lora.r=4", f"preference.reference={tmp_path / 'other'}"], "with LoRA: the reference is the base"),
                         (["parallel.expert_parallel=2", "train.global_batch_size=8", f"preference.reference={tmp_path}"],
                          "with parallel.expert_parallel > 1 is not supported yet"),
-                        (["data.packing=true"], "dpo does not support data.packing")):
+                        (["data.packing=true"], "dpo does not support data.packing"),
+                        (["model.overrides.num_nextn_predict_layers=1", "train.mtp_loss_weight=0.3"],
+                         "dpo trains no MTP module")):
         refused(load_run_config("recipes/tiny-v3.yaml", dpo + sets), ds, world=2 if "expert" in match else 1,
                 match=match)
 

@@ -327,6 +327,9 @@ def _mtp_errors(cfg: RunConfig, mcfg) -> list[str]:
     if requested and not depth:
         return [f"num_nextn_predict_layers = {requested} but multi-token prediction is DeepSeek-V3's (model_type "
                 f"deepseek_v3), not {mcfg.model_type}'s; remove it from model.overrides"]
+    if depth and cfg.train.objective == "dpo":  # the preference loss reads the main head only: MTP would not train
+        return [f"train.objective: dpo trains no MTP module (the model has {depth}): set "
+                "model.overrides.num_nextn_predict_layers: 0"]
     if depth and cfg.train.mtp_loss_weight == 0:
         return [f"train.mtp_loss_weight = 0 leaves the model's {depth} MTP module(s) untrained; give it a weight "
                 "(DeepSeek-V3 used 0.3, then 0.1) or set model.overrides.num_nextn_predict_layers: 0"]
