@@ -135,24 +135,30 @@ def test_validate_refuses_objective_and_data_mismatches_and_another_reference(pr
     ds = load_ds_config("ds_configs/zero1.json")
     base = ["train.micro_batch_size=2", "train.global_batch_size=4", f"data.seq_len={SEQ}", "eval.interval=0"]
     cfg = load_run_config("recipes/tiny-v3.yaml", base + [f"data.path={pref_data}"])
-    refused(cfg, ds, match="is a preference dataset")
+    # Each refusal names the field and its fix.
+    assert "set train.objective: dpo" in refused(cfg, ds, match="is a preference dataset")
     cfg = load_run_config("recipes/tiny-v3.yaml", base + [f"data.path={data_dir}", "train.objective=dpo"])
-    refused(cfg, ds, match="is not a preference dataset")
+    assert "--format preference" in refused(cfg, ds, match="is not a preference dataset")
     model, _ = reference_model(load_run_config("recipes/tiny-v3.yaml", ["model.overrides.vocab_size=512"]))
     model.save_pretrained(tmp_path / "other")
     cfg = load_run_config("recipes/tiny-v3.yaml", base + [f"data.path={pref_data}", "train.objective=dpo",
                                                           f"preference.reference={tmp_path / 'other'}"])
-    refused(cfg, ds, match=r"another architecture or vocabulary than the policy's \(vocab_size 512 vs")
+    assert f"preference.reference '{tmp_path / 'other'}'" in refused(
+        cfg, ds, match=r"another architecture or vocabulary than the policy's \(vocab_size 512 vs")
     dpo = base + [f"data.path={pref_data}", "train.objective=dpo"]
-    for sets, match in ((["preference.loss=simpo", f"preference.reference={tmp_path / 'other'}"], "simpo is reference-free"),
-                        (["lora.r=4", f"preference.reference={tmp_path / 'other'}"], "with LoRA: the reference is the base"),
-                        (["parallel.expert_parallel=2", "train.global_batch_size=8", f"preference.reference={tmp_path}"],
-                         "with parallel.expert_parallel > 1 is not supported yet"),
-                        (["data.packing=true"], "dpo does not support data.packing"),
-                        (["model.overrides.num_nextn_predict_layers=1", "train.mtp_loss_weight=0.3"],
-                         "dpo trains no MTP module")):
-        refused(load_run_config("recipes/tiny-v3.yaml", dpo + sets), ds, world=2 if "expert" in match else 1,
-                match=match)
+    for sets, match, fix in (
+            (["preference.loss=simpo", f"preference.reference={tmp_path / 'other'}"], "simpo is reference-free",
+             "remove it"),
+            (["lora.r=4", f"preference.reference={tmp_path / 'other'}"], "with LoRA: the reference is the base",
+             "remove preference.reference"),
+            (["parallel.expert_parallel=2", "train.global_batch_size=8", f"preference.reference={tmp_path}"],
+             "with parallel.expert_parallel > 1 is not supported yet", "use preference.reference: null"),
+            (["data.packing=true"], "dpo does not support data.packing", "without them"),
+            (["model.overrides.num_nextn_predict_layers=1", "train.mtp_loss_weight=0.3"], "dpo trains no MTP module",
+             "set model.overrides.num_nextn_predict_layers: 0")):
+        message = refused(load_run_config("recipes/tiny-v3.yaml", dpo + sets), ds,
+                          world=2 if "expert" in match else 1, match=match)
+        assert fix in message, (sets, message)
 
 
 # ----------------------------------------------------------------------------------------------- launches
