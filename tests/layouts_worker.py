@@ -40,6 +40,12 @@ def tear_down(run: Run) -> None:
     # A pipeline engine leaves its grid as DeepSpeed's global model-parallel unit: an engine built after it would read
     # it as 2-way model parallelism (a pipeline engine sets its own again).
     groups.mpu = None
+    # AutoEP keeps its expert and expert-data-parallel groups by name ("ep_size_2"): a later layout with another
+    # topology would reuse them (a pipeline's stage-local expert groups, or the world's) and reduce expert
+    # gradients over the wrong ranks, or hang.
+    for cached in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
+                   groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
+        cached.clear()
     # build_run gives DeepSpeed's logger this layout's rank-log handler: the next layout's lines go to its own log.
     for handler in logging.getLogger("deepseek_ds").handlers:
         deepspeed.utils.logger.removeHandler(handler)

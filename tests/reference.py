@@ -222,11 +222,14 @@ def reference_optimizer(params: list, t) -> tuple:
 
 
 def reference_losses(cfg: RunConfig, data_dir: str, moe_log: list | None = None, mtp_log: list | None = None,
-                     label_mask: Callable | None = None, grad_norms: list | None = None) -> list[float]:
+                     label_mask: Callable | None = None, grad_norms: list | None = None,
+                     first_grads: dict | None = None) -> list[float]:
     """moe_log: if given, gets each step's aux_loss (and its terms) and router biases (by block name); mtp_log: each
     step's [L_main, L_1, ..., L_D] (MTP models); label_mask(input_ids, labels) -> labels: masks labels (-100) of
-    each global batch; grad_norms: each step's gradient norm before clipping. An MoE reference must keep clear of
-    routing ties (assert_clear_of_routing_ties)."""
+    each global batch; grad_norms: each step's gradient norm before clipping; first_grads: every parameter's
+    gradient of step 1 by HF name, before clipping. With data.document_mask transformers gets the position ids
+    (attention within each document). An MoE reference must keep clear of routing ties
+    (assert_clear_of_routing_ties)."""
     moe_log = [] if moe_log is None else moe_log
     torch.manual_seed(cfg.train.seed)
     model, mcfg, mtp = reference_model(cfg, with_mtp=True)
@@ -237,10 +240,10 @@ def reference_losses(cfg: RunConfig, data_dir: str, moe_log: list | None = None,
     balancing = balancing.attach() if balancing and balancing.active else None
     params = list({id(p): p for p in whole.parameters()}.values())  # the shared embedding and head once
     opt, sched = reference_optimizer(params, t)
-    data = StreamSamples(data_dir, cfg.data.seq_len)
+    data = StreamSamples(data_dir, cfg.data.seq_len, document_mask=cfg.data.document_mask)
     losses = []
     for step in range(1, t.steps + 1):
-        (input_ids, labels), = step_batch(data, step, t.global_batch_size, t.seed, t.shuffle)
+        (input_ids, labels, *positions), = step_batch(data, step, t.global_batch_size, t.seed, t.shuffle)
         if label_mask is not None:
             labels = label_mask(input_ids, labels)
         if mtp is not None:
@@ -248,9 +251,11 @@ def reference_losses(cfg: RunConfig, data_dir: str, moe_log: list | None = None,
             if mtp_log is not None:
                 mtp_log.append(parts)
         else:
-            logits = model(input_ids=input_ids).logits
+            logits = model(input_ids=input_ids, position_ids=positions[0] if positions else None).logits
             loss = model.loss_function(logits=logits, labels=None, shift_labels=labels, vocab_size=mcfg.vocab_size)
         (loss + balancing.loss() if balancing else loss).backward()
+        if first_grads is not None and step == 1:
+            first_grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
         norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
         if grad_norms is not None:
             grad_norms.append(norm.item())

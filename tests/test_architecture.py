@@ -1,5 +1,5 @@
 """The package's shape: imports run one way through the layers of pyproject.toml's import-linter contract
-(utils -> launcher | models | data -> config -> checkpoint -> training -> inference | bench -> cli), with no cycle
+(utils -> launcher | models | data -> parallel -> config -> checkpoint -> training -> inference | bench -> cli), with no cycle
 between the modules of any package, function-level imports included; every top-level package sits in a layer; no
 module is over 400 lines."""
 

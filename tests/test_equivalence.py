@@ -33,6 +33,8 @@ LAYOUTS = [
     # 4 ranks: also exercises activation checkpointing inside the pipeline (embedding first layer excluded).
     ("pp2xdp2-zero1-ckpt", 4, "ds_configs/zero1_pp.json", ["parallel.pipeline_stages=2",
                                                            "model.activation_checkpoint_interval=1"]),
+    ("sp2-zero2", 2, "ds_configs/zero2.json", ["parallel.sequence_parallel=2"]),
+    ("sp2xdp2-zero1", 4, "ds_configs/zero1.json", ["parallel.sequence_parallel=2"]),
 ]
 
 

@@ -51,6 +51,9 @@ LAYOUTS = [
     ("ep2-zero2", 2, "ds_configs/zero2.json", ["parallel.expert_parallel=2"]),
     ("ep2-zero3", 2, "ds_configs/zero3.json", ["parallel.expert_parallel=2"]),
     ("pp2xdp2xep2", 4, "ds_configs/zero1_pp.json", ["parallel.pipeline_stages=2", "parallel.expert_parallel=2"]),
+    # Sequence parallelism: the balance losses over each whole sequence, the loads of every shard's tokens.
+    ("sp2-zero1", 2, "ds_configs/zero1.json", ["parallel.sequence_parallel=2"]),
+    ("sp2xep2-zero2", 4, "ds_configs/zero2.json", ["parallel.sequence_parallel=2", "parallel.expert_parallel=2"]),
 ]
 
 

@@ -111,7 +111,9 @@ def reference(data_dir):
 
 
 LAYOUTS = [("zero1", "ds_configs/zero1.json", []), ("zero3", "ds_configs/zero3.json", []),
-           ("pp2", "ds_configs/zero1_pp.json", ["parallel.pipeline_stages=2"])]
+           ("pp2", "ds_configs/zero1_pp.json", ["parallel.pipeline_stages=2"]),
+           # each packed row split over 2 ranks: documents cross the shard boundary
+           ("sp2", "ds_configs/zero1.json", ["parallel.sequence_parallel=2"])]
 
 
 @pytest.fixture(scope="module")

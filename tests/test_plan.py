@@ -214,7 +214,7 @@ def test_plan_json_has_the_issue_fields(capsys):
                 "--layout", "pp=2,zero=1,micro=4"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["fits"] is True and out["gpu_memory_bytes"] == 2**30
-    assert out["layout"] == {"pp": 2, "ep": 1, "tp": 1, "zero": 1, "dp": 1, "micro": 4, "grad_accum": 4}
+    assert out["layout"] == {"pp": 2, "ep": 1, "tp": 1, "sp": 1, "zero": 1, "dp": 1, "micro": 4, "grad_accum": 4}
     assert [r["stage"] for r in out["ranks"]] == [0, 1] and [r["rank"] for r in out["ranks"]] == [0, 1]
     for r in out["ranks"]:
         parts = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "buffers_bytes")
@@ -370,3 +370,18 @@ def test_lora_trainable_bytes_equal_apply_lora_and_zero3_gathers_the_frozen_base
     zero3 = dataclasses.replace(lay, zero=3)
     plan3 = estimate(cfg, load_ds_config("ds_configs/zero3.json"), zero3, 2**40, fused_attention=False)
     assert step_time(cfg, plan3, hw, specs).comm_s == pytest.approx(0.5 * 4 * (trainable + 2 * total))
+
+
+@pytest.mark.unit
+def test_v2_lite_128k_fits_with_sequence_parallelism_only(capsys):
+    """recipes/sft-deepseek-v2-lite-128k.yaml: SP=8 divides the 128K-token sequence's activations over the 8 ranks
+    (each keeps what 16K tokens keep; the same ZeRO-3 states), so it fits on 8 x 80 GB; one rank per sequence does
+    not. The Ulysses all-to-alls appear in the step's communication."""
+    argv = ["--config", "recipes/sft-deepseek-v2-lite-128k.yaml", *V2_LITE_SFT, "--gpus", "8", "--gpu", "h100"]
+    status, sp = _published(argv, capsys)
+    status1, whole = _published([*argv, "--layout", "sp=1"], capsys)
+    assert (status, sp["fits"], sp["layout"]["sp"]) == (0, True, 8)
+    assert (status1, whole["fits"]) == (1, False)
+    a, b = sp["ranks"][0], whole["ranks"][0]
+    assert a["optimizer_bytes"] == b["optimizer_bytes"]  # ZeRO-3 over 8 ranks either way
+    assert a["activation_bytes"] == pytest.approx(b["activation_bytes"] / 8, rel=0.01)

@@ -15,6 +15,8 @@ from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 from deepseek_ds.config import run_config_from_dict
 from deepseek_ds.data import GlobalBatchSampler
 from deepseek_ds.models.presets import build_model_config
+from deepseek_ds.parallel.degrees import Degrees
+from deepseek_ds.parallel.layout import Layout
 from deepseek_ds.training import loop, nan_policy
 
 pytestmark = pytest.mark.unit
@@ -52,7 +54,8 @@ def run_loop(monkeypatch, step_outcome, max_consecutive_skips: int, saved: list[
                   "max_consecutive_skips": max_consecutive_skips}})
     engine = FakeEngine()
     run = SimpleNamespace(cfg=cfg, engine=engine, model_config=build_model_config("tiny-dense"), world=1, rank=1,
-                          loss_fn=SimpleNamespace(mtp_depth=0), balancer=None, pipeline=False, tp_rank=0, dp_size=1,
+                          loss_fn=SimpleNamespace(mtp_depth=0), balancer=None, pipeline=False, dp_size=1,
+                          layout=Layout(Degrees(), world=1, rank=0, data_rank=0, data_size=1),
                           grad_accum=1, dataset=[np.zeros(9, np.int64)] * 4,
                           log=logging.getLogger("test_skipped_steps"),
                           ds={"fp16": {"enabled": True, "initial_scale_power": 16, "min_loss_scale": 1}})

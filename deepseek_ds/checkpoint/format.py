@@ -107,7 +107,8 @@ def current_layout(run: TrainingRun) -> Layout:
     engine = run.engine
     precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
     parts = tuple(int(p) for p in engine.module.parts) if run.pipeline else None
-    return Layout(run.dp_size, run.cfg.parallel.pipeline_stages, parts, int(engine.zero_optimization_stage()),
+    # ZeRO's partitions: DeepSpeed's data-parallel ranks (sequence ranks count as data-parallel to it).
+    return Layout(run.layout.gradient_size, run.cfg.parallel.pipeline_stages, parts, int(engine.zero_optimization_stage()),
                   precision, run.cfg.parallel.expert_parallel, run.cfg.parallel.tensor_parallel)
 
 

@@ -11,6 +11,7 @@ if TYPE_CHECKING:  # for annotations only: importing deepspeed and transformers 
     from transformers import PretrainedConfig
 
     from ..config import RunConfig
+    from ..parallel.layout import Layout
 
 
 class TrainingRun(Protocol):
@@ -21,6 +22,7 @@ class TrainingRun(Protocol):
     dataset_dir: str
     rank: int
     world: int
+    layout: Layout                   # parallel/layout.py
     dp_rank: int
     dp_size: int
     pipeline: bool

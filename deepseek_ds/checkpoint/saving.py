@@ -67,7 +67,7 @@ def save(run: TrainingRun, step: int, consumed_samples: int) -> str:
         engine.save_checkpoint(ckpt_dir, tag=os.path.basename(partial), client_state=client_state, save_latest=False,
                                exclude_frozen_parameters=cfg.lora.r > 0)
     written.append(save_rng(partial, run.rank))
-    if run.dp_rank == 0:
+    if run.layout.writes_replica_files:
         written.append(save_buffers(partial, run))
     if run.rank == 0:
         written.append(os.path.join(partial, MODEL_CONFIG))

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..parallel.degrees import Degrees
 from ..utils.errors import UserError
 
 NAN_POLICIES = ("skip", "stop")
@@ -164,12 +165,18 @@ class ParallelSection:
     expert_parallel: int = 1
     """Ranks the routed experts are sharded over (DeepSpeed AutoEP); must divide the data-parallel size."""
     tensor_parallel: int = 1
-    """Ranks each attention and MLP matrix is split over (DeepSpeed AutoTP); 1: none. world = pipeline_stages x
-    tensor_parallel x data-parallel size."""
+    """Ranks each attention and MLP matrix is split over (DeepSpeed AutoTP); 1: none."""
+    sequence_parallel: int = 1
+    """Ranks each sequence is split over (DeepSpeed-Ulysses for MLA: attention all-to-alls sequence shards into head
+    shards); 1: none. world = pipeline_stages x tensor_parallel x sequence_parallel x data-parallel size."""
 
     def __post_init__(self):
         _refuse(_at_least("parallel", 1, pipeline_stages=self.pipeline_stages, expert_parallel=self.expert_parallel,
-                          tensor_parallel=self.tensor_parallel))
+                          tensor_parallel=self.tensor_parallel, sequence_parallel=self.sequence_parallel))
+
+    @property
+    def degrees(self) -> Degrees:
+        return Degrees(self.pipeline_stages, self.tensor_parallel, self.sequence_parallel, self.expert_parallel)
 
 
 @dataclass
@@ -311,9 +318,9 @@ class RunConfig:
         return self.checkpoint.dir or os.path.join(self.train.output_dir, "checkpoints")
 
     def data_parallel_size(self, world_size: int) -> int:
-        """Model replicas: world / (pipeline stages x tensor-parallel ranks), at least 1 (validate() refuses a
-        world size that these do not divide)."""
-        return max(world_size // (self.parallel.pipeline_stages * self.parallel.tensor_parallel), 1)
+        """Model replicas: world / (pipeline stages x tensor- x sequence-parallel ranks), at least 1 (validate()
+        refuses a world size that these do not divide)."""
+        return self.parallel.degrees.data(world_size)
 
     def grad_accum_steps(self, data_parallel: int) -> int:
         """Micro-batches per rank and optimizer step, from global = micro x grad-accum x data-parallel (at least 1)."""

@@ -19,6 +19,8 @@ from ..models.moe import resolve_settings
 from ..models.pipeline import partition
 from ..models.presets import ModelConfigError, build_model_config, num_routed_experts
 from ..models.tensor_parallel import tensor_parallel_errors
+from ..parallel.degrees import layout_errors
+from ..parallel.sequence import sequence_parallel_errors
 from .deepspeed_json import (
     asynchronous_checkpoint_engines,
     deepspeed_refusals,
@@ -45,6 +47,7 @@ def validate(cfg: RunConfig, ds: dict, world_size: int, cuda_available: bool | N
               + _model_errors(cfg, ds, files) + (_data_errors(cfg) if files else []) + _task_errors(cfg, files)
               + _nan_policy_errors(cfg, ds) + missing_monitor_packages(ds)
               + asynchronous_checkpoint_engines(ds) + _tensor_parallel_errors(cfg, ds)
+              + _sequence_parallel_errors(cfg)
               + _preference_errors(cfg, files))
     if not errors:
         try:
@@ -56,26 +59,23 @@ def validate(cfg: RunConfig, ds: dict, world_size: int, cuda_available: bool | N
 
 
 def _layout_errors(cfg: RunConfig, world_size: int) -> list[str]:
-    """The world size against pipeline x tensor x data parallelism, and the batch arithmetic."""
-    p, t = cfg.parallel, cfg.train
-    errors = []
-    model_parallel = p.pipeline_stages * p.tensor_parallel
-    if world_size % model_parallel:
-        errors.append(f"world size {world_size} is not divisible by pipeline_stages({p.pipeline_stages}) x "
-                      f"tensor_parallel({p.tensor_parallel}) = {model_parallel}, so there is no whole number of "
-                      "data-parallel replicas dp (world = pp x tp x dp); change parallel.pipeline_stages, "
-                      "parallel.tensor_parallel or the number of ranks")
-    else:
-        dp = cfg.data_parallel_size(world_size)
-        per_step = t.micro_batch_size * dp
-        if t.global_batch_size % per_step:
-            errors.append(f"train.global_batch_size ({t.global_batch_size}) must equal micro_batch_size "
-                          f"({t.micro_batch_size}) x grad_accum x data_parallel ({dp} = world {world_size} / "
-                          f"(pp {p.pipeline_stages} x tp {p.tensor_parallel})); use a multiple of {per_step}, "
-                          f"e.g. {per_step * max(1, round(t.global_batch_size / per_step))}")
-        if p.expert_parallel > 1 and dp % p.expert_parallel:
-            errors.append(f"parallel.expert_parallel ({p.expert_parallel}) must divide the data-parallel size ({dp})")
-    return errors
+    """The world size against pipeline x tensor x sequence x data parallelism, and the batch arithmetic."""
+    return layout_errors(cfg.parallel.degrees, world_size, cfg.train.micro_batch_size, cfg.train.global_batch_size)
+
+
+def _sequence_parallel_errors(cfg: RunConfig) -> list[str]:
+    sp = cfg.parallel.sequence_parallel
+    if sp == 1:
+        return []
+    try:
+        mcfg = build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides)
+    except (ModelConfigError, TypeError, ValueError):
+        return []  # the model's own problem, reported by _model_errors
+    return sequence_parallel_errors(
+        sp, heads=mcfg.num_attention_heads, kv_heads=getattr(mcfg, "num_key_value_heads", None) or mcfg.num_attention_heads,
+        seq_len=cfg.data.seq_len, attn_implementation=cfg.model.attn_implementation,
+        pipeline_stages=cfg.parallel.pipeline_stages, tensor_parallel=cfg.parallel.tensor_parallel,
+        mtp_depth=mtp_depth(mcfg), objective=cfg.train.objective, compile=cfg.train.compile)
 
 
 def _tensor_parallel_errors(cfg: RunConfig, ds: dict) -> list[str]:

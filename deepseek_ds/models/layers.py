@@ -79,6 +79,7 @@ class EmbeddingPipe(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, getattr(config, "pad_token_id", None))
         self.carry_ids = mtp_depth(config) > 0  # the MTP modules on the last stage embed the input tokens again
         self.defer_logits = False  # as a tied head in training: a Projection for the chunked loss (defer_logits)
+        self.sequence_shard = None  # sequence parallelism: inputs are this shard of each sequence (parallel.sequence)
         if seed is not None:
             init_weights_(self, config.initializer_range, seed)
 
@@ -89,7 +90,10 @@ class EmbeddingPipe(nn.Module):
         hidden = self.embed_tokens(input_ids)
         one_document = position_ids is None
         if one_document:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
+            # A sequence shard's positions are its place in the whole sequence.
+            start = self.sequence_shard.rank * input_ids.shape[1] if self.sequence_shard else 0
+            position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device).unsqueeze(0) \
+                .expand_as(input_ids)
         position_ids = position_ids.contiguous()
         # Known here without reading the tensor: document_attention then skips transformers' packed-sequence check,
         # a host-device sync per micro-batch. The mark stays on this stage (a later one receives a new tensor).
@@ -111,25 +115,28 @@ class DecoderLayerPipe(nn.Module):
         self.config = config
         self.layer = fam.decoder_layer(config, layer_idx)
         self.rotary = fam.rotary(config)
+        self.sequence_shard = None  # sequence parallelism: attention spans the group's shards (parallel.sequence)
         if seed is not None:
             init_weights_(self, config.initializer_range, seed)
 
     def run_layer(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         position_embeddings = self.rotary(hidden, position_ids)
         return self.layer(hidden, position_ids=position_ids, position_embeddings=position_embeddings,
-                          **document_attention(self.config, hidden, position_ids))
+                          **document_attention(self.config, hidden, position_ids, self.sequence_shard))
 
     def forward(self, inputs):
         hidden, position_ids, *ids = inputs
         return self.run_layer(hidden, position_ids), position_ids, *ids
 
 
-def document_attention(config, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict:
+def document_attention(config, hidden: torch.Tensor, position_ids: torch.Tensor, shard=None) -> dict:
     """The attention keyword arguments for causal attention within each document of a sequence (a document starts
     wherever position_ids is 0). Sequences without a restart get attention_mask=None: SDPA/flash take their
     mask-free causal path, exactly as before packing existed. Otherwise: flash_attention_2 gets the varlen
     boundaries (the batch flattened, one segment per document); the other implementations get transformers' own
-    block-diagonal causal mask from the position ids, in the layout each expects (SDPA boolean, eager additive)."""
+    block-diagonal causal mask from the position ids, in the layout each expects (SDPA boolean, eager additive).
+    With a sequence shard (parallel.sequence.SequenceShard) attention runs over the whole sequence: the mask is the
+    whole sequence's, from the group's gathered position ids."""
     # Every layer of a stage gets the same position_ids tensor in one forward: the first builds the mask and keeps it
     # on that tensor, so it is built once per stage and micro-batch and freed with it.
     key = (config._attn_implementation, hidden.dtype)
@@ -137,6 +144,11 @@ def document_attention(config, hidden: torch.Tensor, position_ids: torch.Tensor)
     if cached is not None and cached[0] == key:
         return cached[1]
     one_document = getattr(position_ids, "_one_document", False)
+    cache_on = position_ids
+    if shard is not None:
+        # Only the mask's shape, dtype and device are read from it: an empty tensor of the whole sequence's length.
+        hidden = hidden.new_empty((hidden.shape[0], hidden.shape[1] * shard.size, 0))
+        position_ids = position_ids if one_document else shard.gather(position_ids)
     if config._attn_implementation.startswith("flash_attention"):
         kwargs = {"attention_mask": None} if one_document else _varlen_kwargs(position_ids)
     else:
@@ -144,7 +156,7 @@ def document_attention(config, hidden: torch.Tensor, position_ids: torch.Tensor)
         # sequences in them, which reads them to the host.
         kwargs = {"attention_mask": create_causal_mask(config, hidden, None, None,
                                                        position_ids=None if one_document else position_ids)}
-    position_ids._document_attention = (key, kwargs)
+    cache_on._document_attention = (key, kwargs)
     return kwargs
 
 

@@ -77,20 +77,27 @@ def resolve_settings(section, config) -> BalanceSettings | None:
 
 
 # ----------------------------------------------------------------------------------------------- the losses
-def balance_losses(logits: torch.Tensor, indices: torch.Tensor, s: BalanceSettings) -> torch.Tensor:
+def balance_losses(logits: torch.Tensor, indices: torch.Tensor, s: BalanceSettings, shard=None) -> torch.Tensor:
     """Each sequence's balance losses, weighted by their alphas, in AUX_TERMS order: logits (B, T, E), indices
     (B, T, K) -> (B, 3). With f_i = E / (K T) * tokens of the sequence routed to expert i, P_i = mean over its tokens
     of the normalised affinity, D device groups E_d of experts and M = device_limit:
       seq     alpha1 * sum_i f_i P_i
       device  alpha2 * sum_d (mean_{i in E_d} f_i) (sum_{i in E_d} P_i)
-      comm    alpha3 * sum_d f''_d (sum_{i in E_d} P_i),  f''_d = D / (M T) * tokens of the sequence sent to group d."""
+      comm    alpha3 * sum_d f''_d (sum_{i in E_d} P_i),  f''_d = D / (M T) * tokens of the sequence sent to group d.
+    shard: the tokens are one shard of each sequence (sequence parallelism, parallel.sequence.SequenceShard): the
+    statistics are the whole sequence's, summed over the group, and the gradient reaches this shard's tokens."""
     b, t, e = logits.shape
     scores = logits.float().sigmoid() if s.score_func == "sigmoid" else logits.float().softmax(-1)
     if s.score_func == "sigmoid":
         scores = scores / scores.sum(-1, keepdim=True)  # V3's s'_{i,t}; softmax scores already sum to 1
-    p = scores.mean(1)
+    if shard is None:
+        p = scores.mean(1)
+    else:
+        t *= shard.size
+        p = _whole_sequence_sum(scores.sum(1), shard) / t
     counts = torch.zeros(b, e, dtype=p.dtype, device=p.device)
     counts.scatter_add_(1, indices.reshape(b, -1), torch.ones(b, indices[0].numel(), dtype=p.dtype, device=p.device))
+    counts = _whole_sequence_sum(counts, shard)
     f = counts * (e / (s.top_k * t))
     out = torch.zeros(b, len(AUX_TERMS), dtype=p.dtype, device=p.device)
     out[:, 0] = s.seq_aux_alpha * (f * p).sum(-1)
@@ -99,11 +106,22 @@ def balance_losses(logits: torch.Tensor, indices: torch.Tensor, s: BalanceSettin
         out[:, 1] = s.device_aux_alpha * (f.view(b, d, -1).mean(-1) * p.view(b, d, -1).sum(-1)).sum(-1)
     if s.comm_aux_alpha > 0:
         p_group = p.view(b, d, -1).sum(-1)
-        groups = indices.reshape(b, t, -1) // (e // d)
-        sent = torch.zeros(b, t, d, dtype=p.dtype, device=p.device).scatter_(2, groups, 1.0)  # token t -> group d
-        f_comm = sent.sum(1) * (d / (s.device_limit * t))
+        groups = indices.reshape(b, indices.shape[1], -1) // (e // d)
+        # token -> group d
+        sent = torch.zeros(b, indices.shape[1], d, dtype=p.dtype, device=p.device).scatter_(2, groups, 1.0)
+        f_comm = _whole_sequence_sum(sent.sum(1), shard) * (d / (s.device_limit * t))
         out[:, 2] = s.comm_aux_alpha * (f_comm * p_group).sum(-1)
     return out
+
+
+def _whole_sequence_sum(local: torch.Tensor, shard) -> torch.Tensor:
+    """A per-sequence statistic summed over the sequence's shards; the gradient flows into this shard's own part
+    (every rank of the group computes the whole sequence's loss and gives its tokens their share of its gradient)."""
+    if shard is None:
+        return local
+    whole = local.detach().clone()
+    dist.all_reduce(whole, group=shard.group)
+    return local + (whole - local.detach())
 
 
 class _AuxLossGrad(torch.autograd.Function):
@@ -223,12 +241,14 @@ class LoadBalancer:
     the global batch's sequences: dp_size / global_batch_size (DeepSpeed averages gradients over data-parallel
     ranks; gradient accumulation divides only the LM loss, whose backward this gradient does not pass through).
     loss_scale: fp16's current dynamic loss scale (it multiplies the LM loss's gradients; it changes only at
-    optimizer steps, so the value read in forward holds for that backward).
+    optimizer steps, so the value read in forward holds for that backward). sequence_shard: the blocks see one shard
+    of each sequence (sequence parallelism); the balance losses are the whole sequences'.
     """
 
     def __init__(self, model: nn.Module, settings: BalanceSettings, aux_grad_scale: float, global_batch_size: int,
-                 device, dp_group=None, loss_scale: Callable[[], float] | None = None):
+                 device, dp_group=None, loss_scale: Callable[[], float] | None = None, sequence_shard=None):
         self.s = settings
+        self.sequence_shard = sequence_shard
         self.aux_grad_scale = aux_grad_scale
         self.loss_scale = loss_scale
         self.global_batch_size = global_batch_size
@@ -252,7 +272,7 @@ class LoadBalancer:
             return None
         logits, indices = self.load.routing(row)
         b, t = args[0].shape[:2]
-        terms = balance_losses(logits.view(b, t, -1), indices.view(b, t, -1), self.s).sum(0)
+        terms = balance_losses(logits.view(b, t, -1), indices.view(b, t, -1), self.s, self.sequence_shard).sum(0)
         if not _in_backward():
             self.aux_sums += terms.detach().double()
         scale = self.aux_grad_scale * (self.loss_scale() if self.loss_scale else 1.0)

@@ -27,7 +27,7 @@ from .steptime import DEFAULT_GPU, GPUS, Hardware, search, step_time
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(GIB|GB|MIB|MB|TIB|TB)?", re.IGNORECASE)
 _UNITS = {"GIB": 2**30, "GB": 2**30, "MIB": 2**20, "MB": 2**20, "TIB": 2**40, "TB": 2**40, None: 1}
 _LAYOUT_KEYS = {"pp": "parallel.pipeline_stages", "ep": "parallel.expert_parallel", "tp": "parallel.tensor_parallel",
-                "micro": "train.micro_batch_size"}
+                "sp": "parallel.sequence_parallel", "micro": "train.micro_batch_size"}
 
 
 class PlanError(UserError):
@@ -43,12 +43,13 @@ def memory_size(text: str) -> int:
 
 
 def layout_sets(text: str) -> tuple[list[str], int | None]:
-    """--layout pp=16,ep=64,tp=1,zero=1,micro=1 -> the --set overrides it means, and the ZeRO stage (if given)."""
+    """--layout pp=16,ep=64,tp=1,sp=1,zero=1,micro=1 -> the --set overrides it means, and the ZeRO stage (if
+    given)."""
     sets, zero = [], None
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
         if key not in (*_LAYOUT_KEYS, "zero") or not value.isdigit():
-            raise PlanError(f"--layout {text!r}: {item!r} is not KEY=N with KEY one of pp, ep, tp, zero, micro; "
+            raise PlanError(f"--layout {text!r}: {item!r} is not KEY=N with KEY one of pp, ep, tp, sp, zero, micro; "
                             "e.g. --layout pp=16,ep=64,tp=1,zero=1,micro=1")
         if key == "zero":
             zero = int(value)
@@ -214,7 +215,7 @@ def register(sub) -> None:
                                   for k, g in GPUS.items()) + "); --gpu-memory and --peak-tflops override them")
     p.add_argument(*spellings("--gpu-memory"), type=memory_size, default=None, metavar="SIZE",
                    help="memory per GPU, e.g. 80GB (GB = GiB); needed without --gpu")
-    p.add_argument("--layout", default=None, metavar="pp=P,ep=E,tp=T,zero=Z,micro=M",
+    p.add_argument("--layout", default=None, metavar="pp=P,ep=E,tp=T,sp=S,zero=Z,micro=M",
                    help="this layout instead of the run config's (any subset of the keys)")
     p.add_argument("--search", action="store_true", help="rank every valid layout that fits by estimated step time")
     p.add_argument("--top", type=positive_int, default=5, help="--search: layouts printed (default 5)")

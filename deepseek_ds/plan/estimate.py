@@ -28,13 +28,19 @@ class Layout:
     dp: int
     micro: int
     grad_accum: int
+    sp: int = 1
+
+    @property
+    def gradient_ranks(self) -> int:
+        """Ranks of a stage that gradients are reduced over and ZeRO shards over: data x sequence parallel."""
+        return self.dp * self.sp
 
     def as_dict(self) -> dict:
-        return {"pp": self.pp, "ep": self.ep, "tp": self.tp, "zero": self.zero, "dp": self.dp, "micro": self.micro,
-                "grad_accum": self.grad_accum}
+        return {"pp": self.pp, "ep": self.ep, "tp": self.tp, "sp": self.sp, "zero": self.zero, "dp": self.dp,
+                "micro": self.micro, "grad_accum": self.grad_accum}
 
     def __str__(self) -> str:
-        return (f"pp={self.pp},ep={self.ep},tp={self.tp},zero={self.zero},micro={self.micro} "
+        return (f"pp={self.pp},ep={self.ep},tp={self.tp},sp={self.sp},zero={self.zero},micro={self.micro} "
                 f"(dp {self.dp}, grad-accum {self.grad_accum})")
 
 
@@ -79,7 +85,8 @@ def layout_of(cfg: RunConfig, ds: dict, world: int) -> Layout:
     """The layout train.py runs for this config and world size (validate() has checked it)."""
     dp = cfg.data_parallel_size(world)
     return Layout(pp=cfg.parallel.pipeline_stages, ep=cfg.parallel.expert_parallel, tp=cfg.parallel.tensor_parallel,
-                  zero=zero_stage(ds), dp=dp, micro=cfg.train.micro_batch_size, grad_accum=cfg.grad_accum_steps(dp))
+                  zero=zero_stage(ds), dp=dp, micro=cfg.train.micro_batch_size, grad_accum=cfg.grad_accum_steps(dp),
+                  sp=cfg.parallel.sequence_parallel)
 
 
 def model_config(cfg: RunConfig):
@@ -125,7 +132,9 @@ def estimate(cfg: RunConfig, ds: dict, layout: Layout, gpu_memory: int, fused_at
     z = zero_settings(ds, layout.zero, f)
     bounds = model.bounds(layout.pp, cfg.model.partition_method, cfg.data.seq_len)
     ep = layout.ep if num_routed_experts(mcfg) else 1
-    tokens = layout.micro * cfg.data.seq_len
+    # A sequence rank holds seq_len / sp tokens of each sequence, and attends over the whole sequence for heads / sp
+    # heads: per token of its own, what a rank without SP keeps per token (the score matrix's seq_len columns too).
+    tokens = layout.micro * cfg.data.seq_len // layout.sp
     boundary = tokens * mcfg.hidden_size * f
     ranks = []
     for stage in range(layout.pp):
@@ -135,10 +144,11 @@ def estimate(cfg: RunConfig, ds: dict, layout: Layout, gpu_memory: int, fused_at
             cfg.model.activation_checkpoint_interval, with_loss=True, zero=layout.zero)
         acts = saved * (activations.in_flight(layout.pp, stage, layout.grad_accum) if layout.pp > 1 else 1) + recompute
         # ZeRO-2's slices hold different parameters whole: the fullest data-parallel rank decides.
-        dp_ranks = range(layout.dp) if layout.zero == 2 else range(1)
-        dp_rank, states = max(((d, state_bytes(params, z, layout.dp, ep, d)) for d in dp_ranks),
+        n = layout.gradient_ranks
+        dp_ranks = range(n) if layout.zero == 2 else range(1)
+        dp_rank, states = max(((d, state_bytes(params, z, n, ep, d)) for d in dp_ranks),
                               key=lambda ds_: ds_[1].params + ds_[1].grads + ds_[1].optimizer)
-        ranks.append(RankEstimate(rank=(stage * layout.dp + dp_rank) * layout.tp, stage=stage, params=states.params,
+        ranks.append(RankEstimate(rank=(stage * n + dp_rank) * layout.tp, stage=stage, params=states.params,
                                   grads=states.grads, optimizer=states.optimizer, activations=acts,
                                   buffers=buffer_bytes(ds, layout, f, boundary), offloaded=states.offloaded))
     name = cfg.model.preset or cfg.model.path

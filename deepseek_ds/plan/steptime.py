@@ -6,7 +6,8 @@ communication a step must move at a stated bandwidth per GPU, not overlapped (an
 over the data-parallel group (ring: 2 (n-1)/n x the trainable bytes; ZeRO-3 reduce-scatters them, (n-1)/n, and
 all-gathers every parameter, frozen ones too, twice),
 expert gradients over the expert-data-parallel group, MoE all-to-all (dispatch and combine, forward and backward)
-and tensor-parallel all-reduces (two per layer forward, two backward).
+tensor-parallel all-reduces (two per layer forward, two backward) and sequence-parallel all-to-alls (q, k, v and the
+output per layer, forward and backward). Sequence ranks split a replica's tokens: each computes 1/sp of them.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def step_time(cfg: RunConfig, plan: Plan, hw: Hardware, model: SpecParams) -> St
     replica_tokens = lay.micro * lay.grad_accum * seq
     f = 2 if plan.precision in ("bf16", "fp16") else 4
     stage_flops = [sum(per_layer[a:b]) for a, b in zip(bounds, bounds[1:])]
-    compute = max(stage_flops) * replica_tokens / lay.tp / (hw.peak_tflops * 1e12 * hw.mfu)
+    compute = max(stage_flops) * replica_tokens / (lay.tp * lay.sp) / (hw.peak_tflops * 1e12 * hw.mfu)
     bubble = (lay.pp - 1) / (lay.grad_accum + lay.pp - 1)
     comm = 0.0
     ep = lay.ep if num_routed_experts(mcfg) else 1
@@ -96,18 +97,31 @@ def step_time(cfg: RunConfig, plan: Plan, hw: Hardware, model: SpecParams) -> St
         gathers, reductions = (2, 1) if lay.zero == 3 else (0, 2)
         dense = sum((gathers + reductions * p.trainable) * p.numel for p in params if not p.expert) * f
         expert = sum((gathers + reductions * p.trainable) * p.numel for p in params if p.expert) * f
-        edp = lay.dp // ep
-        between = (lay.dp - 1) / lay.dp * dense + ((edp - 1) / edp * expert if edp > 1 else 0)
+        n = lay.gradient_ranks
+        edp = n // ep
+        between = (n - 1) / n * dense + ((edp - 1) / edp * expert if edp > 1 else 0)
         decoders = [i - 1 for i in range(bounds[stage], bounds[stage + 1]) if 1 <= i <= mcfg.num_hidden_layers]
         moe = sum(1 for i in decoders if layer_kinds(mcfg)[i] == "moe")
-        token_bytes = replica_tokens * mcfg.hidden_size * f
+        rank_tokens = replica_tokens / lay.sp
+        token_bytes = rank_tokens * mcfg.hidden_size * f
         inside = 4 * moe * token_bytes * getattr(mcfg, "num_experts_per_tok", 0) * (ep - 1) / ep
         inside += 4 * len(decoders) * token_bytes * 2 * (lay.tp - 1) / lay.tp
-        # Expert and tensor groups are consecutive ranks: inside one node when they fit in it.
-        local = hw.intra_bandwidth if ep * lay.tp <= hw.gpus_per_node else hw.bandwidth
+        # Ulysses: q, k, v and the output all-to-all'd in the forward, their gradients in the backward.
+        inside += 2 * len(decoders) * rank_tokens * attention_widths(mcfg) * f * (lay.sp - 1) / lay.sp
+        # Expert, tensor and sequence groups are consecutive ranks: inside one node when they fit in it.
+        local = hw.intra_bandwidth if ep * lay.tp * lay.sp <= hw.gpus_per_node else hw.bandwidth
         comm = max(comm, between / hw.bandwidth + inside / local)
     return StepTime(compute_s=compute, bubble=bubble, comm_s=comm,
                     tokens=lay.micro * lay.grad_accum * lay.dp * seq)
+
+
+def attention_widths(mcfg) -> int:
+    """Elements per token of one layer's q, k, v and attention output (all heads): what Ulysses moves each way."""
+    h = mcfg.num_attention_heads
+    if hasattr(mcfg, "kv_lora_rank"):
+        return h * (2 * (mcfg.qk_nope_head_dim + mcfg.qk_rope_head_dim) + 2 * mcfg.v_head_dim)
+    d = mcfg.hidden_size // h
+    return (2 * h + 2 * mcfg.num_key_value_heads) * d
 
 
 def _divisors(n: int) -> list[int]:
@@ -115,18 +129,19 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(cfg: RunConfig, ds: dict, world: int, mcfg) -> list[tuple[RunConfig, dict]]:
-    """Every (pp, ep, tp, zero) of `world` ranks that validate() accepts with the run's batch sizes."""
+    """Every (pp, ep, tp, sp, zero) of `world` ranks that validate() accepts with the run's batch sizes."""
     out = []
     experts = num_routed_experts(mcfg)
     for pp in _divisors(world):
         if pp > mcfg.num_hidden_layers + 3:
             break
-        for tp in (t for t in (1, 2, 4, 8) if (world // pp) % t == 0):
-            dp = world // (pp * tp)
-            for ep in (e for e in _divisors(dp) if experts and experts % e == 0) if experts else [1]:
+        for tp, sp in ((t, s) for t in (1, 2, 4, 8) for s in (1, 2, 4, 8) if (world // pp) % (t * s) == 0):
+            ranks = world // (pp * tp)  # data x sequence: expert parallelism shards over them
+            for ep in (e for e in _divisors(ranks) if experts and experts % e == 0) if experts else [1]:
                 for zero in (0, 1) if pp > 1 else (0, 1, 2, 3):
                     c = dataclasses.replace(cfg, parallel=dataclasses.replace(
-                        cfg.parallel, pipeline_stages=pp, tensor_parallel=tp, expert_parallel=ep))
+                        cfg.parallel, pipeline_stages=pp, tensor_parallel=tp, expert_parallel=ep,
+                        sequence_parallel=sp))
                     d = copy.deepcopy(ds)
                     d.setdefault("zero_optimization", {})["stage"] = zero
                     try:

@@ -33,6 +33,7 @@ from ..data.chat import TaskItem, fitting_items, task_items
 from ..models.hf_io import to_hf_model
 from ..models.loss import IGNORE_INDEX
 from ..models.pipeline import split_micro_batch, to_device
+from ..parallel.sequence import shard_micro_batch, whole_sequences
 from .setup import Run
 
 
@@ -133,8 +134,9 @@ def evaluate_run(run: Run, dataset: PackedDataset | ChatDataset) -> EvalResult:
     """The periodic evaluation of a training run on its validation split, and on eval.task when it has one."""
     cfg = run.cfg
     n = eval_sample_count(len(dataset), cfg.eval.batches, cfg.train.global_batch_size)
-    batches = rank_batches(dataset, n, cfg.train.micro_batch_size, run.dp_rank, run.dp_size)
-    result = evaluate(run.engine, batches, run.engine.device, pipeline=run.pipeline, counts=run.tp_rank == 0)
+    batches = [shard_micro_batch(mb, run.layout.sequence_shard)  # sequence ranks: each its shard of the batches
+               for mb in rank_batches(dataset, n, cfg.train.micro_batch_size, run.dp_rank, run.dp_size)]
+    result = evaluate(run.engine, batches, run.engine.device, pipeline=run.pipeline, counts=run.layout.counts_once)
     if cfg.eval.task:
         result = EvalResult(result.loss, result.perplexity, result.accuracy, result.tokens, task_scores_run(run))
     return result
@@ -219,5 +221,6 @@ def task_scores_run(run: Run) -> dict:
     module = run.engine.module
     with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=run.engine.zero_optimization_stage() == 3):
         model = to_hf_model(module.layers, run.model_config, cfg.lora).to(run.engine.device)
-        predictions = predict(model, tokenizer, items, cfg.eval.task_max_new_tokens, _TASK_BATCH, run.rank, run.world)
+        with whole_sequences(module):
+            predictions = predict(model, tokenizer, items, cfg.eval.task_max_new_tokens, _TASK_BATCH, run.rank, run.world)
     return scores(predictions, [item.reference for item in items])

@@ -17,6 +17,7 @@ from ..data import GlobalBatchSampler, micro_batches, open_dataset
 from ..launcher.supervise import STOP_RECORD
 from ..models.loss import valid_token_counts
 from ..models.pipeline import split_micro_batch, to_device
+from ..parallel.sequence import shard_micro_batch
 from ..utils.fs import write_json_atomic
 from . import monitors, nan_policy, preference
 from .evaluation import evaluate_run
@@ -40,11 +41,14 @@ def _local_step(run: Run, micro_batches: list) -> torch.Tensor:
     if preference.is_dpo(run):
         return preference.local_step(run, micro_batches)
     engine = run.engine
+    # Sequence parallelism: each rank keeps its shard of every sequence, and counts and computes its own tokens.
+    micro_batches = [shard_micro_batch(mb, run.layout.sequence_shard) for mb in micro_batches]
     # Counted on the host (the batches are host tensors) without reading them; collectives take device tensors (NCCL
     # refuses host ones).
     n_valid = to_device(valid_token_counts(micro_batches, run.loss_fn.mtp_depth).double(), engine.device)
     # The summed counts stay on the device: the loss scales need no host-device sync.
-    run.loss_fn.set_global_tokens(_all_reduce(n_valid, run.dp_group), run.dp_size, run.grad_accum)
+    layout = run.layout
+    run.loss_fn.set_global_tokens(_all_reduce(n_valid, layout.gradient_group), layout.gradient_size, run.grad_accum)
     # Micro-batches with position ids (packed sequences) give the model (input_ids, position_ids).
     split = [split_micro_batch(mb, mtp=run.loss_fn.mtp_depth > 0) for mb in micro_batches]
     if run.pipeline:
@@ -65,8 +69,8 @@ def train_step(run: Run, micro_batches: list) -> float:
     total = _local_step(run, micro_batches)
     if run.pipeline:
         return float(total)
-    # The scaled micro losses sum to (dp x gas) x this rank's share of the token-weighted global loss.
-    return float(_all_reduce(total, run.dp_group).item() / (run.dp_size * run.grad_accum))
+    # The scaled micro losses sum to (dp x sp x gas) x this rank's share of the token-weighted global loss.
+    return float(_all_reduce(total, run.layout.gradient_group).item() / (run.layout.gradient_size * run.grad_accum))
 
 
 def mtp_record(parts: list[float]) -> dict[str, float]:
@@ -115,9 +119,9 @@ def _reduced_metrics(run: Run, meter: StepMeter, routers: RouterStats | None, lo
     engine, device, depth, balancer = run.engine, run.engine.device, run.loss_fn.mtp_depth, run.balancer
     if balancer and routers is None:
         raise ValueError("recorded_step: a model with a load balancer needs its RouterStats (loop.router_stats)")
-    gas_dp = run.dp_size * run.grad_accum
+    gas_dp = run.layout.gradient_size * run.grad_accum
     # The TP ranks of a replica compute the same losses: one of them counts, so the sums are over replicas.
-    replica = 1.0 if run.tp_rank == 0 else 0.0
+    replica = 1.0 if run.layout.counts_once else 0.0
     # MTP parts: pipeline stages other than the last hold zeros.
     dpo = preference.is_dpo(run)  # its parts: the pair metrics (preference_loss.METRICS), summed
     parts = run.loss_fn.take_parts(device) * replica if depth or dpo else None
@@ -143,7 +147,7 @@ def _reduced_metrics(run: Run, meter: StepMeter, routers: RouterStats | None, lo
     if run.pipeline:
         out["loss"], kept = kept[0], kept[1:]
     else:
-        # The scaled micro losses sum to (dp x gas) x the token-weighted global loss.
+        # The scaled micro losses sum to (dp x sp x gas) x the token-weighted global loss.
         out["loss"], summed = summed[0] / gas_dp, summed[1:]
     if dpo:
         n_metrics = parts.numel()
@@ -175,7 +179,7 @@ def router_stats(run: Run) -> RouterStats | None:
         return None
     # The TP ranks of a replica route the same tokens: one of them counts (and reports the bias), so sums are exact.
     return RouterStats(run.engine.module, run.model_config, run.engine.device,
-                       reports_bias=run.dp_rank == 0 and run.tp_rank == 0, counts_load=run.tp_rank == 0,
+                       reports_bias=run.layout.writes_replica_files, counts_load=run.layout.counts_once,
                        load=run.balancer.load if run.balancer else None)
 
 

@@ -197,7 +197,7 @@ def reference_pass(run: Run, dataset, count: int | None = None) -> np.ndarray:
     if run.pipeline:  # only the last stage computed them
         dist.all_reduce(out, group=engine.grid.get_pipe_parallel_group())
     gathered = [torch.zeros_like(out) for _ in range(run.dp_size)]
-    dist.all_gather(gathered, out, group=run.dp_group)
+    dist.all_gather(gathered, out, group=run.layout.gradient_group)
     return torch.cat(gathered)[:n].cpu().numpy()
 
 
@@ -215,7 +215,7 @@ def pair_batches(run: Run, sampler, reference: np.ndarray | None):
 def local_step(run: Run, micro_batches: list) -> torch.Tensor:
     """One optimizer step of pair losses: the sum of this rank's scaled micro losses (float64 device scalar)."""
     engine = run.engine
-    run.loss_fn.set_scale(run.dp_size, run.grad_accum)
+    run.loss_fn.set_scale(run.layout.gradient_size, run.grad_accum)
     if run.pipeline:  # (labels, reference) travel to the last stage; a reference-free loss gets zeros there
         split = [(inputs, (labels, torch.zeros(labels.shape[0], dtype=torch.float64) if ref is None else ref))
                  for inputs, labels, ref in micro_batches]

@@ -16,8 +16,6 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.engine import DeepSpeedEngine
-from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
-from deepspeed.utils import groups
 from torch.distributed import ProcessGroup, distributed_c10d
 from transformers import PretrainedConfig
 
@@ -40,7 +38,9 @@ from ..models.pipeline import (
 )
 from ..models.preference_loss import PreferenceLoss
 from ..models.presets import build_model_config
-from ..models.tensor_parallel import init_tensor_parallel_groups, shard_elements, sum_rope_key_grads
+from ..models.tensor_parallel import shard_elements, sum_rope_key_grads
+from ..parallel import sequence
+from ..parallel.layout import Layout
 from ..utils.jit_lock import announce, check_jit_locks
 from ..utils.redact import redact
 from ..utils.system import cache_cpu_probe, usable_cpus
@@ -58,14 +58,13 @@ class Run:
     dataset_dir: str
     rank: int
     world: int
-    dp_rank: int
-    dp_size: int
-    dp_group: ProcessGroup | None    # None: the whole world (no pipeline)
+    layout: Layout                   # degrees, groups, this rank's place (parallel/layout.py)
+    dp_rank: int                     # the share of the global batch this rank reads (layout.data_rank)
+    dp_size: int                     # data-parallel replicas (layout.data_size)
     pipeline: bool
     grad_accum: int
     log: logging.Logger
     balancer: LoadBalancer | None = None  # MoE load balancing: after_step() once per optimizer step
-    tp_rank: int = 0                 # rank within its tensor-parallel group (the replica's TP ranks see one batch)
     reference: object = None         # dpo: the training split's reference log-probabilities (training/preference.py)
     valid_reference: object = None   # dpo with eval.interval: the validation split's
     base_buffers: list | None = None  # dpo with LoRA: the base's starting buffers (router biases), its reference's
@@ -203,15 +202,47 @@ def prepare_data(cfg: RunConfig, local_rank: int) -> str:
 
 
 def build_run(cfg: RunConfig, ds: dict) -> Run:
+    """One rank's run, as a short sequence of named steps: processes and logs, data, the layout's groups, the model
+    (built, weights loaded, adapters added, parallelized), the engine."""
     rank, world = init_distributed(cfg.train.dist_timeout_s)
     threads = share_cpu_threads()
     log = setup_logging(cfg.train.output_dir, rank)
     if threads is not None:
         log.info("CPU: %d torch threads per rank (set OMP_NUM_THREADS to choose)", threads)
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    dataset_dir = prepare_data(cfg, local_rank)
+    dataset_dir = prepare_data(cfg, int(os.environ.get("LOCAL_RANK", 0)))
     mcfg = prepare_config(build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides),
                           cfg.model.attn_implementation, cfg.model.experts_implementation)
+    dataset = _open_training_data(cfg, dataset_dir, mcfg, rank, log)
+    layout = Layout.create(cfg.parallel.degrees, world, rank)
+    if rank == 0:
+        log.info(layout.describe())
+    p = cfg.preference
+    loss_fn = (PreferenceLoss(p.loss, p.beta, p.label_smoothing, p.simpo_gamma, cfg.train.global_batch_size)
+               if cfg.train.objective == "dpo" else TokenWeightedLoss(mtp_depth(mcfg), cfg.train.mtp_loss_weight))
+    model = _build_model(cfg, ds, mcfg, layout, loss_fn, log)
+    _load_weights(cfg, model, mcfg, log)
+    if cfg.lora.r:  # adapters on the loaded base; only they (and lora.modules_to_save) reach the optimizer below
+        trainable = apply_lora(model, cfg.lora, mcfg, cfg.train.seed)
+        log.info("LoRA r=%d: %d trainable parameters on this rank", cfg.lora.r, trainable)
+    ds = _parallelize(cfg, ds, model, mcfg, layout, log)
+    engine = _engine(cfg, ds, model, layout, log)
+    grad_accum = cfg.grad_accum_steps(layout.data_size)
+    settings = resolve_settings(cfg.moe, mcfg)
+    # fp16 scales the LM loss's gradients by its dynamic loss scale: the balance losses' gradients must follow.
+    loss_scale = (lambda: float(engine.optimizer.loss_scale)) if engine.fp16_enabled() else None
+    # Each sequence's balance loss is computed whole on each of its sequence ranks (over the group's summed
+    # statistics) and each TP rank of a replica holds the same sequences: the metrics' sums count tp x sp times.
+    counted = cfg.train.global_batch_size * layout.degrees.tensor * layout.degrees.sequence
+    balancer = (LoadBalancer(engine.module, settings, layout.gradient_size / cfg.train.global_batch_size, counted,
+                             engine.device, layout.gradient_group, loss_scale, layout.sequence_shard)
+                if settings and settings.active else None)
+    return Run(cfg=cfg, ds=ds, engine=engine, model_config=mcfg, loss_fn=loss_fn, dataset=dataset,
+               dataset_dir=dataset_dir, rank=rank, world=world, layout=layout, dp_rank=layout.data_rank,
+               dp_size=layout.data_size, pipeline=cfg.parallel.pipeline_stages > 1, grad_accum=grad_accum, log=log,
+               balancer=balancer)
+
+
+def _open_training_data(cfg: RunConfig, dataset_dir: str, mcfg: PretrainedConfig, rank: int, log: logging.Logger):
     info = dataset_info(dataset_dir)
     if info["vocab_size"] > mcfg.vocab_size:
         raise DataError(f"dataset {dataset_dir} uses a tokenizer with {info['vocab_size']} tokens but the model's "
@@ -219,83 +250,85 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
     dataset = open_dataset(dataset_dir, cfg.data)
     if rank == 0 and hasattr(dataset, "report"):
         log.info(dataset.report())  # what packing and truncation made of the samples
+    return dataset
 
-    pp = cfg.parallel.pipeline_stages
-    dp = cfg.data_parallel_size(world)
-    p = cfg.preference
-    loss_fn = (PreferenceLoss(p.loss, p.beta, p.label_smoothing, p.simpo_gamma, cfg.train.global_batch_size)
-               if cfg.train.objective == "dpo" else TokenWeightedLoss(mtp_depth(mcfg), cfg.train.mtp_loss_weight))
+
+def _build_model(cfg: RunConfig, ds: dict, mcfg: PretrainedConfig, layout: Layout, loss_fn, log: logging.Logger):
     torch.manual_seed(cfg.train.seed)
-    tp = cfg.parallel.tensor_parallel
-    # DeepSpeed's config (zero.Init's and the engine's) counts data-parallel ranks through the TP mesh.
-    tp_groups = init_tensor_parallel_groups(tp) if tp > 1 else None
+    pp = cfg.parallel.pipeline_stages
     if pp > 1:
         parts = partition(mcfg, pp, cfg.model.partition_method, cfg.data.seq_len)
-        if rank == 0:
-            log.info("pipeline partition (%s):\n%s", cfg.model.partition_method, partition_table(mcfg, parts, cfg.data.seq_len))
-        model = build_model(mcfg, pp, cfg.train.seed, parts=parts, topology=PipeDataParallelTopology(num_pp=pp, num_dp=dp),
+        if layout.rank == 0:
+            log.info("pipeline partition (%s):\n%s", cfg.model.partition_method,
+                     partition_table(mcfg, parts, cfg.data.seq_len))
+        model = build_model(mcfg, pp, cfg.train.seed, parts=parts, topology=layout.topology,
                             activation_checkpoint_interval=cfg.model.activation_checkpoint_interval, loss_fn=loss_fn)
     else:
         # ZeRO-3: each layer is partitioned over the ranks as it is built, so no rank holds the whole model at start.
         # Not with AutoEP or LoRA, which rebuild modules of an ordinary model.
         zero_init = zero_stage(ds) == 3 and not cfg.lora.r and cfg.parallel.expert_parallel == 1
-        with deepspeed.zero.Init(config_dict_or_path=ds, mpu=tp_groups, enabled=zero_init):
+        with deepspeed.zero.Init(config_dict_or_path=_deepspeed_view(ds, layout), mpu=layout.tensor_groups,
+                                 enabled=zero_init):
             model = build_model(mcfg, 1, cfg.train.seed,
                                 activation_checkpoint_interval=cfg.model.activation_checkpoint_interval)
         if zero_init:
             params = list(model.parameters())
             log.info("ZeRO-3: built partitioned (deepspeed.zero.Init): this rank holds %d of %d parameter elements",
                      sum(p.ds_tensor.numel() for p in params), sum(p.ds_numel for p in params))
+    layout.bind(model)
     if zero_stage(ds) < 3:  # the chunked loss; ZeRO-3 gathers the head's weight only inside the head's own module
         defer_logits(model)
     if cfg.train.compile:
         log.info("train.compile: %d decoder layers compiled (torch.compile, each layer a region)", compile_layers(model))
-    if cfg.model.path and has_weights(cfg.model.path):
-        layers, absent = mtp_layers_absent(local_layers(model), cfg.model.path)
-        for layer in absent:  # adding MTP to a model trained without it (transformers' V3 config defaults to depth 1)
-            log.info("%s has no MTP module %d (%s*): it starts from its seeded initialisation", cfg.model.path,
-                     layer.depth, hf_layer_prefix(layer))
-        read = load_hf_weights(layers, cfg.model.path, mcfg)
-        log.info("loaded %.1f MB of weights for this rank's layers from %s", read / 2**20, cfg.model.path)
-    if cfg.lora.r:  # adapters on the loaded base; only they (and lora.modules_to_save) reach the optimizer below
-        trainable = apply_lora(model, cfg.lora, mcfg, cfg.train.seed)
-        log.info("LoRA r=%d: %d trainable parameters on this rank", cfg.lora.r, trainable)
+    return model
+
+
+def _load_weights(cfg: RunConfig, model, mcfg: PretrainedConfig, log: logging.Logger) -> None:
+    if not (cfg.model.path and has_weights(cfg.model.path)):
+        return
+    layers, absent = mtp_layers_absent(local_layers(model), cfg.model.path)
+    for layer in absent:  # adding MTP to a model trained without it (transformers' V3 config defaults to depth 1)
+        log.info("%s has no MTP module %d (%s*): it starts from its seeded initialisation", cfg.model.path,
+                 layer.depth, hf_layer_prefix(layer))
+    read = load_hf_weights(layers, cfg.model.path, mcfg)
+    log.info("loaded %.1f MB of weights for this rank's layers from %s", read / 2**20, cfg.model.path)
+
+
+def _parallelize(cfg: RunConfig, ds: dict, model, mcfg: PretrainedConfig, layout: Layout, log: logging.Logger) -> dict:
+    """What the engine needs to split the model: AutoEP's and AutoTP's sections and config, sequence-parallel
+    attention; returns the DeepSpeed config to build the engine with."""
     if cfg.parallel.expert_parallel > 1:
         ds = {**ds, "expert_parallel": autoep_section(mcfg, cfg.parallel.expert_parallel)}
         model.config = mcfg  # AutoEP reads the expert count, top-k and routing from model.config
-    if tp > 1:
+    if cfg.parallel.tensor_parallel > 1:
         model.config = mcfg  # AutoTP reads the head counts from model.config
+    if layout.sequence_shard:
+        log.info("sequence parallel %d: %d attention layers all-to-all over the group; this rank holds tokens "
+                 "%d/%d of each sequence", layout.degrees.sequence, sequence.enable(model, layout.sequence_shard),
+                 layout.sequence_rank + 1, layout.degrees.sequence)
+    return _deepspeed_view(ds, layout)
+
+
+def _deepspeed_view(ds: dict, layout: Layout) -> dict:
+    """DeepSpeed counts every rank of a stage as data-parallel (layout.py): to it a global batch holds each sample
+    once per sequence rank."""
+    if layout.degrees.sequence == 1:
+        return ds
+    return {**ds, "train_batch_size": ds["train_batch_size"] * layout.degrees.sequence}
+
+
+def _engine(cfg: RunConfig, ds: dict, model, layout: Layout, log: logging.Logger) -> DeepSpeedEngine:
     biases = snapshot_biases(model)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                           config=ds, mpu=tp_groups)
+                                           config=ds, mpu=layout.tensor_groups)
     restore_fp32_biases(engine.module, biases)
     timeouts = apply_timeout_to_all_groups(cfg.train.dist_timeout_s)
     log.info("%d process groups, each with a %s s timeout (train.dist_timeout_s)", len(timeouts),
              "/".join(f"{t:g}" for t in sorted(set(timeouts))))
     engine.config = redact(engine.config)  # the dict DeepSpeed saves into every checkpoint's .pt files
-    tp_rank = 0
-    if pp > 1:
-        dp_rank, dp_size, dp_group = engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size(), \
-            engine.grid.get_data_parallel_group()
-    elif tp > 1:
-        # The TP ranks of a replica read the same batch: data-parallel is DeepSpeed's (data x tensor) mesh dimension.
-        dp_rank, dp_size, dp_group = groups.get_data_parallel_rank(), groups.get_data_parallel_world_size(), \
-            groups.get_data_parallel_group()
-        tp_rank = groups.get_tensor_model_parallel_rank()
-        sum_rope_key_grads(engine.module, groups.get_tensor_model_parallel_group())
-        log.info("tensor parallel %d: this rank holds %d elements of split weights, %d parameters in all", tp,
-                 sum(shard_elements(engine.module).values()), sum(p.numel() for p in engine.module.parameters()))
-    else:
-        dp_rank, dp_size, dp_group = rank, world, None
-    grad_accum = cfg.grad_accum_steps(dp_size)
-    settings = resolve_settings(cfg.moe, mcfg)
-    # fp16 scales the LM loss's gradients by its dynamic loss scale: the balance losses' gradients must follow.
-    loss_scale = (lambda: float(engine.optimizer.loss_scale)) if engine.fp16_enabled() else None
-    # Its balance-loss metrics sum over every rank, where each TP rank of a replica holds the same sequences: they
-    # count tp times.
-    balancer = (LoadBalancer(engine.module, settings, dp_size / cfg.train.global_batch_size,
-                             cfg.train.global_batch_size * tp, engine.device, dp_group, loss_scale)
-                if settings and settings.active else None)
-    return Run(cfg=cfg, ds=ds, engine=engine, model_config=mcfg, loss_fn=loss_fn, dataset=dataset,
-               dataset_dir=dataset_dir, rank=rank, world=world, dp_rank=dp_rank, dp_size=dp_size, dp_group=dp_group,
-               pipeline=pp > 1, grad_accum=grad_accum, log=log, balancer=balancer, tp_rank=tp_rank)
+    if cfg.parallel.tensor_parallel > 1:
+        sum_rope_key_grads(engine.module, layout.tensor_groups.get_tensor_model_parallel_group())
+        log.info("tensor parallel %d: this rank holds %d elements of split weights, %d parameters in all",
+                 cfg.parallel.tensor_parallel, sum(shard_elements(engine.module).values()),
+                 sum(p.numel() for p in engine.module.parameters()))
+    return engine
