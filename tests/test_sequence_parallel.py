@@ -8,8 +8,10 @@ test_moe_launch). Refusals are one line each, before launch."""
 import pytest
 import torch
 
+from safetensors.torch import load_file
+
 from deepseek_ds.config import ConfigError, load_and_validate, load_run_config
-from helpers import read_metrics, train_layouts
+from helpers import checkpoint_sets, cli, fresh_ckpt_dir, losses, read_metrics, snapshot, train_layouts
 from reference import reference_losses
 
 STEPS = 3
@@ -18,7 +20,10 @@ SETS = [f"train.steps={STEPS}", "train.micro_batch_size=2", "train.global_batch_
         "parallel.sequence_parallel=2"]
 LAYOUTS = [
     # (name, deepspeed config, overrides): each against its own single-process reference
-    ("v3-zero1", "ds_configs/zero1.json", ["train.seed=7"]),
+    ("v3-zero1", "ds_configs/zero1.json", ["train.seed=7", "eval.interval=3", "eval.batches=2"]),
+    # the same on the 2 ranks as data-parallel replicas: its validation loss is the one SP=2 must give
+    ("v3-zero1-sp1", "ds_configs/zero1.json", ["train.seed=7", "eval.interval=3", "eval.batches=2",
+                                               "parallel.sequence_parallel=1"]),
     ("v3-doc-mask-eager-zero3", "ds_configs/zero3.json", ["train.seed=7", "data.document_mask=true",
                                                            "model.attn_implementation=eager"]),
     # seed 3: the reference keeps clear of routing ties (at seed 7 a V2 token lies within 1e-6 of one)
@@ -53,6 +58,50 @@ def test_sequence_parallel_equals_single_process(name, extra, runs, data_dir):
         scale = want.abs().max().item()
         assert torch.allclose(got[key], want, rtol=1e-5, atol=1e-5 * scale), (name, key)
     assert len(set(reference)) == STEPS
+
+
+@pytest.mark.launch
+def test_sequence_parallel_is_a_layout_for_checkpoints(zero1, tmp_path, data_dir):
+    """An SP=2 run resumes bit for bit; SP is a layout: its checkpoint resumes with SP=1 and an SP=1 checkpoint
+    (conftest's ZeRO-1 run) with SP=2, on the same 2 ranks, where ZeRO shards over the same data x sequence ranks
+    (a change of world goes through the universal checkpoint as for any layout); `export hf` of the SP=2 checkpoint
+    equals the SP=1 export of the same steps."""
+    sets = checkpoint_sets(data_dir, 4, 2, "checkpoint.keep=3")
+    sp = "parallel.sequence_parallel=2"
+    first = train_layouts(2, tmp_path / "a", [("sp2", "ds_configs/zero1.json", [sp, f"checkpoint.dir={tmp_path}/sp2"]),
+                                              ("sp1-to-sp2", "ds_configs/zero1.json",
+                                               [sp, f"checkpoint.dir={fresh_ckpt_dir(zero1['step2'], tmp_path / 'z')}"])],
+                          sets)
+    straight = losses(read_metrics(str(first["sp2"])))
+    from_sp1 = losses(read_metrics(str(first["sp1-to-sp2"])))
+    assert sorted(from_sp1) == [3, 4]
+    assert [from_sp1[s] for s in (3, 4)] == pytest.approx([zero1["losses"][s] for s in (3, 4)], rel=1e-5)
+    step2 = snapshot(tmp_path / "sp2", "step00000002", tmp_path / "snap")
+    again = train_layouts(2, tmp_path / "b", [
+        ("sp2", "ds_configs/zero1.json", [sp, f"checkpoint.dir={fresh_ckpt_dir(step2, tmp_path / 'c2')}"]),
+        ("sp1", "ds_configs/zero1.json", [f"checkpoint.dir={fresh_ckpt_dir(step2, tmp_path / 'c1')}"])], sets)
+    assert losses(read_metrics(str(again["sp2"]))) == {3: straight[3], 4: straight[4]}  # bitwise
+    resumed_sp1 = losses(read_metrics(str(again["sp1"])))
+    assert [resumed_sp1[s] for s in (3, 4)] == pytest.approx([straight[3], straight[4]], rel=1e-5)
+    exports = {}
+    for name, ckpt in (("sp2", tmp_path / "sp2"), ("sp1", tmp_path / "c1")):
+        out = tmp_path / f"hf-{name}"
+        assert cli(["export", "hf", str(ckpt / "step00000004"), "--out", str(out), "--dtype", "fp32",
+                    "--work-dir", str(tmp_path / f"work-{name}")]) == 0
+        exports[name] = load_file(out / "model.safetensors")
+    assert set(exports["sp2"]) == set(exports["sp1"])
+    for key, want in exports["sp1"].items():
+        assert torch.allclose(exports["sp2"][key], want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), key
+
+
+@pytest.mark.launch
+def test_validation_loss_under_sequence_parallelism(runs):
+    """evaluate_run shards the validation batches as training does; the token-weighted loss over the whole split is
+    the data-parallel run's."""
+    sp2, sp1 = (read_metrics(str(runs[name]))[-1] for name in ("v3-zero1", "v3-zero1-sp1"))
+    assert sp2["eval_tokens"] == sp1["eval_tokens"] > 0
+    assert sp2["eval_loss"] == pytest.approx(sp1["eval_loss"], rel=1e-5)
+    assert sp2["eval_accuracy"] == pytest.approx(sp1["eval_accuracy"], abs=1e-9)
 
 
 REFUSALS = [

@@ -202,6 +202,8 @@ BPE_TEMPLATE = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\
 
 @pytest.mark.launch
 def test_eval_task_during_training_under_zero3_scores_the_training_weights(data_dir, tmp_path):
+    """With sequence parallelism too: training attends over sequence shards, generation over each rank's own
+    prompts (parallel.sequence.whole_sequences)."""
     data = tmp_path / "data"
     shutil.copytree(data_dir, data)
     tok = AutoTokenizer.from_pretrained(data / "tokenizer")
@@ -212,7 +214,7 @@ def test_eval_task_during_training_under_zero3_scores_the_training_weights(data_
     # reference_model builds independently in transformers.
     sets = [f"data.path={data}", "train.steps=1", "train.lr=1e-30", "train.min_lr=1e-30", "train.warmup_steps=0",
             "moe.bias_update_speed=0", "eval.interval=1", "eval.batches=1", "eval.task_items=4",
-            "eval.task_max_new_tokens=6"]
+            "eval.task_max_new_tokens=6", "parallel.sequence_parallel=2"]
     model, _ = reference_model(load_run_config("recipes/tiny-v3.yaml", sets))
     answers = [tok.decode(greedy_alone(model, encode_prompt(tok, m), 6, tok.eos_token_id), skip_special_tokens=True)
                for m in SHOWN]

@@ -156,6 +156,8 @@ def _cmd_export_traced(args: argparse.Namespace) -> int:
     from .export import CHECK_SHAPES, export_onnx, export_torchscript, model_for_tracing
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    if args.work_dir:
+        os.makedirs(args.work_dir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.work_dir) as tmp:
         model = model_for_tracing(args.source, tmp)
     export = export_torchscript if args.format == "torchscript" else export_onnx

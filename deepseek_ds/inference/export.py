@@ -100,6 +100,8 @@ def export_hf(checkpoint: str, out: str, dtype: str = "bf16", data_dir: str | No
         model, meta = merged_model_from_checkpoint(checkpoint)
         layers, config = [], model.config
     else:
+        if work_dir:  # --work-dir names where to put it: made if absent
+            os.makedirs(work_dir, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
             layers, config, meta = _checkpoint_layers(checkpoint, tmp, "grouped_mm")
         model = to_hf_model(layers, config)
