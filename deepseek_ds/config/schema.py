@@ -130,6 +130,10 @@ class TrainSection:
     compile: bool = False
     """torch.compile each decoder layer (regional compilation, as torchtitan does): same losses, faster steps once
     compiled; false: eager."""
+    tiled_mlp: int = 0
+    """Tokens per tile of every MLP (ALST's tiled compute: its [tokens, intermediate] activations exist one tile at a
+    time, at the cost of one more MLP forward; long sequences, with the chunked loss); 0: untiled. A tile about
+    hidden_size tokens long is ALST's choice. Not with parallel.expert_parallel > 1."""
     mtp_loss_weight: float = 0.3
     """lambda of DeepSeek-V3's multi-token-prediction loss (0.3, later 0.1, in its training); the depth is the model's
     num_nextn_predict_layers (model.overrides), 0 in the tiny presets and 1 in deepseek-v3."""
@@ -141,7 +145,7 @@ class TrainSection:
         problems = _at_least("train", 1, steps=self.steps, micro_batch_size=self.micro_batch_size,
                              global_batch_size=self.global_batch_size, log_interval=self.log_interval,
                              dist_timeout_s=self.dist_timeout_s)
-        problems += _at_least("train", 0, max_consecutive_skips=self.max_consecutive_skips)
+        problems += _at_least("train", 0, max_consecutive_skips=self.max_consecutive_skips, tiled_mlp=self.tiled_mlp)
         if self.nan_policy not in NAN_POLICIES:
             problems.append(f"train.nan_policy = {self.nan_policy!r}: use 'skip' (drop the step and go on) or 'stop' "
                             "(save a checkpoint and end the run)")

@@ -19,6 +19,7 @@ from ..models.moe import resolve_settings
 from ..models.pipeline import partition
 from ..models.presets import ModelConfigError, build_model_config, num_routed_experts
 from ..models.tensor_parallel import tensor_parallel_errors
+from ..models.tiled import tiled_mlp_errors
 from ..parallel.degrees import layout_errors
 from ..parallel.sequence import sequence_parallel_errors
 from .deepspeed_json import (
@@ -48,6 +49,7 @@ def validate(cfg: RunConfig, ds: dict, world_size: int, cuda_available: bool | N
               + _nan_policy_errors(cfg, ds) + missing_monitor_packages(ds)
               + asynchronous_checkpoint_engines(ds) + _tensor_parallel_errors(cfg, ds)
               + _sequence_parallel_errors(cfg)
+              + tiled_mlp_errors(cfg.train.tiled_mlp, cfg.parallel.expert_parallel)
               + _preference_errors(cfg, files))
     if not errors:
         try:

@@ -28,9 +28,10 @@ def _norm(width: int, f: int) -> int:
     return FP32 * width + FP32 + 2 * f * width
 
 
-def attention_bytes(mcfg, seq_len: int, f: int, tp: int, fused: bool) -> float:
+def attention_bytes(mcfg, seq_len: int, f: int, tp: int, fused: bool, sp: int = 1) -> float:
     """Per token, one attention block including its input norm. `fused`: a flash / memory-efficient kernel (no score
-    matrix kept); MLA's unequal query and value head dims fall back to the math kernel on the CPU."""
+    matrix kept); MLA's unequal query and value head dims fall back to the math kernel on the CPU. With sequence
+    parallelism (sp > 1) per token of the rank's shard, seq_len the whole sequence's."""
     h = mcfg.num_attention_heads // tp
     out = _norm(mcfg.hidden_size, f)
     if hasattr(mcfg, "kv_lora_rank"):
@@ -44,7 +45,11 @@ def attention_bytes(mcfg, seq_len: int, f: int, tp: int, fused: bool) -> float:
         d = mcfg.hidden_size // mcfg.num_attention_heads
         kvh = mcfg.num_key_value_heads // tp
         out += 2 * d * f + f * d * (h + 2 * kvh) + FP32 * h
-    return out + f * h * (v if hasattr(mcfg, "kv_lora_rank") else d)
+    mla = hasattr(mcfg, "kv_lora_rank")
+    # A fused kernel keeps its output for its backward, the same storage as o_proj's input; under SP the all-to-all
+    # between them makes two (head-sharded and sequence-sharded), the same bytes each.
+    outputs = 2 if sp > 1 and (fused or not mla) else 1
+    return out + outputs * f * h * (v if mla else d)
 
 
 def mlp_bytes(mcfg, moe: bool, f: int, tp: int) -> float:
@@ -64,10 +69,10 @@ def layer_kinds(mcfg) -> list[str]:
     return ["dense" if i < first else "moe" for i in range(mcfg.num_hidden_layers)]
 
 
-def spec_bytes(mcfg, seq_len: int, f: int, tp: int, fused: bool) -> list[float]:
+def spec_bytes(mcfg, seq_len: int, f: int, tp: int, fused: bool, sp: int = 1) -> list[float]:
     """Per token, the bytes each spec of models.pipeline.layer_specs keeps (embedding, decoder layers, norm, [MTP
     embedding and modules,] head), without checkpointing and without the loss."""
-    attn = attention_bytes(mcfg, seq_len, f, tp, fused)
+    attn = attention_bytes(mcfg, seq_len, f, tp, fused, sp)
     layers = [attn + mlp_bytes(mcfg, kind == "moe", f, tp) for kind in layer_kinds(mcfg)]
     depth = mtp_depth(mcfg)
     # An MTP module: two norms, the projection of their concatenation, one MoE decoder layer.
@@ -102,11 +107,11 @@ def checkpointed(spec_index: int, interval: int, is_decoder: bool) -> bool:
 
 
 def stage_micro_batch_bytes(mcfg, bounds: list[int], stage: int, tokens: int, seq_len: int, f: int, tp: int,
-                            fused: bool, interval: int, with_loss: bool, zero: int) -> tuple[int, int]:
+                            fused: bool, interval: int, with_loss: bool, zero: int, sp: int = 1) -> tuple[int, int]:
     """(bytes one micro-batch of `tokens` tokens leaves saved on a stage after its forward, the transient bytes once
     per rank, not per micro-batch: the largest checkpointed layer while backward recomputes it, or the chunked
     loss's working chunk)."""
-    per_spec = spec_bytes(mcfg, seq_len, f, tp, fused)
+    per_spec = spec_bytes(mcfg, seq_len, f, tp, fused, sp)
     decoder = set(range(1, mcfg.num_hidden_layers + 1))
     saved, recompute = 0.0, 0.0
     for i in range(bounds[stage], bounds[stage + 1]):

@@ -39,6 +39,7 @@ from ..models.pipeline import (
 from ..models.preference_loss import PreferenceLoss
 from ..models.presets import build_model_config
 from ..models.tensor_parallel import shard_elements, sum_rope_key_grads
+from ..models.tiled import tile_mlps
 from ..parallel import sequence
 from ..parallel.layout import Layout
 from ..utils.jit_lock import announce, check_jit_locks
@@ -224,6 +225,9 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
     if cfg.lora.r:  # adapters on the loaded base; only they (and lora.modules_to_save) reach the optimizer below
         trainable = apply_lora(model, cfg.lora, mcfg, cfg.train.seed)
         log.info("LoRA r=%d: %d trainable parameters on this rank", cfg.lora.r, trainable)
+    if cfg.train.tiled_mlp:
+        log.info("train.tiled_mlp: %d MLPs compute in tiles of %d tokens", tile_mlps(model, cfg.train.tiled_mlp),
+                 cfg.train.tiled_mlp)
     ds = _parallelize(cfg, ds, model, mcfg, layout, log)
     engine = _engine(cfg, ds, model, layout, log)
     grad_accum = cfg.grad_accum_steps(layout.data_size)
