@@ -52,15 +52,28 @@ def attention_bytes(mcfg, seq_len: int, f: int, tp: int, fused: bool, sp: int = 
     return out + outputs * f * h * (v if mla else d)
 
 
-def mlp_bytes(mcfg, moe: bool, f: int, tp: int) -> float:
-    """Per token, one MLP block including its input norm (dense, or shared + top-k routed experts)."""
+def mlp_bytes(mcfg, moe: bool, f: int, tp: int, tiled: bool = False) -> float:
+    """Per token, one MLP block including its input norm (dense, or shared + top-k routed experts). Tiled
+    (train.tiled_mlp, models/tiled.py): the MLP keeps only its input, the norm's output counted already, and an
+    MoE block its router's outputs (the router runs on the whole sequence)."""
     out = _norm(mcfg.hidden_size, f)
+    if moe:
+        out += router_bytes(mcfg, f)
+    if tiled:
+        return out
     if not moe:
         return out + 4 * f * mcfg.intermediate_size // tp
     k, e, inter = mcfg.num_experts_per_tok, mcfg.n_routed_experts, mcfg.moe_intermediate_size
-    out += f * e + 5 * INDEX_BYTES * k  # router logits, top-k indices and weights, the token permutation
     out += f * k * (2 * mcfg.hidden_size + 4 * inter)
     return out + 4 * f * (mcfg.n_shared_experts or 0) * inter // tp
+
+
+def router_bytes(mcfg, f: int) -> int:
+    """Per token, what an MoE block's router keeps: its logits, their fp32 sigmoid (V3) or softmax (V2) scores, V3's
+    group-limited choice mask, the top-k indices and weights and the token permutation."""
+    k, e = mcfg.num_experts_per_tok, mcfg.n_routed_experts
+    mask = e if mcfg.model_type == "deepseek_v3" else 0
+    return f * e + FP32 * e + mask + 5 * INDEX_BYTES * k
 
 
 def layer_kinds(mcfg) -> list[str]:
@@ -69,14 +82,14 @@ def layer_kinds(mcfg) -> list[str]:
     return ["dense" if i < first else "moe" for i in range(mcfg.num_hidden_layers)]
 
 
-def spec_bytes(mcfg, seq_len: int, f: int, tp: int, fused: bool, sp: int = 1) -> list[float]:
+def spec_bytes(mcfg, seq_len: int, f: int, tp: int, fused: bool, sp: int = 1, tiled: bool = False) -> list[float]:
     """Per token, the bytes each spec of models.pipeline.layer_specs keeps (embedding, decoder layers, norm, [MTP
     embedding and modules,] head), without checkpointing and without the loss."""
     attn = attention_bytes(mcfg, seq_len, f, tp, fused, sp)
-    layers = [attn + mlp_bytes(mcfg, kind == "moe", f, tp) for kind in layer_kinds(mcfg)]
+    layers = [attn + mlp_bytes(mcfg, kind == "moe", f, tp, tiled) for kind in layer_kinds(mcfg)]
     depth = mtp_depth(mcfg)
     # An MTP module: two norms, the projection of their concatenation, one MoE decoder layer.
-    mtp = [2 * _norm(mcfg.hidden_size, f) + attn + mlp_bytes(mcfg, True, f, tp)] * depth if depth else []
+    mtp = [2 * _norm(mcfg.hidden_size, f) + attn + mlp_bytes(mcfg, True, f, tp, tiled)] * depth if depth else []
     return [INDEX_BYTES, *layers, FP32 * mcfg.hidden_size + FP32 + f * mcfg.hidden_size,
             *([INDEX_BYTES] if depth else []), *mtp, f * mcfg.hidden_size]
 
@@ -107,11 +120,12 @@ def checkpointed(spec_index: int, interval: int, is_decoder: bool) -> bool:
 
 
 def stage_micro_batch_bytes(mcfg, bounds: list[int], stage: int, tokens: int, seq_len: int, f: int, tp: int,
-                            fused: bool, interval: int, with_loss: bool, zero: int, sp: int = 1) -> tuple[int, int]:
+                            fused: bool, interval: int, with_loss: bool, zero: int, sp: int = 1,
+                            tiled_mlp: int = 0) -> tuple[int, int]:
     """(bytes one micro-batch of `tokens` tokens leaves saved on a stage after its forward, the transient bytes once
-    per rank, not per micro-batch: the largest checkpointed layer while backward recomputes it, or the chunked
-    loss's working chunk)."""
-    per_spec = spec_bytes(mcfg, seq_len, f, tp, fused, sp)
+    per rank, not per micro-batch: the largest checkpointed layer while backward recomputes it, one MLP tile's
+    recomputation (tiled_mlp: tokens per tile) or the chunked loss's working chunk)."""
+    per_spec = spec_bytes(mcfg, seq_len, f, tp, fused, sp, tiled=tiled_mlp > 0)
     decoder = set(range(1, mcfg.num_hidden_layers + 1))
     saved, recompute = 0.0, 0.0
     for i in range(bounds[stage], bounds[stage + 1]):
@@ -121,6 +135,9 @@ def stage_micro_batch_bytes(mcfg, bounds: list[int], stage: int, tokens: int, se
         else:
             saved += per_spec[i]
     transient = int(recompute * tokens)
+    if tiled_mlp:  # a tile's MLP activations, whole, while backward recomputes it
+        kinds = set(layer_kinds(mcfg))
+        transient = max(transient, int(max(mlp_bytes(mcfg, k == "moe", f, tp) for k in kinds) * min(tiled_mlp, tokens)))
     if with_loss and stage == len(bounds) - 2:
         chunked = chunked_loss(mcfg, tokens, zero)
         saved += loss_bytes(mcfg, f, chunked)
