@@ -44,7 +44,7 @@ def main(argv: list[str]) -> int:
     trainable = sum(getattr(p, "ds_numel", p.numel()) for p in run.engine.module.parameters() if p.requires_grad)
     result = {"initial": initial, "final": tensors(run, trainable=True), "frozen": tensors(run, trainable=False),
               "optimizer_bytes": held_bytes(run.engine)[0]["optimizer"], "trainable": trainable,
-              "dp_size": run.dp_size}
+              "zero_ranks": run.layout.gradient_size}  # what ZeRO shards over: data x sequence ranks
     torch.save(result, os.path.join(cfg.train.output_dir, f"lora_rank{run.rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

@@ -75,7 +75,7 @@ def reference(zero1, data_dir, lora_base) -> list[float]:
 
 def _check_run(run: dict, reference: list[float], base_dir: str) -> None:
     """Losses equal the reference's; frozen weights are model.path's, bitwise; adapters moved (B starts at 0); each
-    rank's optimizer state is K x its trainable parameters / data-parallel size."""
+    rank's optimizer state is K x its trainable parameters / the ranks ZeRO shards over."""
     got = [run["losses"][s] for s in range(1, STEPS + 1)]
     assert max(abs(a - b) for a, b in zip(got, reference)) < 1e-5, (got, reference)
     hf = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).state_dict()
@@ -84,7 +84,7 @@ def _check_run(run: dict, reference: list[float], base_dir: str) -> None:
     initial, final = _merged(run["ranks"], "initial"), _merged(run["ranks"], "final")
     assert all(not torch.equal(initial[n], final[n]) for n in final if ".lora_B." in n)
     for rank in run["ranks"]:
-        want = K_FP32_ADAM * rank["trainable"] / rank["dp_size"]
+        want = K_FP32_ADAM * rank["trainable"] / rank["zero_ranks"]
         assert abs(rank["optimizer_bytes"] - want) <= K_FP32_ADAM * 64, (rank["optimizer_bytes"], want)
         assert rank["optimizer_bytes"] < 0.1 * K_FP32_ADAM * sum(t.numel() for t in rank["frozen"].values())
 
@@ -96,10 +96,12 @@ def test_lora_zero1_equals_transformers_peft_reference(zero1, reference, lora_ba
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("layout", ["zero3", "pp2"])
-def test_lora_zero3_and_pipeline_equal_the_reference(layout, tmp_path_factory, data_dir, lora_base, zero1, reference):
+@pytest.mark.parametrize("layout", ["zero3", "pp2", "sp2"])
+def test_lora_zero3_pipeline_and_sequence_parallel_equal_the_reference(layout, tmp_path_factory, data_dir, lora_base,
+                                                                        zero1, reference):
     ds, extra = {"zero3": ("ds_configs/zero3.json", []),
-                 "pp2": ("ds_configs/zero1_pp.json", ["parallel.pipeline_stages=2"])}[layout]
+                 "pp2": ("ds_configs/zero1_pp.json", ["parallel.pipeline_stages=2"]),
+                 "sp2": ("ds_configs/zero1.json", ["parallel.sequence_parallel=2"])}[layout]
     run = _launch(tmp_path_factory, f"lora_{layout}", _sets(data_dir, lora_base, *extra), ds)
     # The same initial adapters whatever the layout: each is seeded by its own HF name.
     assert all(torch.equal(t, _merged(zero1["ranks"], "initial")[n]) for n, t in _merged(run["ranks"], "initial").items())
