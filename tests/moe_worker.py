@@ -1,6 +1,6 @@
 """One rank of short MoE training runs under the `deepspeed` launcher, one run per layout in the same launch
-(layouts_worker.py): the real engine set-up (build_run) and train_step, the balancer's after_step once per step,
-then DeepSpeed's own save_checkpoint. Rank 0 writes the per-step records; every rank writes its own router biases
+(layouts_worker.py): the real engine set-up (build_run) and the training loop's own step (loop.recorded_step: the
+step, its metrics and the router-bias update from the reduced loads), then DeepSpeed's own save_checkpoint. Rank 0 writes the per-step records; every rank writes its own router biases
 (a checkpoint holds only data-parallel rank 0's). Each sample's labels lose a prompt-like prefix
 (helpers.mask_prompt)."""
 
@@ -12,7 +12,7 @@ import torch
 
 from deepseek_ds.data import GlobalBatchSampler, micro_batches
 from deepseek_ds.models.moe import moe_blocks, router_bias
-from deepseek_ds.training.loop import train_step
+from deepseek_ds.training.loop import recorded_step, router_stats, step_meter
 from deepseek_ds.training.schedule import start_lr_schedule
 from deepseek_ds.training.setup import Run
 from helpers import mask_prompt
@@ -24,13 +24,10 @@ def train_moe(run: Run) -> None:
     start_lr_schedule(engine)  # as the training loop does: the first step is not at lr 0
     sampler = GlobalBatchSampler(len(run.dataset), cfg.train.global_batch_size, cfg.train.micro_batch_size,
                                  run.dp_rank, run.dp_size, cfg.train.seed, shuffle=cfg.train.shuffle)
-    batches = micro_batches(run.dataset, sampler)
-    records = []
-    for step in range(1, cfg.train.steps + 1):
-        skipped_before = engine.skipped_steps
-        batch = [(x, mask_prompt(x, y)) for x, y in next(batches)]
-        loss = train_step(run, batch)
-        records.append({"step": step, "loss": loss, **run.balancer.after_step(engine.skipped_steps > skipped_before)})
+    batches = ([(x, mask_prompt(x, y)) for x, y in batch] for batch in micro_batches(run.dataset, sampler))
+    meter, routers = step_meter(run), router_stats(run)
+    records = [recorded_step(run, batches, sampler, meter, routers, step, engine.get_lr()[0])[0]
+               for step in range(1, cfg.train.steps + 1)]
     biases = {name: router_bias(router).detach().cpu().clone() for name, (_, router) in moe_blocks(engine.module).items()}
     torch.save(biases, os.path.join(out, f"biases_rank{run.rank}.pt"))
     engine.save_checkpoint(os.path.join(out, "checkpoint"), tag="last")

@@ -60,25 +60,25 @@ def test_bias_update_equals_hand_computation():
     block(tokens([[0, 0, 1], [0, 2, 0]]))
     block.eval()(tokens([[3, 3, 3]]))  # evaluation is not training traffic
     block.train()
-    balancer.after_step(skipped=False)
+    balancer.apply_load(balancer.counts, skipped=False)
     want = torch.tensor([-GAMMA, GAMMA, GAMMA, GAMMA], dtype=torch.float32)
     assert torch.equal(bias, want) and bias.dtype == torch.float32
     # A step DeepSpeed skipped moves nothing, and its counts do not leak into the next step.
     block(tokens([[0, 0, 0], [0, 0, 0]]))
-    balancer.after_step(skipped=True)
+    balancer.apply_load(balancer.counts, skipped=True)
     assert torch.equal(bias, want)
     # Step 3, two micro-batches, one under activation checkpointing (its recomputation is not counted again):
     # loads [1, 1, 1, 3], mean 1.5.
     block(tokens([[0, 1, 2]]))
     x = tokens([[3, 3, 3]]).requires_grad_()
     checkpoint(block, x, use_reentrant=False).sum().backward()
-    balancer.after_step(skipped=False)
+    balancer.apply_load(balancer.counts, skipped=False)
     want = want + torch.tensor([GAMMA, GAMMA, GAMMA, -GAMMA], dtype=torch.float32)
     assert torch.equal(bias, want)
     # gamma = 0: off.
     off = LoadBalancer(block, settings(bias_update_speed=0.0), 1.0, 2, "cpu")
     block(tokens([[0, 0, 0]]))
-    off.after_step(skipped=False)
+    off.apply_load(off.counts, skipped=False)
     balancer.counts.zero_()
     assert torch.equal(bias, want)
 
@@ -174,7 +174,7 @@ def test_balance_loss_gradient_through_hooks_equals_adding_it_to_the_loss():
     grad = hooked.gate.weight.grad
     assert (grad - without_aux).abs().max() > 100 * (grad - by_hand.gate.weight.grad).abs().max()
     # The logged value is the mean over the global batch's sequences, with its one active term.
-    logged = balancer.after_step(skipped=False)
+    logged = balancer.aux_metrics(balancer.take_aux().tolist())
     assert logged["aux_loss"] == pytest.approx(float(aux.detach()) / 6, rel=1e-9)
     assert logged["aux_loss_seq"] == logged["aux_loss"] and "aux_loss_device" not in logged
 
@@ -214,7 +214,7 @@ def test_bias_update_lowers_the_expert_load_imbalance():
                 model(ids)
                 load = balancer.counts.clone()
                 history.append(float((load.amax(-1) / load.mean(-1)).mean()))
-                balancer.after_step(skipped=False)
+                balancer.apply_load(balancer.counts, skipped=False)
         ratios[gamma] = history
     start, off, on = ratios[0.0][0], sum(ratios[0.0][-5:]) / 5, sum(ratios[0.02][-5:]) / 5
     assert ratios[0.02][0] == start  # the same router before any update

@@ -234,8 +234,9 @@ class LoadReader:
 
 class LoadBalancer:
     """Hooks on every MoE block of `model` (this rank's layers). Per training forward it counts the tokens per
-    expert (its `load`) and adds the balance losses to backward; `after_step()` (a collective: every rank calls it
-    once per optimizer step) updates the router biases and returns the step's `aux_loss` for the metrics.
+    expert (its `load`) and adds the balance losses to backward; once per optimizer step the training loop reduces
+    take_aux() and the load with its other metrics, then apply_load() moves the router biases and aux_metrics() gives
+    the step's `aux_loss`.
 
     aux_grad_scale: the gradient that one sequence's balance loss gets, so that the optimizer sees the mean over
     the global batch's sequences: dp_size / global_batch_size (DeepSpeed averages gradients over data-parallel
@@ -246,13 +247,12 @@ class LoadBalancer:
     """
 
     def __init__(self, model: nn.Module, settings: BalanceSettings, aux_grad_scale: float, global_batch_size: int,
-                 device, dp_group=None, loss_scale: Callable[[], float] | None = None, sequence_shard=None):
+                 device, loss_scale: Callable[[], float] | None = None, sequence_shard=None):
         self.s = settings
         self.sequence_shard = sequence_shard
         self.aux_grad_scale = aux_grad_scale
         self.loss_scale = loss_scale
         self.global_batch_size = global_batch_size
-        self.dp_group = dp_group
         self.load = ExpertLoad(model, settings.num_experts, device, keep_routing=settings.has_aux)
         self._step_load = LoadReader(self.load)
         self.blocks = self.load.blocks
@@ -277,22 +277,6 @@ class LoadBalancer:
             self.aux_sums += terms.detach().double()
         scale = self.aux_grad_scale * (self.loss_scale() if self.loss_scale else 1.0)
         return _AuxLossGrad.apply(output, terms.sum(), scale)
-
-    def after_step(self, skipped: bool) -> dict[str, float]:
-        """Bias update from this step's load (none when DeepSpeed skipped the step), then start the next step: its
-        own collectives and host read. The training loop instead reduces take_aux() and the load with its other
-        metrics, then calls apply_load() and aux_metrics()."""
-        metrics = {}
-        if self.s.has_aux:
-            total = self.take_aux()
-            if dist.is_initialized():
-                dist.all_reduce(total)  # every stage's layers, every replica's sequences
-            metrics = self.aux_metrics(total.tolist())
-        load = self._step_load.take()  # also when skipped: its tokens must not count in the next step
-        if self._updates(skipped) and dist.is_initialized():
-            dist.all_reduce(load, group=self.dp_group)
-        self._update_bias(load, skipped)
-        return metrics
 
     def take_aux(self) -> torch.Tensor:
         """This rank's balance-loss sums of the step (AUX_TERMS; a device tensor), then zero for the next step:

@@ -238,7 +238,7 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
     # statistics) and each TP rank of a replica holds the same sequences: the metrics' sums count tp x sp times.
     counted = cfg.train.global_batch_size * layout.degrees.tensor * layout.degrees.sequence
     balancer = (LoadBalancer(engine.module, settings, layout.gradient_size / cfg.train.global_batch_size, counted,
-                             engine.device, layout.gradient_group, loss_scale, layout.sequence_shard)
+                             engine.device, loss_scale, layout.sequence_shard)
                 if settings and settings.active else None)
     return Run(cfg=cfg, ds=ds, engine=engine, model_config=mcfg, loss_fn=loss_fn, dataset=dataset,
                dataset_dir=dataset_dir, rank=rank, world=world, layout=layout, dp_rank=layout.data_rank,
