@@ -1,7 +1,7 @@
 """Sequence parallelism (parallel.sequence_parallel, DeepSpeed-Ulysses for MLA): each sequence split over 2 ranks
 gives the single-process transformers + AdamW losses over 3 steps and every parameter's step-1 gradient, for
-DeepSeek-V3 (MLA with q/k heads wider than v heads, MoE with its balance losses and bias updates), DeepSeek-V2 and
-a dense Llama model, on text with document masks, under ZeRO-1/2/3. Packed chat data, SP x DP, SP x EP and the
+DeepSeek-V3 (MLA with q/k heads wider than v heads, MoE with its balance losses and bias updates, 2 MTP depths),
+DeepSeek-V2 and a dense Llama model, on text with document masks, under ZeRO-1/2/3, with tiled MLPs. Packed chat data, SP x DP, SP x EP and the
 MoE balancing under SP ride the packing, equivalence and MoE launches (test_packing, test_equivalence,
 test_moe_launch). Refusals are one line each, before launch."""
 
@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from deepseek_ds.config import ConfigError, load_and_validate, load_run_config
+from deepseek_ds.models.presets import build_model_config
 from helpers import checkpoint_sets, cli, fresh_ckpt_dir, losses, read_metrics, snapshot, train_layouts
 from reference import reference_losses
 
@@ -32,6 +33,9 @@ LAYOUTS = [
     ("v2-zero2", "ds_configs/zero2.json", ["model.preset=tiny-v2", "train.seed=3"]),
     ("dense-doc-mask-zero1", "ds_configs/zero1.json", ["model.preset=tiny-dense", "train.seed=7",
                                                        "data.document_mask=true"]),
+    # 2 MTP depths: each shard reads the next shard's first 2 tokens; the last shard's MTP MLPs leave out the
+    # positions without a token i + depth (seed 3: the reference keeps clear of routing ties)
+    ("v3-mtp2-zero1", "ds_configs/zero1.json", ["train.seed=3", "model.overrides.num_nextn_predict_layers=2"]),
     # ALST's tiled MLPs (11 tokens per tile: the last tile of each shard short) with SP and ZeRO-3
     ("v3-tiled-zero3", "ds_configs/zero3.json", ["train.seed=7", "train.tiled_mlp=11"]),
 ]
@@ -48,16 +52,24 @@ def runs(tmp_path_factory, data_dir):
 def test_sequence_parallel_equals_single_process(name, extra, runs, data_dir):
     cfg = load_run_config("recipes/tiny-v3.yaml", SETS + extra + [f"data.path={data_dir}",
                                                                    "parallel.sequence_parallel=1"])
-    norms, grads = [], {}
-    reference = reference_losses(cfg, data_dir, grad_norms=norms, first_grads=grads)
+    norms, grads, mtp = [], {}, []
+    reference = reference_losses(cfg, data_dir, grad_norms=norms, first_grads=grads, mtp_log=mtp)
     records = read_metrics(str(runs[name]))
     assert [r["loss"] for r in records] == pytest.approx(reference, rel=1e-5), name
+    if mtp and len(mtp[0]) > 1:  # each MTP depth's own token-weighted loss
+        got = [[r["lm_loss"], *(r[f"mtp_loss_{k}"] for k in range(1, len(mtp[0])))] for r in records]
+        assert got == [pytest.approx(parts, rel=1e-5) for parts in mtp], name
     # After two Adam steps the norms drift up to 1.3e-5 from the one-process reference: 2-rank SP=1 runs give the
     # same values as SP=2 to the last digit (measured for v2-zero2), so the drift is the data-parallel sums' order.
     assert [r["grad_norm"] for r in records] == pytest.approx(norms, rel=3e-5), name
     assert records[0]["grad_norm"] == pytest.approx(norms[0], rel=1e-5), name
     got = torch.load(runs[name] / "grads_step1.pt")
-    assert set(got) == set(grads)
+    # The reference's main model: every parameter; the MTP modules' (layers past the decoder's) are checked through
+    # their losses above.
+    decoder = build_model_config(cfg.model.preset, None, cfg.model.overrides).num_hidden_layers
+    mtp_only = set(got) - set(grads)
+    assert set(grads) <= set(got) and bool(mtp_only) == bool(mtp and len(mtp[0]) > 1)
+    assert all(int(k.split(".layers.")[1].split(".")[0]) >= decoder for k in mtp_only), mtp_only
     for key, want in grads.items():  # every parameter: the attention all-to-all's backward included
         scale = want.abs().max().item()
         assert torch.allclose(got[key], want, rtol=1e-5, atol=1e-5 * scale), (name, key)
@@ -114,7 +126,8 @@ REFUSALS = [
     (["parallel.sequence_parallel=2", "data.seq_len=63"], 2, "data.seq_len (63) must be divisible"),
     (["parallel.sequence_parallel=2", "parallel.pipeline_stages=2"], 4, "pipeline grid has no sequence axis"),
     (["parallel.sequence_parallel=2", "parallel.tensor_parallel=2"], 4, "set one of them to 1"),
-    (["parallel.sequence_parallel=2", "model.overrides.num_nextn_predict_layers=1"], 2, "num_nextn_predict_layers: 0"),
+    (["parallel.sequence_parallel=2", "model.overrides.num_nextn_predict_layers=2", "data.seq_len=4"], 2,
+     "must be longer than the MTP depth"),
     (["parallel.sequence_parallel=2", "train.compile=true"], 2, "train.compile: false"),
     (["parallel.sequence_parallel=2", "model.attn_implementation=flex_attention"], 2, "cannot serve parallel.sequence"),
     (["parallel.sequence_parallel=2"], 3, "not divisible by pipeline_stages(1) x tensor_parallel(1) x "

@@ -77,7 +77,8 @@ class EmbeddingPipe(nn.Module):
     def __init__(self, config, seed: int | None = None):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, getattr(config, "pad_token_id", None))
-        self.carry_ids = mtp_depth(config) > 0  # the MTP modules on the last stage embed the input tokens again
+        self.mtp_depth = mtp_depth(config)
+        self.carry_ids = self.mtp_depth > 0  # the MTP modules on the last stage embed the input tokens again
         self.defer_logits = False  # as a tied head in training: a Projection for the chunked loss (defer_logits)
         self.sequence_shard = None  # sequence parallelism: inputs are this shard of each sequence (parallel.sequence)
         if seed is not None:
@@ -85,8 +86,13 @@ class EmbeddingPipe(nn.Module):
 
     def forward(self, inputs):
         """inputs: input_ids, or (input_ids, position_ids) for packed sequences (positions restart at 0 at each
-        document); without position ids every sequence is one document."""
+        document); without position ids every sequence is one document. A sequence shard with MTP depths D trains on
+        its tokens and the next D (parallel.sequence.shard_micro_batch's halo): the MTP modules read them."""
         input_ids, position_ids = inputs if isinstance(inputs, tuple) else (inputs, None)
+        carried = input_ids
+        if self.sequence_shard is not None and self.training and self.mtp_depth:
+            input_ids = input_ids[:, :-self.mtp_depth]
+            position_ids = None if position_ids is None else position_ids[:, :-self.mtp_depth]
         hidden = self.embed_tokens(input_ids)
         one_document = position_ids is None
         if one_document:
@@ -99,7 +105,7 @@ class EmbeddingPipe(nn.Module):
         # a host-device sync per micro-batch. The mark stays on this stage (a later one receives a new tensor).
         position_ids._one_document = one_document
         if self.carry_ids:
-            return hidden, position_ids, input_ids
+            return hidden, position_ids, carried
         return hidden, position_ids
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -227,6 +233,7 @@ class MTPLayerPipe(DecoderLayerPipe):
         self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
         self.shared_head = nn.Module()
         self.shared_head.norm = norm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp_tokens = None  # sequence parallelism, last shard: the positions that have a token i + depth
         if seed is not None:
             init_weights_(self, config.initializer_range, seed)
 
@@ -236,8 +243,14 @@ class MTPLayerPipe(DecoderLayerPipe):
         position_ids, embeds, previous, *outputs = inputs
         # Position i reads token i + depth: only the first T - depth positions have one (and a target), so depth k
         # runs on T - k positions. No padding: the balance losses and expert loads then see real tokens only.
-        length = embeds.shape[1] - self.depth
-        hidden = self.eh_proj(torch.cat([self.enorm(embeds[:, self.depth:]), self.hnorm(previous[:, :length])], dim=-1))
+        # A sequence shard runs on all its positions (the all-to-alls need equal shards) and reads the next shard's
+        # first tokens from its halo (embeds: shard + D tokens); on the last shard the final k positions have no
+        # token i + k: its MLP leaves them out (mlp_tokens, parallel.sequence), so the same real tokens count.
+        length = min(previous.shape[1], embeds.shape[1] - self.depth)
+        if self.sequence_shard is not None and self.sequence_shard.rank == self.sequence_shard.size - 1:
+            self.mlp_tokens = length - self.depth
+        hidden = self.eh_proj(torch.cat([self.enorm(embeds[:, self.depth:self.depth + length]),
+                                         self.hnorm(previous[:, :length])], dim=-1))
         positions = position_ids[:, :length]
         positions._one_document = getattr(position_ids, "_one_document", False)  # a new tensor: see EmbeddingPipe
         hidden = self.shared_head.norm(self.run_layer(hidden, positions))

@@ -123,15 +123,16 @@ class TokenWeightedLoss:
         if self.scales is None:
             raise RuntimeError("TokenWeightedLoss.set_global_tokens must be called before each global batch")
         labels, position_ids = labels if isinstance(labels, tuple) else (labels, None)
+        # A sequence shard's labels go on past its positions (the MTP halo): each output's own positions' targets.
         if isinstance(logits, Projection):
             outputs = logits.hidden
-            sums = [linear_cross_entropy(h, logits.weight, shift_labels(labels, k, position_ids))
+            sums = [linear_cross_entropy(h, logits.weight, shift_labels(labels, k, position_ids)[:, :h.shape[1]])
                     for k, h in enumerate(outputs)]
         else:
             outputs = logits if isinstance(logits, tuple) else (logits,)
             sums = [F.cross_entropy(out.float().reshape(-1, out.shape[-1]),
-                                    shift_labels(labels, k, position_ids).reshape(-1), ignore_index=IGNORE_INDEX,
-                                    reduction="sum") for k, out in enumerate(outputs)]
+                                    shift_labels(labels, k, position_ids)[:, :out.shape[1]].reshape(-1),
+                                    ignore_index=IGNORE_INDEX, reduction="sum") for k, out in enumerate(outputs)]
         parts = torch.stack([s * self.scales[k] for k, s in enumerate(sums)])
         detached = parts.detach().double()
         self._parts = detached if self._parts is None else self._parts + detached
@@ -150,10 +151,12 @@ class TokenWeightedLoss:
         return parts
 
 
-def valid_token_counts(micro_batches, depth: int = 0) -> torch.Tensor:
+def valid_token_counts(micro_batches, depth: int = 0, halo: int = 0) -> torch.Tensor:
     """Valid targets of the main loss and of each MTP depth 1..depth over the given micro-batches
     ((input_ids, labels[, position_ids]) each): an int64 tensor on their device, read by nothing (the training loop
-    all-reduces it on the device: no host-device sync)."""
-    return torch.stack([sum((shift_labels(mb[1], k, mb[2] if len(mb) == 3 else None) != IGNORE_INDEX).sum()
-                            for mb in micro_batches)
-                        for k in range(depth + 1)])
+    all-reduces it on the device: no host-device sync). halo: the micro-batches are sequence shards with the next
+    `halo` tokens (parallel.sequence.shard_micro_batch), which are not their positions."""
+    def valid(mb, k):
+        targets = shift_labels(mb[1], k, mb[2] if len(mb) == 3 else None)
+        return (targets[:, :mb[1].shape[1] - halo] != IGNORE_INDEX).sum()
+    return torch.stack([sum(valid(mb, k) for mb in micro_batches) for k in range(depth + 1)])

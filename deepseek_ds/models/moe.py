@@ -92,8 +92,8 @@ def balance_losses(logits: torch.Tensor, indices: torch.Tensor, s: BalanceSettin
         scores = scores / scores.sum(-1, keepdim=True)  # V3's s'_{i,t}; softmax scores already sum to 1
     if shard is None:
         p = scores.mean(1)
-    else:
-        t *= shard.size
+    else:  # the sequence's tokens over its shards (the last shard of an MTP depth holds fewer)
+        t = _whole_sequence_sum(torch.tensor(float(t), dtype=scores.dtype, device=scores.device), shard)
         p = _whole_sequence_sum(scores.sum(1), shard) / t
     counts = torch.zeros(b, e, dtype=p.dtype, device=p.device)
     counts.scatter_add_(1, indices.reshape(b, -1), torch.ones(b, indices[0].numel(), dtype=p.dtype, device=p.device))

@@ -18,6 +18,7 @@ import contextlib
 import copy
 import sys
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,8 @@ from torch.distributed import ProcessGroup
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..models.layers import DecoderLayerPipe, EmbeddingPipe
+from ..models.layers import DecoderLayerPipe, EmbeddingPipe, MTPLayerPipe
+from ..models.loss import IGNORE_INDEX
 
 # transformers' attention registry name of the sequence-parallel attention (set on each attention module's own config).
 ULYSSES = "deepseek_ds_ulysses"
@@ -42,10 +44,13 @@ class SequenceShard:
     rank: int
     size: int
 
-    def take(self, t: torch.Tensor) -> torch.Tensor:
-        """This rank's contiguous slice of dim 1 (the sequence) of a [batch, seq, ...] tensor."""
+    def take(self, t: torch.Tensor, halo: int = 0, fill: int = 0) -> torch.Tensor:
+        """This rank's contiguous slice of dim 1 (the sequence) of a [batch, seq, ...] tensor, and the next `halo`
+        elements after it (`fill` past the sequence's end)."""
         n = t.shape[1] // self.size
-        return t[:, self.rank * n:(self.rank + 1) * n]
+        piece = t[:, self.rank * n:(self.rank + 1) * n + halo]
+        short = n + halo - piece.shape[1]
+        return torch.cat([piece, piece.new_full((piece.shape[0], short, *piece.shape[2:]), fill)], 1) if short else piece
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """The whole sequence of a [batch, shard] tensor that needs no gradient (position ids)."""
@@ -54,13 +59,15 @@ class SequenceShard:
         return torch.cat(parts, dim=1)
 
 
-def shard_micro_batch(micro_batch: tuple, shard: SequenceShard | None) -> tuple:
+def shard_micro_batch(micro_batch: tuple, shard: SequenceShard | None, halo: int = 0) -> tuple:
     """(input_ids, labels[, position_ids]) cut to this rank's shard of each sequence. Labels are already the next
     tokens (shifted before the split), so no target is lost at a shard boundary; a micro-batch without position ids
-    gets them from the embedding (the shard's global positions)."""
+    gets them from the embedding (the shard's global positions). halo: also the next shard's first `halo` tokens,
+    labels and positions (MTP depth d reads token i + d and its target; ignored labels past the sequence's end)."""
     if shard is None:
         return micro_batch
-    return tuple(shard.take(t) for t in micro_batch)
+    fills = (0, IGNORE_INDEX, 0)
+    return tuple(shard.take(t, halo, fill) for t, fill in zip(micro_batch, fills))
 
 
 def sequence_parallel_errors(sp: int, *, heads: int, kv_heads: int, seq_len: int, attn_implementation: str,
@@ -87,10 +94,10 @@ def sequence_parallel_errors(sp: int, *, heads: int, kv_heads: int, seq_len: int
         errors.append(f"parallel.sequence_parallel ({sp}) with parallel.tensor_parallel ({tensor_parallel}): "
                       "DeepSpeed 0.19.8's AutoTP builds its data x tensor mesh over the whole world, with no sequence "
                       "axis; set one of them to 1")
-    if mtp_depth:
-        errors.append(f"parallel.sequence_parallel ({sp}) with {mtp_depth} MTP module(s): depth k reads token i+k, "
-                      "which lies on the next shard at a boundary, and is not wired yet; set "
-                      "model.overrides.num_nextn_predict_layers: 0 or parallel.sequence_parallel: 1")
+    if mtp_depth and seq_len // sp <= mtp_depth:
+        errors.append(f"parallel.sequence_parallel ({sp}) with {mtp_depth} MTP module(s): each shard of data.seq_len "
+                      f"({seq_len}) must be longer than the MTP depth (depth k reads token i+k from the next shard); "
+                      "use a longer data.seq_len or a smaller parallel.sequence_parallel")
     if objective != "lm":
         errors.append(f"parallel.sequence_parallel ({sp}) with train.objective {objective!r}: the preference loss "
                       "needs each sequence's whole log-probability on one rank; use train.objective: lm or "
@@ -121,6 +128,32 @@ def _inner_function(module: nn.Module):
     if module.inner_attention == "eager":  # each transformers family has its own eager function
         return sys.modules[type(module).__module__].eager_attention_forward
     return ALL_ATTENTION_FUNCTIONS[module.inner_attention]
+
+
+def _mtp_valid_tokens(layer: MTPLayerPipe, mlp: nn.Module, args):
+    """Forward pre-hook on an MTP module's MLP: on the last shard only the positions that have a token i + depth
+    (layer.mlp_tokens) reach it, so the expert loads and balance losses see the tokens they see without SP."""
+    if layer.mlp_tokens is None:
+        return None
+    layer.mlp_positions = args[0].shape[1]
+    return (args[0][:, :layer.mlp_tokens].contiguous(), *args[1:])
+
+
+def _mtp_pad_back(layer: MTPLayerPipe, mlp: nn.Module, args, output):
+    """Forward hook: the left-out positions get a zero MLP output (their hidden state is the residual; no target)."""
+    if layer.mlp_tokens is None:
+        return None
+    return nn.functional.pad(output, (0, 0, 0, layer.mlp_positions - layer.mlp_tokens))
+
+
+def keep_mtp_to_real_tokens(model: nn.Module) -> int:
+    """The MTP modules' MLP hooks above, on the engine's module (after AutoEP has replaced the MoE blocks, before
+    the load balancer's hooks, which then see the real tokens); returns how many."""
+    layers = [m for m in model.modules() if isinstance(m, MTPLayerPipe) and m.sequence_shard is not None]
+    for layer in layers:
+        layer.layer.mlp.register_forward_pre_hook(partial(_mtp_valid_tokens, layer))
+        layer.layer.mlp.register_forward_hook(partial(_mtp_pad_back, layer))
+    return len(layers)
 
 
 def _attention_modules(model: nn.Module):

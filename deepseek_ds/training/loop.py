@@ -41,11 +41,14 @@ def _local_step(run: Run, micro_batches: list) -> torch.Tensor:
     if preference.is_dpo(run):
         return preference.local_step(run, micro_batches)
     engine = run.engine
-    # Sequence parallelism: each rank keeps its shard of every sequence, and counts and computes its own tokens.
-    micro_batches = [shard_micro_batch(mb, run.layout.sequence_shard) for mb in micro_batches]
+    # Sequence parallelism: each rank keeps its shard of every sequence (and the MTP depths' next tokens), and counts
+    # and computes its own tokens.
+    shard, depth = run.layout.sequence_shard, run.loss_fn.mtp_depth
+    halo = depth if shard else 0
+    micro_batches = [shard_micro_batch(mb, shard, halo) for mb in micro_batches]
     # Counted on the host (the batches are host tensors) without reading them; collectives take device tensors (NCCL
     # refuses host ones).
-    n_valid = to_device(valid_token_counts(micro_batches, run.loss_fn.mtp_depth).double(), engine.device)
+    n_valid = to_device(valid_token_counts(micro_batches, depth, halo).double(), engine.device)
     # The summed counts stay on the device: the loss scales need no host-device sync.
     layout = run.layout
     run.loss_fn.set_global_tokens(_all_reduce(n_valid, layout.gradient_group), layout.gradient_size, run.grad_accum)

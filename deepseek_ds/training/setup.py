@@ -230,6 +230,8 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
                  cfg.train.tiled_mlp)
     ds = _parallelize(cfg, ds, model, mcfg, layout, log)
     engine = _engine(cfg, ds, model, layout, log)
+    if layout.sequence_shard:  # before the balancer's hooks
+        sequence.keep_mtp_to_real_tokens(engine.module)
     grad_accum = cfg.grad_accum_steps(layout.data_size)
     settings = resolve_settings(cfg.moe, mcfg)
     # fp16 scales the LM loss's gradients by its dynamic loss scale: the balance losses' gradients must follow.
