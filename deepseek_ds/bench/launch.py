@@ -19,8 +19,9 @@ from ..utils.system import deepspeed_executable, launch_env, usable_cpus
 WORKER_MODULE = "deepseek_ds.bench.worker"
 
 
-def add_launch_args(p: argparse.ArgumentParser) -> None:
-    """Options every benchmark shares: the run, how to launch it, how long to measure."""
+def add_launch_args(p: argparse.ArgumentParser, *, steps: int = 5, warmup: int = 2) -> None:
+    """Options every benchmark shares: the run, how to launch it, how long to measure (`steps` and `warmup`: the
+    defaults, fewer where each step is slow)."""
     add_run_args(p, set_help="override the run YAML, e.g. --set model.overrides.num_hidden_layers=2 (repeatable)")
     add_hostfile(p, help="DeepSpeed hostfile: launch on its hosts and slots (default: this host)")
     add_slot_filters(p)
@@ -28,8 +29,9 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(*spellings("--launcher-args"), default="", metavar="ARGS",
                    help='more `deepspeed` launcher options, given with "=": --launcher-args="--master_addr node-0" '
                         "(default: none)")
-    p.add_argument("--steps", type=int, default=5, help="timed optimizer steps per configuration (default 5)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps before them (default 2)")
+    p.add_argument("--steps", type=int, default=steps,
+                   help=f"timed optimizer steps per configuration (default {steps})")
+    p.add_argument("--warmup", type=int, default=warmup, help=f"untimed optimizer steps before them (default {warmup})")
     p.add_argument(*spellings("--peak-tflops"), type=float, default=None,
                    help="per-device peak for MFU (default: the known GPU's bf16 dense peak; none on CPU)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds one launch may take (default 3600)")
@@ -92,9 +94,10 @@ def _run(cmd: list[str], env: dict[str, str], log: str, timeout: float) -> int |
 
 
 def launch(args: argparse.Namespace, *, world: int, global_batch_sizes: list[int], sets: list[str],
-           deepspeed_config: str | None, result: str, log: str) -> list[list[dict]]:
+           deepspeed_config: str | None, result: str, log: str, threads: int | None = None) -> list[list[dict]]:
     """One `deepspeed` launch of the worker (on `world` local ranks, or on the hostfile's slots); returns, per
-    global batch size, every rank's report. The launcher's output goes to `log`."""
+    global batch size, every rank's report. The launcher's output goes to `log`. `threads`: OpenMP threads per
+    local rank (default: the usable cores divided by the local ranks); OMP_NUM_THREADS, when set, wins."""
     cmd = worker_command(args, world=world, global_batch_sizes=global_batch_sizes, sets=sets,
                          deepspeed_config=deepspeed_config, result=result)
     env = launch_env()
@@ -102,7 +105,7 @@ def launch(args: argparse.Namespace, *, world: int, global_batch_sizes: list[int
         # Share the cores among the local ranks. With the default (every rank one thread per
         # core) OpenMP's spin-waiting threads of co-located ranks starve each other: ZeRO-0 ran ~30x slower
         # on a 2-core host. On other hosts of a hostfile, set it in .deepspeed_env.
-        env["OMP_NUM_THREADS"] = str(max(1, usable_cpus() // world))
+        env["OMP_NUM_THREADS"] = str(threads or max(1, usable_cpus() // world))
     if os.path.exists(result):
         os.remove(result)
     rc = _run(cmd, env, log, args.timeout)

@@ -7,8 +7,10 @@ import csv
 import datetime
 import os
 import platform
+import resource
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,3 +125,28 @@ def environment_markdown(env: dict[str, str]) -> str:
 def write_markdown(path: str, blocks: list[str]) -> None:
     """Atomically: a kill mid-write (a GPU machine's time limit) leaves the previous complete report."""
     write_bytes_atomic(Path(path), ("\n\n".join(b.strip("\n") for b in blocks) + "\n").encode())
+
+
+class HostLoad:
+    """The share of this host's cores that work other than the launch used while it ran: the host's busy CPU
+    time minus the launch's (the launcher, launch.py and the ranks are waited-for descendants, so their CPU
+    time lands in RUSAGE_CHILDREN). A shared machine slows the ranks down; this says by how much it was."""
+
+    def __enter__(self) -> HostLoad:
+        self._start = (time.monotonic(), self._busy(), self._children())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        wall, busy, children = (now - then for now, then in zip(
+            (time.monotonic(), self._busy(), self._children()), self._start))
+        self.other_share = max(0.0, busy - children) / (wall * psutil.cpu_count())
+
+    @staticmethod
+    def _busy() -> float:
+        t = psutil.cpu_times()
+        return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+    @staticmethod
+    def _children() -> float:
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime

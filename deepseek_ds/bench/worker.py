@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import deepspeed
+import psutil
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule
@@ -200,6 +201,15 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def memory_now_bytes(device: torch.device) -> int:
+    """CUDA: the bytes allocated now; CPU: the process's resident set now. Taken before the first step, it is the
+    baseline the steps' peak grows from (the interpreter, libraries, model and optimizer states; on CPU also what
+    the allocator kept of earlier variants)."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    return psutil.Process().memory_info().rss
+
+
 def peak_reserved_bytes(device: torch.device) -> int | None:
     """CUDA: the most the caching allocator reserved (allocated plus cached and fragmented blocks), what the
     device really had to provide; None on CPU."""
@@ -258,6 +268,8 @@ def _measure(run, cfg, ds: dict, warmup: int, timed: int) -> dict:
     batches = micro_batches(run.dataset, sampler)
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(engine.device)
+    # On CPU peak RSS never shrinks: what the steps themselves add (their activations) is the peak over this.
+    memory_before, peak_before = memory_now_bytes(engine.device), peak_memory_bytes(engine.device)
     steps = []
     total = warmup + timed + 1
     for i in range(total):
@@ -273,6 +285,7 @@ def _measure(run, cfg, ds: dict, warmup: int, timed: int) -> dict:
         "device": device_name(engine.device), "steps": steps, "held": probe.peak,
         "optimizer_device": probe.optimizer_device, "peak_memory": peak_memory_bytes(engine.device),
         "peak_reserved": peak_reserved_bytes(engine.device),
+        "memory_before_steps": memory_before, "peak_memory_before_steps": peak_before,
         # Optimizer steps fp16's loss scaler skipped on overflow (0 under bf16 and fp32).
         "skipped_steps": int(getattr(engine, "skipped_steps", 0)),
         # ZeRO-3 leaves partitioned parameters empty; ds_numel is their full size.
@@ -283,7 +296,8 @@ def _measure(run, cfg, ds: dict, warmup: int, timed: int) -> dict:
         "seq_len": cfg.data.seq_len, "flops_per_token": flops_per_token(run.model_config, cfg.data.seq_len),
         "peak_tflops": peak_tflops(engine.device, cfg.train.peak_tflops),
         "zero_stage": zero_stage(ds), "precision": precision(ds), "pipeline_stages": cfg.parallel.pipeline_stages,
-        "tensor_parallel": cfg.parallel.tensor_parallel,
+        "tensor_parallel": cfg.parallel.tensor_parallel, "sequence_parallel": cfg.parallel.sequence_parallel,
+        "tiled_mlp": cfg.train.tiled_mlp,
         "model": cfg.model.preset or cfg.model.path, "threads": torch.get_num_threads(),
     }
 

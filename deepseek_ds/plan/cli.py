@@ -7,7 +7,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import sys
 
 import torch
@@ -19,13 +18,12 @@ from ..launcher.world import world_size
 from ..models.presets import PRESETS
 from ..utils.cli_args import add_hostfile, add_num_gpus, add_run_args, add_slot_filters, positive_int, spellings
 from ..utils.errors import UserError
+from ..utils.fmt import parse_bytes
 from . import report
 from .estimate import estimate, layout_of, model_config
 from .params import SpecParams
 from .steptime import DEFAULT_GPU, GPUS, Hardware, search, step_time
 
-_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(GIB|GB|MIB|MB|TIB|TB)?", re.IGNORECASE)
-_UNITS = {"GIB": 2**30, "GB": 2**30, "MIB": 2**20, "MB": 2**20, "TIB": 2**40, "TB": 2**40, None: 1}
 _LAYOUT_KEYS = {"pp": "parallel.pipeline_stages", "ep": "parallel.expert_parallel", "tp": "parallel.tensor_parallel",
                 "sp": "parallel.sequence_parallel", "micro": "train.micro_batch_size"}
 
@@ -35,11 +33,11 @@ class PlanError(UserError):
 
 
 def memory_size(text: str) -> int:
-    """'80GB' -> bytes. GB means GiB here, as GPU memory is quoted (an "80 GB" H100 holds 79.6 GiB)."""
-    m = _SIZE.fullmatch(text.strip())
-    if not m:
+    """'80GB' -> bytes (utils.fmt.parse_bytes)."""
+    size = parse_bytes(text)
+    if size is None:
         raise argparse.ArgumentTypeError(f"--gpu-memory {text!r}: a size such as 80GB, 24GiB or 81559MiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper() if m.group(2) else None])
+    return size
 
 
 def layout_sets(text: str) -> tuple[list[str], int | None]:

@@ -65,7 +65,7 @@ class Run:
     pipeline: bool
     grad_accum: int
     log: logging.Logger
-    balancer: LoadBalancer | None = None  # MoE load balancing: after_step() once per optimizer step
+    balancer: LoadBalancer | None = None  # MoE load balancing (the loop moves its biases once per step)
     reference: object = None         # dpo: the training split's reference log-probabilities (training/preference.py)
     valid_reference: object = None   # dpo with eval.interval: the validation split's
     base_buffers: list | None = None  # dpo with LoRA: the base's starting buffers (router biases), its reference's
@@ -232,20 +232,24 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
     engine = _engine(cfg, ds, model, layout, log)
     if layout.sequence_shard:  # before the balancer's hooks
         sequence.keep_mtp_to_real_tokens(engine.module)
-    grad_accum = cfg.grad_accum_steps(layout.data_size)
+    return Run(cfg=cfg, ds=ds, engine=engine, model_config=mcfg, loss_fn=loss_fn, dataset=dataset,
+               dataset_dir=dataset_dir, rank=rank, world=world, layout=layout, dp_rank=layout.data_rank,
+               dp_size=layout.data_size, pipeline=cfg.parallel.pipeline_stages > 1,
+               grad_accum=cfg.grad_accum_steps(layout.data_size), log=log,
+               balancer=_balancer(cfg, mcfg, engine, layout))
+
+
+def _balancer(cfg: RunConfig, mcfg: PretrainedConfig, engine: DeepSpeedEngine, layout: Layout) -> LoadBalancer | None:
     settings = resolve_settings(cfg.moe, mcfg)
+    if not (settings and settings.active):
+        return None
     # fp16 scales the LM loss's gradients by its dynamic loss scale: the balance losses' gradients must follow.
     loss_scale = (lambda: float(engine.optimizer.loss_scale)) if engine.fp16_enabled() else None
     # Each sequence's balance loss is computed whole on each of its sequence ranks (over the group's summed
     # statistics) and each TP rank of a replica holds the same sequences: the metrics' sums count tp x sp times.
     counted = cfg.train.global_batch_size * layout.degrees.tensor * layout.degrees.sequence
-    balancer = (LoadBalancer(engine.module, settings, layout.gradient_size / cfg.train.global_batch_size, counted,
-                             engine.device, loss_scale, layout.sequence_shard)
-                if settings and settings.active else None)
-    return Run(cfg=cfg, ds=ds, engine=engine, model_config=mcfg, loss_fn=loss_fn, dataset=dataset,
-               dataset_dir=dataset_dir, rank=rank, world=world, layout=layout, dp_rank=layout.data_rank,
-               dp_size=layout.data_size, pipeline=cfg.parallel.pipeline_stages > 1, grad_accum=grad_accum, log=log,
-               balancer=balancer)
+    return LoadBalancer(engine.module, settings, layout.gradient_size / cfg.train.global_batch_size, counted,
+                        engine.device, loss_scale, layout.sequence_shard)
 
 
 def _open_training_data(cfg: RunConfig, dataset_dir: str, mcfg: PretrainedConfig, rank: int, log: logging.Logger):

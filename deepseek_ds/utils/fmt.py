@@ -1,10 +1,23 @@
-"""Numbers and tables for people: byte sizes, plain-text and markdown tables (through tabulate)."""
+"""Numbers and tables for people: byte sizes (written and read), plain-text and markdown tables (through
+tabulate)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from tabulate import tabulate
+
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(GIB|GB|MIB|MB|TIB|TB)?", re.IGNORECASE)
+_UNITS = {"GIB": 2**30, "GB": 2**30, "MIB": 2**20, "MB": 2**20, "TIB": 2**40, "TB": 2**40, None: 1}
+
+
+def parse_bytes(text: str) -> int | None:
+    """'80GB' -> bytes (GB means GiB, as GPU and host memory are quoted: an "80 GB" H100 holds 79.6 GiB); None
+    when `text` is not a size."""
+    m = _SIZE.fullmatch(text.strip())
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper() if m.group(2) else None]) if m else None
 
 
 def human_bytes(n: float | None) -> str:
