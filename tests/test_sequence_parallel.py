@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from deepseek_ds.config import ConfigError, load_and_validate, load_run_config
 from deepseek_ds.models.presets import build_model_config
-from helpers import checkpoint_sets, cli, fresh_ckpt_dir, losses, read_metrics, snapshot, train_layouts
+from helpers import checkpoint_sets, cli, fresh_ckpt_dir, losses, read_metrics, snapshot, train, train_layouts
 from reference import reference_losses
 
 STEPS = 3
@@ -79,9 +79,9 @@ def test_sequence_parallel_equals_single_process(name, extra, runs, data_dir):
 @pytest.mark.launch
 def test_sequence_parallel_is_a_layout_for_checkpoints(zero1, tmp_path, data_dir):
     """An SP=2 run resumes bit for bit; SP is a layout: its checkpoint resumes with SP=1 and an SP=1 checkpoint
-    (conftest's ZeRO-1 run) with SP=2, on the same 2 ranks, where ZeRO shards over the same data x sequence ranks
-    (a change of world goes through the universal checkpoint as for any layout); `export hf` of the SP=2 checkpoint
-    equals the SP=1 export of the same steps."""
+    (conftest's ZeRO-1 run) with SP=2 on the same 2 ranks, where ZeRO shards over the same data x sequence ranks
+    (no conversion), and on 1 rank through the universal checkpoint; `export hf` of the SP=2 checkpoint equals the
+    SP=1 export of the same steps."""
     sets = checkpoint_sets(data_dir, 4, 2, "checkpoint.keep=3")
     sp = "parallel.sequence_parallel=2"
     first = train_layouts(2, tmp_path / "a", [("sp2", "ds_configs/zero1.json", [sp, f"checkpoint.dir={tmp_path}/sp2"]),
@@ -99,6 +99,9 @@ def test_sequence_parallel_is_a_layout_for_checkpoints(zero1, tmp_path, data_dir
     assert losses(read_metrics(str(again["sp2"]))) == {3: straight[3], 4: straight[4]}  # bitwise
     resumed_sp1 = losses(read_metrics(str(again["sp1"])))
     assert [resumed_sp1[s] for s in (3, 4)] == pytest.approx([straight[3], straight[4]], rel=1e-5)
+    # On one rank ZeRO's shards change: the automatic universal conversion, as for any layout change.
+    one = losses(train(1, str(tmp_path / "one"), sets + [f"checkpoint.dir={fresh_ckpt_dir(step2, tmp_path / 'c0')}"]))
+    assert [one[s] for s in (3, 4)] == pytest.approx([straight[3], straight[4]], rel=1e-5)
     exports = {}
     for name, ckpt in (("sp2", tmp_path / "sp2"), ("sp1", tmp_path / "c1")):
         out = tmp_path / f"hf-{name}"
