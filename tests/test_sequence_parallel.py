@@ -9,7 +9,6 @@ import re
 
 import pytest
 import torch
-
 from safetensors.torch import load_file
 
 from deepseek_ds.config import ConfigError, load_and_validate, load_run_config

@@ -63,7 +63,7 @@ def mlp_bytes(mcfg, moe: bool, f: int, tp: int, tiled: bool = False) -> float:
         return out
     if not moe:
         return out + 4 * f * mcfg.intermediate_size // tp
-    k, e, inter = mcfg.num_experts_per_tok, mcfg.n_routed_experts, mcfg.moe_intermediate_size
+    k, inter = mcfg.num_experts_per_tok, mcfg.moe_intermediate_size
     out += f * k * (2 * mcfg.hidden_size + 4 * inter)
     return out + 4 * f * (mcfg.n_shared_experts or 0) * inter // tp
 

@@ -8,7 +8,6 @@ from collections.abc import Sequence
 
 from tabulate import tabulate
 
-
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(GIB|GB|MIB|MB|TIB|TB)?", re.IGNORECASE)
 _UNITS = {"GIB": 2**30, "GB": 2**30, "MIB": 2**20, "MB": 2**20, "TIB": 2**40, "TB": 2**40, None: 1}
 
