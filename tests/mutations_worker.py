@@ -55,8 +55,8 @@ def mutation(name: str, rank: int, global_batch: int):
         return patched(loss.TokenWeightedLoss, "__call__", lambda call: lambda self, *a: call(self, *a) *
                        (LOSS_SCALE if rank == 1 else 1.0))
     if name == "token-count":  # rank 0's first micro-batch left out of the global batch's valid-token count
-        return patched(loss, "valid_token_counts", lambda count: lambda micro_batches, depth=0:
-                       count(micro_batches[1:] if rank == 0 else micro_batches, depth))
+        return patched(loss, "valid_token_counts", lambda count: lambda micro_batches, depth=0, halo=0:
+                       count(micro_batches[1:] if rank == 0 else micro_batches, depth, halo))
     if name == "sample-swap":  # the first sample of the first and of the second global batch trade places
 
         def swap(order_of):
