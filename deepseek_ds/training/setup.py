@@ -60,8 +60,6 @@ class Run:
     rank: int
     world: int
     layout: Layout                   # degrees, groups, this rank's place (parallel/layout.py)
-    dp_rank: int                     # the share of the global batch this rank reads (layout.data_rank)
-    dp_size: int                     # data-parallel replicas (layout.data_size)
     pipeline: bool
     grad_accum: int
     log: logging.Logger
@@ -69,6 +67,16 @@ class Run:
     reference: object = None         # dpo: the training split's reference log-probabilities (training/preference.py)
     valid_reference: object = None   # dpo with eval.interval: the validation split's
     base_buffers: list | None = None  # dpo with LoRA: the base's starting buffers (router biases), its reference's
+
+    @property
+    def dp_rank(self) -> int:
+        """The share of the global batch this rank reads (its sequence and tensor ranks read it too)."""
+        return self.layout.data_rank
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas."""
+        return self.layout.data_size
 
 
 def init_distributed(timeout_s: int = 1800) -> tuple[int, int]:
@@ -233,8 +241,8 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
     if layout.sequence_shard:  # before the balancer's hooks
         sequence.keep_mtp_to_real_tokens(engine.module)
     return Run(cfg=cfg, ds=ds, engine=engine, model_config=mcfg, loss_fn=loss_fn, dataset=dataset,
-               dataset_dir=dataset_dir, rank=rank, world=world, layout=layout, dp_rank=layout.data_rank,
-               dp_size=layout.data_size, pipeline=cfg.parallel.pipeline_stages > 1,
+               dataset_dir=dataset_dir, rank=rank, world=world, layout=layout,
+               pipeline=cfg.parallel.pipeline_stages > 1,
                grad_accum=cfg.grad_accum_steps(layout.data_size), log=log,
                balancer=_balancer(cfg, mcfg, engine, layout))
 
