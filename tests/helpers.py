@@ -238,6 +238,25 @@ def train_layouts(nproc: int, root: Path, layouts: list, sets: list[str], worker
     return {name: root / name for name, _, _ in layouts}
 
 
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL a job started with start_new_session (the launcher and every rank: its process group) and wait until
+    none of it is left (init reaps the orphaned ranks a moment after the launcher)."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    gone = time.monotonic() + 30
+    while _group_alive(proc.pid):
+        assert time.monotonic() < gone, "a rank outlived the kill of its process group"
+        time.sleep(0.1)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def read_metrics(output_dir: str) -> list[dict]:
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 from deepseek_ds.checkpoint.format import complete_tags
 from deepseek_ds.checkpoint.integrity import check_tag
 from deepseek_ds.utils.net import free_port
-from helpers import BIN, ROOT, STRAIGHT_STEPS, cli, launch_env, losses, read_metrics, resuming_sets, run_ranks
+from helpers import BIN, ROOT, STRAIGHT_STEPS, cli, kill_job, launch_env, losses, read_metrics, resuming_sets, run_ranks
 
 STEPS = STRAIGHT_STEPS  # the straight run's: its losses are the reference
 # Two kills, a fresh job's and a resumed one's (which took over the dead job's lock), then the resume to the end. A
@@ -56,20 +55,7 @@ def _kill_while_saving(out: Path, data_dir: str, rng: random.Random) -> None:
         time.sleep(0.05)
     time.sleep(rng.uniform(0.0, 1.5))
     assert proc.poll() is None, "the job finished before the kill: raise STEPS"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    gone = time.monotonic() + 30  # the orphaned ranks are reaped by init a moment later
-    while _group_alive(proc.pid):
-        assert time.monotonic() < gone, "a rank outlived the kill of its process group"
-        time.sleep(0.1)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    kill_job(proc)
 
 
 @pytest.mark.launch

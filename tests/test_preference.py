@@ -3,6 +3,9 @@ the training launch against an independent transformers computation of TRL's DPO
 
 import json
 import math
+import os
+import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -151,27 +154,30 @@ def test_validate_refuses_objective_and_data_mismatches_and_another_reference(pr
              "remove it"),
             (["lora.r=4", f"preference.reference={tmp_path / 'other'}"], "with LoRA: the reference is the base",
              "remove preference.reference"),
-            (["parallel.expert_parallel=2", "train.global_batch_size=8", f"preference.reference={tmp_path}"],
-             "with parallel.expert_parallel > 1 is not supported yet", "use preference.reference: null"),
             (["data.packing=true"], "dpo does not support data.packing", "without them"),
             (["model.overrides.num_nextn_predict_layers=1", "train.mtp_loss_weight=0.3"], "dpo trains no MTP module",
              "set model.overrides.num_nextn_predict_layers: 0")):
-        message = refused(load_run_config("recipes/tiny-v3.yaml", dpo + sets), ds,
-                          world=2 if "expert" in match else 1, match=match)
+        message = refused(load_run_config("recipes/tiny-v3.yaml", dpo + sets), ds, match=match)
         assert fix in message, (sets, message)
+    ep = dpo + ["parallel.expert_parallel=2", "train.global_batch_size=8", f"preference.reference={tmp_path / 'other'}"]
+    message = refused(load_run_config("recipes/tiny-v3.yaml", ep), load_ds_config("ds_configs/zero3.json"), world=2,
+                      match="with parallel.expert_parallel > 1 and ZeRO-3 is not supported yet")
+    assert "use ZeRO stage 1 or 2" in message
 
 
 # ----------------------------------------------------------------------------------------------- launches
+# Adam's eps at 1e-6: with 1e-8 Adam's first update lr x g / (|g| + eps) turns the rounding noise of gradients near
+# 1e-8 into steps of up to lr / 20 (measured against TRL), and two exact computations' second losses part by 4e-5
+# (expert parallelism groups the experts' tokens otherwise).
 SETS = [f"train.steps={STEPS}", f"train.micro_batch_size={MICRO}", f"train.global_batch_size={GLOBAL}",
         f"data.seq_len={SEQ}", "train.warmup_steps=0", "checkpoint.interval=0", "eval.interval=0",
-        "train.objective=dpo", "preference.beta=0.5", "train.lr=1e-2"]
+        "train.objective=dpo", "preference.beta=0.5", "train.lr=1e-2", "train.eps=1e-6"]
 
 
+PASS_SETS = ["train.steps=1"]  # the reference pass over many_pairs, then one step
 # The run TRL's DPOTrainer repeats: a constant rate (min_lr = lr), no weight decay (Trainer exempts norms and biases),
-# no MoE balancing (TRL neither moves router biases nor adds DeepSeek's balance loss), and Adam's eps at 1e-6: with
-# 1e-8 Adam's first update lr x g / (|g| + eps) turns the rounding noise of gradients near 1e-8 into steps of up to
-# lr / 20 (measured), and the two trainings' second losses part by 2e-5.
-TRL_SETS = ["train.min_lr=1e-2", "train.weight_decay=0", "train.eps=1e-6", "moe.bias_update_speed=0", "moe.seq_aux_alpha=0"]
+# and no MoE balancing (TRL neither moves router biases nor adds DeepSeek's balance loss).
+TRL_SETS = ["train.min_lr=1e-2", "train.weight_decay=0", "moe.bias_update_speed=0", "moe.seq_aux_alpha=0"]
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +193,16 @@ def reference_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def dpo_runs(tmp_path_factory, pref_data, reference_dir):
+def many_pairs(tmp_path_factory) -> str:
+    """400 pairs: a reference pass of 100 parts, long enough to be killed midway."""
+    root = tmp_path_factory.mktemp("many")
+    (root / "pairs.jsonl").write_text("".join(json.dumps(_record(i)) + "\n" for i in range(400)))
+    return prepare_dataset([str(root / "pairs.jsonl")], str(root / "ds"), vocab_size=300, valid_fraction=0,
+                           progress=False, data_format="preference")
+
+
+@pytest.fixture(scope="module")
+def dpo_runs(tmp_path_factory, pref_data, reference_dir, many_pairs):
     sets = SETS + [f"data.path={pref_data}", f"preference.reference={reference_dir}"]
     start = ["preference.reference=null"]  # the starting weights
     # "one" twice: the second resumes the first's run for one more step (the same output directory).
@@ -207,10 +222,12 @@ def dpo_runs(tmp_path_factory, pref_data, reference_dir):
                                                             ("zero3", "ds_configs/zero3.json", []),
                                                             ("pp2", "ds_configs/zero1_pp.json",
                                                              ["parallel.pipeline_stages=2"]),
-                                                            ("ep2-start", "ds_configs/zero1.json",
-                                                             start + ["parallel.expert_parallel=2"])], sets)
+                                                            ("ep2", "ds_configs/zero1.json",
+                                                             ["parallel.expert_parallel=2"]),
+                                                            ("pass", "ds_configs/zero1.json", PASS_SETS + [
+                                                                f"data.path={many_pairs}"])], sets)
     return {**{k: read_metrics(str(v)) for k, v in {**one, **two}.items()}, "one_dir": one["one"],
-            "lora_dir": one["lora"], "start_dir": one["one-start"]}
+            "lora_dir": one["lora"], "start_dir": one["one-start"], "pass_dir": two["pass"]}
 
 
 def _first_step(cfg, pref_data, reference_dir):
@@ -271,8 +288,8 @@ def test_first_step_equals_trl_formulas_and_layouts_equal_one_process(dpo_runs, 
     assert evaluated["eval_reward_margin"] == pytest.approx(
         evaluated["eval_rewards_chosen"] - evaluated["eval_rewards_rejected"], abs=1e-9)
     assert math.isfinite(evaluated["eval_loss"]) and evaluated["eval_loss"] != pytest.approx(math.log(2), abs=1e-4)
-    # Expert parallelism takes the starting weights as its reference (validate refuses a directory there).
-    for name, single in (("zero1", "one"), ("zero3", "one"), ("pp2", "one"), ("ep2-start", "one-start")):
+    # The reference directory is read into each layout's own split of the model (EP: each rank its experts).
+    for name, single in (("zero1", "one"), ("zero3", "one"), ("pp2", "one"), ("ep2", "one")):
         one = [r["loss"] for r in dpo_runs[single]][:STEPS]
         assert [r["loss"] for r in dpo_runs[name]] == pytest.approx(one, rel=1e-5), name
         # A margin is beta x a difference of fp32 sequence log-probabilities of magnitude ~30 that the layouts sum
@@ -407,3 +424,48 @@ def _clip_grad_norm_fp64(parameters, max_norm: float, **_) -> torch.Tensor:
     coef = min(1.0, max_norm / (total.item() + 1e-6))
     torch._foreach_mul_(grads, coef)
     return total.float()
+
+
+@pytest.mark.launch
+def test_reference_pass_killed_midway_resumes_to_the_same_bytes(dpo_runs, many_pairs, reference_dir, tmp_path):
+    """SIGKILL to the whole job (launcher and ranks) while the reference pass stores its parts; the relaunch keeps
+    the parts stored intact, computes only the rest, and stores bitwise what the uninterrupted 2-rank pass stored."""
+    from deepseek_ds.training.preference import REFERENCE_DIR, part_pairs
+    from deepseek_ds.utils.net import free_port
+    from helpers import BIN, ROOT, kill_job, launch_env, run_ranks
+
+    out = tmp_path / "killed"
+    args = ["train.py", "--config", "recipes/tiny-v3.yaml"]
+    for s in SETS + PASS_SETS + [f"data.path={many_pairs}", f"preference.reference={reference_dir}",
+                                 f"train.output_dir={out}"]:
+        args += ["--set", s]
+    folder = out / "checkpoints" / REFERENCE_DIR
+    manifest = folder / "train.parts" / "manifest.json"
+    cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
+    proc = subprocess.Popen(cmd + args, cwd=ROOT, env=launch_env(), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while _parts_stored(manifest) < 3:
+        assert proc.poll() is None, f"the job ended (status {proc.returncode}) before the kill"
+        assert time.monotonic() < deadline, "no reference part within 300 s"
+        time.sleep(0.02)
+    kill_job(proc)
+    kept = _parts_stored(manifest)
+    pairs = len(open_dataset(many_pairs, load_run_config("recipes/tiny-v3.yaml", SETS).data))
+    size = part_pairs(pairs, 2, MICRO)
+    assert 3 <= kept < math.ceil(pairs / size) and not (folder / "train.bin").exists()
+    run_ranks(2, args)
+    log = (out / "logs" / "rank0.log").read_text()
+    assert f"reference pass: resuming at pair {kept * size} of {pairs} ({kept} of" in log
+    uninterrupted = dpo_runs["pass_dir"] / "checkpoints" / REFERENCE_DIR
+    assert (folder / "train.bin").read_bytes() == (uninterrupted / "train.bin").read_bytes()
+    assert json.loads((folder / "train.json").read_text()) == json.loads((uninterrupted / "train.json").read_text())
+    assert not (folder / "train.parts").exists()  # merged into train.bin
+    assert read_metrics(str(out))[0]["loss"] == dpo_runs["pass"][0]["loss"]
+
+
+def _parts_stored(manifest) -> int:
+    try:
+        return len(json.loads(manifest.read_text())["sha256"])
+    except (OSError, ValueError):
+        return 0

@@ -16,10 +16,12 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
 from deepspeed.module_inject.auto_ep_presets.registry import get_preset
 from deepspeed.pipe import TiedLayerSpec
 from transformers import PretrainedConfig
 
+from ..models.hf_io import load_hf_weights
 from ..models.names import hf_names
 from ..models.pipeline import layer_specs
 from .format import SEQUENTIAL, CheckpointError
@@ -96,3 +98,38 @@ def hf_tensors(weights: dict[str, torch.Tensor], entries: dict[str, Entry]) -> d
             parts.setdefault(entry.hf, {})[index] = tensor.reshape(entry.shape)
     return {hf: torch.cat([p[i] for i in range(counts[hf])], dim=1) if counts[hf] > 1 else p[0]
             for hf, p in parts.items() if len(p) == counts[hf]}
+
+
+def load_hf_weights_autoep(layers, hf_dir: str, config: PretrainedConfig) -> int:
+    """models.hf_io.load_hf_weights for local layers whose MoE blocks AutoEP replaced (ZeRO 0-2): a layer with an
+    AutoEP block is read into a fresh copy of itself, one layer at a time, then copied across by _autoep_names, each
+    rank taking its own experts' rows of the grouped tensors (AutoEP places experts uniformly: rank r holds experts
+    r*E/ep .. (r+1)*E/ep-1). Returns the bytes read."""
+    to_hf = {new: (key, part) for key, renamed in _autoep_names(config).items() for new, part in renamed}
+    read = 0
+    for layer in layers:
+        moe = next((m for m in layer.modules() if isinstance(m, AutoEPMoELayer)), None)
+        if moe is None:
+            read += load_hf_weights([layer], hf_dir, config)
+            continue
+        with torch.device("meta"):
+            fresh = type(layer)(config, layer.layer_idx)
+        fresh.to_empty(device="cpu")
+        read += load_hf_weights([fresh], hf_dir, config)
+        source = fresh.state_dict()
+        first = moe.ep_rank * moe.num_local_experts
+        with torch.no_grad():
+            for key, target in layer.state_dict(keep_vars=True).items():
+                inner = key.removeprefix(_MLP) if key.startswith(_MLP) else None
+                hf_key, part = to_hf.get(inner, (None, None))
+                value = source[key if hf_key is None else _MLP + hf_key]
+                if inner is not None and inner.startswith("experts."):
+                    value = value[first:first + moe.num_local_experts]
+                if part is not None:
+                    value = value.chunk(part[1], dim=1)[part[0]]
+                if value.shape != target.shape:
+                    raise CheckpointError(f"{hf_dir}: {key} is {tuple(value.shape)} for this rank's experts, the "
+                                          f"model's is {tuple(target.shape)}")
+                target.data.copy_(value)
+        del fresh, source
+    return read

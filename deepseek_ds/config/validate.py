@@ -50,7 +50,7 @@ def validate(cfg: RunConfig, ds: dict, world_size: int, cuda_available: bool | N
               + asynchronous_checkpoint_engines(ds) + _tensor_parallel_errors(cfg, ds)
               + _sequence_parallel_errors(cfg)
               + tiled_mlp_errors(cfg.train.tiled_mlp, cfg.parallel.expert_parallel)
-              + _preference_errors(cfg, files))
+              + _preference_errors(cfg, zero_stage(ds), files))
     if not errors:
         try:
             errors = deepspeed_refusals(resolve_ds_config(ds, cfg, world_size))
@@ -198,7 +198,7 @@ _REFERENCE_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_laye
                      "v_head_dim", "first_k_dense_replace")
 
 
-def _preference_errors(cfg: RunConfig, files: bool = True) -> list[str]:
+def _preference_errors(cfg: RunConfig, stage: int, files: bool = True) -> list[str]:
     """train.objective against the dataset's format, what dpo does not support yet, and preference.reference."""
     dpo, p, errors = cfg.train.objective == "dpo", cfg.preference, []
     if files and cfg.data.path and os.path.isfile(os.path.join(cfg.data.path, "meta.json")):
@@ -227,10 +227,11 @@ def _preference_errors(cfg: RunConfig, files: bool = True) -> list[str]:
     if p.reference and cfg.lora.r:
         errors.append(f"preference.reference {p.reference!r} with LoRA: the reference is the base model with the "
                       "adapters off (no pass, no second model); remove preference.reference")
-    if p.reference and cfg.parallel.expert_parallel > 1:
-        # AutoEP replaces the experts with its own modules, which a directory's weights cannot be loaded into.
-        errors.append(f"preference.reference {p.reference!r} with parallel.expert_parallel > 1 is not supported yet: "
-                      "use preference.reference: null (the starting weights), or expert_parallel: 1")
+    if p.reference and cfg.parallel.expert_parallel > 1 and stage == 3:
+        # The reference is read into AutoEP's grouped experts rank by rank (checkpoint.tensor_names), which ZeRO-3's
+        # partitions of those experts over the expert-data-parallel ranks would need gathered per group.
+        errors.append(f"preference.reference {p.reference!r} with parallel.expert_parallel > 1 and ZeRO-3 is not "
+                      "supported yet: use ZeRO stage 1 or 2, or preference.reference: null (the starting weights)")
     if p.reference and p.loss == "simpo":
         errors.append(f"preference.reference {p.reference!r} is unused: simpo is reference-free; remove it or use "
                       "preference.loss sigmoid or ipo")

@@ -5,7 +5,8 @@ before any resume (so `preference.reference: null` is the starting weights even 
 layout itself: the engine's weights are swapped for the reference's (an HF directory) for the pass and back, so the
 run never holds two models. They are stored in <checkpoint dir>/reference_logps/ with their sha256 and a key of
 what they depend on (the dataset's shards, seq_len, truncation, the reference or starting weights' files): a resume
-or re-run with the same key reuses them; another key, or a damaged file, recomputes them.
+or re-run with the same key reuses them; another key, or a damaged file, recomputes them. The pass stores its
+parts as it goes (<split>.parts/), so a run killed during the pass resumes it where it stopped, bitwise the same.
 """
 
 from __future__ import annotations
@@ -14,15 +15,18 @@ import contextlib
 import hashlib
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from peft.tuners.lora import LoraLayer
+from tqdm import tqdm
 
+from ..checkpoint.tensor_names import load_hf_weights_autoep
 from ..data import micro_batch
-from ..data.layout import file_sha256, read_meta
+from ..data.layout import read_meta
 from ..models.hf_io import load_hf_weights
 from ..models.pipeline import local_layers, split_micro_batch, to_device
 from ..models.preference_loss import METRICS, metric_sums, normalised, preference_terms, sequence_logps
@@ -31,6 +35,7 @@ from .evaluation import _pipeline_eval_loss, eval_sample_count, task_scores_run
 from .setup import Run
 
 REFERENCE_DIR = "reference_logps"
+REFERENCE_PARTS = 100  # a killed pass loses at most about 1% of its work
 
 
 def is_dpo(run: Run) -> bool:
@@ -73,20 +78,21 @@ def ensure_reference(run: Run, dataset, split: str = "train") -> np.ndarray | No
         return None
     folder = Path(run.cfg.checkpoint_dir) / REFERENCE_DIR
     key = reference_key(run, split)
-    stored = _stored(folder, split, key)
+    # Rank 0 reads and decides, for every rank (another host may not see the folder, and all must take one path).
+    stored = _from_rank0(_stored(folder, split, key) if run.rank == 0 else None)
     if stored is not None and len(stored) == len(dataset):
         if run.rank == 0:
             run.log.info("reference log-probabilities (%s): reused %s (%d pairs)", split, folder, len(stored))
         return stored
     ref = run.cfg.preference.reference
     with _reference_weights(run, ref):
-        values = reference_pass(run, dataset)[:, :2]
+        values = _resumable_pass(run, dataset, folder / f"{split}.parts", key)
     if run.rank == 0:
         data = values.astype("<f8").tobytes()
-        folder.mkdir(parents=True, exist_ok=True)
         write_bytes_atomic(folder / f"{split}.bin", data)
         write_json_atomic(folder / f"{split}.json", {"key": key, "pairs": len(values),
                                                      "sha256": hashlib.sha256(data).hexdigest()})
+        shutil.rmtree(folder / f"{split}.parts", ignore_errors=True)
         run.log.info("reference log-probabilities (%s) of %d pairs (%s) stored in %s", split, len(values),
                      ref or "the starting weights", folder)
     dist.barrier()
@@ -96,11 +102,73 @@ def ensure_reference(run: Run, dataset, split: str = "train") -> np.ndarray | No
 def _stored(folder: Path, split: str, key: str) -> np.ndarray | None:
     try:
         record = json.loads((folder / f"{split}.json").read_text())
+        data = (folder / f"{split}.bin").read_bytes()
     except (OSError, ValueError):
         return None
-    if record.get("key") != key or file_sha256(folder / f"{split}.bin") != record.get("sha256"):
+    if record.get("key") != key or hashlib.sha256(data).hexdigest() != record.get("sha256"):
         return None
-    return np.fromfile(folder / f"{split}.bin", dtype="<f8").reshape(-1, 2)
+    return np.frombuffer(data, dtype="<f8").reshape(-1, 2).copy()
+
+
+def _from_rank0(value):
+    box = [value]
+    dist.broadcast_object_list(box, 0)
+    return box[0]
+
+
+def part_pairs(pairs: int, dp_size: int, micro_batch_size: int) -> int:
+    """Pairs per stored part of a reference pass: about 1/REFERENCE_PARTS of the split in whole micro-batches of every
+    data-parallel rank. A part's micro-batches depend on nothing else, so a pass resumed after a kill computes each
+    part exactly as an uninterrupted one does: the same values, bitwise."""
+    step = dp_size * micro_batch_size
+    return max(1, math.ceil(pairs / REFERENCE_PARTS / step)) * step
+
+
+def _resumable_pass(run: Run, dataset, parts: Path, key: str) -> np.ndarray:
+    """[pairs, 2] reference log-probabilities, computed part by part; each part is stored in `parts` as it is done,
+    with its sha256 in manifest.json, so a pass killed midway resumes at its first part not stored intact."""
+    n = len(dataset)
+    size = part_pairs(n, run.dp_size, run.cfg.train.micro_batch_size)
+    total = math.ceil(n / size)
+    kept = _from_rank0(_kept_parts(parts, key, size) if run.rank == 0 else None)
+    shas = [hashlib.sha256(v.astype("<f8").tobytes()).hexdigest() for v in kept]
+    if run.rank == 0:
+        if kept:
+            run.log.info("reference pass: resuming at pair %d of %d (%d of %d parts kept in %s)", len(kept) * size,
+                         n, len(kept), total, parts)
+        else:
+            shutil.rmtree(parts, ignore_errors=True)
+            parts.mkdir(parents=True)
+    values = list(kept)
+    for c in tqdm(range(len(kept), total), initial=len(kept), total=total, desc="reference pass", unit="part",
+                  disable=run.rank != 0, dynamic_ncols=True):
+        values.append(reference_pass(run, dataset, c * size, min(size, n - c * size))[:, :2])
+        if run.rank == 0:
+            data = values[-1].astype("<f8").tobytes()
+            write_bytes_atomic(parts / f"{c:06d}.bin", data)
+            shas.append(hashlib.sha256(data).hexdigest())
+            write_json_atomic(parts / "manifest.json", {"key": key, "pairs_per_part": size, "sha256": shas})
+    return np.concatenate(values)
+
+
+def _kept_parts(parts: Path, key: str, size: int) -> list[np.ndarray]:
+    """The leading parts of an interrupted pass with this key and part size that are intact (by their sha256)."""
+    try:
+        manifest = json.loads((parts / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return []
+    if manifest.get("key") != key or manifest.get("pairs_per_part") != size:
+        return []
+    kept = []
+    for c, sha in enumerate(manifest.get("sha256", [])):
+        try:
+            data = (parts / f"{c:06d}.bin").read_bytes()
+        except OSError:
+            break
+        if hashlib.sha256(data).hexdigest() != sha:
+            break
+        kept.append(np.frombuffer(data, dtype="<f8").reshape(-1, 2).copy())
+    return kept
 
 
 @contextlib.contextmanager
@@ -114,7 +182,8 @@ def _reference_weights(run: Run, reference: str | None):
     saved = {name: _own(p).clone() for name, p in module.named_parameters()}
     buffers = [b.data.clone() for b in module.buffers()]
     try:
-        load_hf_weights(local_layers(module), reference, run.model_config)
+        load = load_hf_weights_autoep if run.cfg.parallel.expert_parallel > 1 else load_hf_weights
+        load(local_layers(module), reference, run.model_config)
         yield
     finally:
         with torch.no_grad():
@@ -166,15 +235,15 @@ def _base_logps(run: Run, inputs, labels) -> torch.Tensor:
         return sequence_logps(run.engine(to_device(inputs, run.engine.device)), labels)[0].double()
 
 
-def reference_pass(run: Run, dataset, count: int | None = None) -> np.ndarray:
-    """[n, 4] summed log-probabilities of the first `count` pairs' (default all) chosen and rejected responses under
-    the engine's current weights, then their trained-token counts: each data-parallel rank its contiguous share, the
-    same number of forwards everywhere (ZeRO-3 gathers in lockstep), gathered to every rank."""
+def reference_pass(run: Run, dataset, start: int = 0, count: int | None = None) -> np.ndarray:
+    """[count, 4] summed log-probabilities of pairs start .. start + count - 1 (default: all) chosen and rejected
+    responses under the engine's current weights, then their trained-token counts: each data-parallel rank its
+    contiguous share, the same number of forwards everywhere (ZeRO-3 gathers in lockstep), gathered to every rank."""
     engine, mb = run.engine, run.cfg.train.micro_batch_size
-    n = len(dataset) if count is None else count
+    n = len(dataset) - start if count is None else count
     # Whole micro-batches (a pipeline's shapes are fixed), the last rows repeating the last pair.
     per_rank = math.ceil(math.ceil(n / run.dp_size) / mb) * mb
-    mine = [min(i, n - 1) for i in range(run.dp_rank * per_rank, (run.dp_rank + 1) * per_rank)]
+    mine = [start + min(i, n - 1) for i in range(run.dp_rank * per_rank, (run.dp_rank + 1) * per_rank)]
     batches = [split_micro_batch(micro_batch(dataset, mine[a:a + mb])) for a in range(0, per_rank, mb)]
     rows: list[torch.Tensor] = []
 
@@ -238,10 +307,10 @@ def evaluate_run(run: Run, dataset, reference: np.ndarray | None) -> dict:
     batches of pairs (eval_loss the pair loss), and eval.task's scores when the run has a task."""
     cfg, loss_fn = run.cfg, run.loss_fn
     n = eval_sample_count(len(dataset), cfg.eval.batches, cfg.train.global_batch_size)
-    values = torch.from_numpy(reference_pass(run, dataset, n))
+    values = torch.from_numpy(reference_pass(run, dataset, count=n))
     if loss_fn.needs_reference and lora_base_reference(run):
         with adapters_off(run.engine.module, run.base_buffers):
-            reference = reference_pass(run, dataset, n)[:, :2]
+            reference = reference_pass(run, dataset, count=n)[:, :2]
     counts = values[:, 2:].t().reshape(-1)
     policy = normalised(values[:, :2].t().reshape(-1), counts, loss_fn.loss)
     ref = None if reference is None else normalised(torch.from_numpy(reference[:n]).t().reshape(-1), counts,
