@@ -154,14 +154,14 @@ def test_validate_refuses_objective_and_data_mismatches_and_another_reference(pr
              "remove it"),
             (["lora.r=4", f"preference.reference={tmp_path / 'other'}"], "with LoRA: the reference is the base",
              "remove preference.reference"),
-            (["data.packing=true"], "dpo does not support data.packing", "without them"),
+            (["data.packing=true"], "dpo does not support data.packing", "set data.packing: false"),
             (["model.overrides.num_nextn_predict_layers=1", "train.mtp_loss_weight=0.3"], "dpo trains no MTP module",
              "set model.overrides.num_nextn_predict_layers: 0")):
         message = refused(load_run_config("recipes/tiny-v3.yaml", dpo + sets), ds, match=match)
         assert fix in message, (sets, message)
     ep = dpo + ["parallel.expert_parallel=2", "train.global_batch_size=8", f"preference.reference={tmp_path / 'other'}"]
     message = refused(load_run_config("recipes/tiny-v3.yaml", ep), load_ds_config("ds_configs/zero3.json"), world=2,
-                      match="with parallel.expert_parallel > 1 and ZeRO-3 is not supported yet")
+                      match="with parallel.expert_parallel or tensor_parallel > 1 and ZeRO-3 is not supported yet")
     assert "use ZeRO stage 1 or 2" in message
 
 
@@ -205,15 +205,14 @@ def many_pairs(tmp_path_factory) -> str:
 def dpo_runs(tmp_path_factory, pref_data, reference_dir, many_pairs):
     sets = SETS + [f"data.path={pref_data}", f"preference.reference={reference_dir}"]
     start = ["preference.reference=null"]  # the starting weights
+    lora = start + [f"model.path={reference_dir}", "model.preset=null", "lora.r=4", f"eval.interval={STEPS}"]
     # "one" twice: the second resumes the first's run for one more step (the same output directory).
     one = train_layouts(1, tmp_path_factory.mktemp("dpo1"), [("one", "ds_configs/zero1.json", []),
                                                             ("one-start", "ds_configs/zero1.json",
                                                              start + [f"eval.interval={STEPS}"]),
                                                             ("one", "ds_configs/zero1.json", [f"train.steps={STEPS + 1}"]),
                                                             ("ipo", "ds_configs/zero1.json", ["preference.loss=ipo"]),
-                                                            ("lora", "ds_configs/zero1.json", start + [
-                                                                f"model.path={reference_dir}", "model.preset=null",
-                                                                "lora.r=4", f"eval.interval={STEPS}"]),
+                                                            ("lora", "ds_configs/zero1.json", lora),
                                                             ("simpo", "ds_configs/zero1.json", start + [
                                                                 "preference.loss=simpo", "preference.simpo_gamma=0.4"]),
                                                             ("trl", "ds_configs/zero1.json", TRL_SETS)],
@@ -224,10 +223,15 @@ def dpo_runs(tmp_path_factory, pref_data, reference_dir, many_pairs):
                                                              ["parallel.pipeline_stages=2"]),
                                                             ("ep2", "ds_configs/zero1.json",
                                                              ["parallel.expert_parallel=2"]),
+                                                            ("tp2", "ds_configs/zero1.json",
+                                                             ["parallel.tensor_parallel=2"]),
+                                                            ("lora-pp2", "ds_configs/zero1_pp.json", lora + [
+                                                                "parallel.pipeline_stages=2"]),
                                                             ("pass", "ds_configs/zero1.json", PASS_SETS + [
                                                                 f"data.path={many_pairs}"])], sets)
     return {**{k: read_metrics(str(v)) for k, v in {**one, **two}.items()}, "one_dir": one["one"],
-            "lora_dir": one["lora"], "start_dir": one["one-start"], "pass_dir": two["pass"]}
+            "lora_dir": one["lora"], "start_dir": one["one-start"], "pass_dir": two["pass"],
+            "lora_pp_dir": two["lora-pp2"]}
 
 
 def _first_step(cfg, pref_data, reference_dir):
@@ -289,13 +293,22 @@ def test_first_step_equals_trl_formulas_and_layouts_equal_one_process(dpo_runs, 
         evaluated["eval_rewards_chosen"] - evaluated["eval_rewards_rejected"], abs=1e-9)
     assert math.isfinite(evaluated["eval_loss"]) and evaluated["eval_loss"] != pytest.approx(math.log(2), abs=1e-4)
     # The reference directory is read into each layout's own split of the model (EP: each rank its experts).
-    for name, single in (("zero1", "one"), ("zero3", "one"), ("pp2", "one"), ("ep2", "one")):
+    for name, single in (("zero1", "one"), ("zero3", "one"), ("pp2", "one"), ("ep2", "one"), ("tp2", "one"),
+                         ("lora-pp2", "lora")):
         one = [r["loss"] for r in dpo_runs[single]][:STEPS]
         assert [r["loss"] for r in dpo_runs[name]] == pytest.approx(one, rel=1e-5), name
+        norms = [r["grad_norm"] for r in dpo_runs[single]][:STEPS]
+        # LoRA: B starts at 0, so Adam's first update moves each B entry by about lr whatever its gradient's size,
+        # rounding noise included: the adapters' norms part by up to 2.6e-5 at steps 2-3 (measured).
+        assert [r["grad_norm"] for r in dpo_runs[name]] == pytest.approx(
+            norms, rel=5e-5 if name.startswith("lora") else 1e-5), name
         # A margin is beta x a difference of fp32 sequence log-probabilities of magnitude ~30 that the layouts sum
         # in other orders: measured within 1.8e-5 of one process's (the losses agree to 1e-5 relative).
         assert [r["reward_margin"] for r in dpo_runs[name]] == pytest.approx(
             [r["reward_margin"] for r in dpo_runs[single]][:STEPS], abs=5e-5), name
+    # LoRA on a pipeline stores the base's pass before the first step (one process computes it with each micro-batch).
+    assert json.loads((dpo_runs["lora_pp_dir"] / "checkpoints" / "reference_logps" / "train.json").read_text())[
+        "pairs"] == len(ds)
 
 
 @pytest.mark.launch

@@ -24,6 +24,7 @@ from transformers import PretrainedConfig
 from ..models.hf_io import load_hf_weights
 from ..models.names import hf_names
 from ..models.pipeline import layer_specs
+from ..models.tensor_parallel import split_dim
 from .format import SEQUENTIAL, CheckpointError
 
 
@@ -100,36 +101,45 @@ def hf_tensors(weights: dict[str, torch.Tensor], entries: dict[str, Entry]) -> d
             for hf, p in parts.items() if len(p) == counts[hf]}
 
 
-def load_hf_weights_autoep(layers, hf_dir: str, config: PretrainedConfig) -> int:
-    """models.hf_io.load_hf_weights for local layers whose MoE blocks AutoEP replaced (ZeRO 0-2): a layer with an
-    AutoEP block is read into a fresh copy of itself, one layer at a time, then copied across by _autoep_names, each
-    rank taking its own experts' rows of the grouped tensors (AutoEP places experts uniformly: rank r holds experts
-    r*E/ep .. (r+1)*E/ep-1). Returns the bytes read."""
-    to_hf = {new: (key, part) for key, renamed in _autoep_names(config).items() for new, part in renamed}
+def load_hf_weights_split(layers, hf_dir: str, config: PretrainedConfig, tensor_rank: int = 0,
+                          tensor_size: int = 1) -> int:
+    """models.hf_io.load_hf_weights for local layers that AutoEP and AutoTP have split (ZeRO 0-2): a split layer is
+    read into a fresh whole copy of itself, one layer at a time, then copied across: AutoEP's tensors by
+    _autoep_names, each rank taking its own experts' rows of the grouped tensors (AutoEP places experts uniformly:
+    rank r holds experts r*E/ep .. (r+1)*E/ep-1), and each AutoTP shard its rank's block along models.tensor_parallel's
+    split_dim. Returns the bytes read."""
+    layers = list(layers)
+    autoep = any(isinstance(m, AutoEPMoELayer) for layer in layers for m in layer.modules())
+    if not autoep and tensor_size == 1:
+        return load_hf_weights(layers, hf_dir, config)
+    to_hf = {new: (key, part) for key, renamed in _autoep_names(config).items() for new, part in renamed} \
+        if autoep else {}
     read = 0
     for layer in layers:
         moe = next((m for m in layer.modules() if isinstance(m, AutoEPMoELayer)), None)
-        if moe is None:
+        if moe is None and tensor_size == 1:
             read += load_hf_weights([layer], hf_dir, config)
             continue
         with torch.device("meta"):
-            fresh = type(layer)(config, layer.layer_idx)
+            fresh = type(layer)(config, *([layer.layer_idx] if hasattr(layer, "layer_idx") else []))
         fresh.to_empty(device="cpu")
         read += load_hf_weights([fresh], hf_dir, config)
         source = fresh.state_dict()
-        first = moe.ep_rank * moe.num_local_experts
         with torch.no_grad():
             for key, target in layer.state_dict(keep_vars=True).items():
                 inner = key.removeprefix(_MLP) if key.startswith(_MLP) else None
                 hf_key, part = to_hf.get(inner, (None, None))
-                value = source[key if hf_key is None else _MLP + hf_key]
-                if inner is not None and inner.startswith("experts."):
+                whole = key if hf_key is None else _MLP + hf_key
+                value = source[whole]
+                if moe is not None and inner is not None and inner.startswith("experts."):
+                    first = moe.ep_rank * moe.num_local_experts
                     value = value[first:first + moe.num_local_experts]
                 if part is not None:
                     value = value.chunk(part[1], dim=1)[part[0]]
+                if value.shape != target.shape and tensor_size > 1:
+                    value = value.chunk(tensor_size, dim=split_dim(whole, config.model_type))[tensor_rank]
                 if value.shape != target.shape:
-                    raise CheckpointError(f"{hf_dir}: {key} is {tuple(value.shape)} for this rank's experts, the "
-                                          f"model's is {tuple(target.shape)}")
+                    raise CheckpointError(f"{hf_dir}: {key} is {tuple(value.shape)} for this rank, the model's is "
+                                          f"{tuple(target.shape)}")
                 target.data.copy_(value)
-        del fresh, source
     return read

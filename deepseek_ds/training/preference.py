@@ -24,10 +24,9 @@ import torch.distributed as dist
 from peft.tuners.lora import LoraLayer
 from tqdm import tqdm
 
-from ..checkpoint.tensor_names import load_hf_weights_autoep
+from ..checkpoint.tensor_names import load_hf_weights_split
 from ..data import micro_batch
 from ..data.layout import read_meta
-from ..models.hf_io import load_hf_weights
 from ..models.pipeline import local_layers, split_micro_batch, to_device
 from ..models.preference_loss import METRICS, metric_sums, normalised, preference_terms, sequence_logps
 from ..utils.fs import write_bytes_atomic, write_json_atomic
@@ -72,10 +71,13 @@ def ensure_reference(run: Run, dataset, split: str = "train") -> np.ndarray | No
     if lora_base_reference(run):
         # The base as it starts: training moves the router biases (buffers, not adapters), the reference keeps them.
         run.base_buffers = run.base_buffers or [b.detach().clone() for b in run.engine.module.buffers()]
-        if run.rank == 0 and split == "train":
-            run.log.info("LoRA: the reference is the base model (the adapters off), computed with each micro-batch: "
-                         "no reference pass")
-        return None
+        if not run.pipeline:
+            if run.rank == 0 and split == "train":
+                run.log.info("LoRA: the reference is the base model (the adapters off), computed with each "
+                             "micro-batch: no reference pass")
+            return None
+        # A pipeline's train_batch runs the stages in its own schedule, with no forward of the base in between: the
+        # pass below stores the base's values, computed now, before the first step (B = 0: the adapters change nothing).
     folder = Path(run.cfg.checkpoint_dir) / REFERENCE_DIR
     key = reference_key(run, split)
     # Rank 0 reads and decides, for every rank (another host may not see the folder, and all must take one path).
@@ -182,8 +184,8 @@ def _reference_weights(run: Run, reference: str | None):
     saved = {name: _own(p).clone() for name, p in module.named_parameters()}
     buffers = [b.data.clone() for b in module.buffers()]
     try:
-        load = load_hf_weights_autoep if run.cfg.parallel.expert_parallel > 1 else load_hf_weights
-        load(local_layers(module), reference, run.model_config)
+        load_hf_weights_split(local_layers(module), reference, run.model_config, run.layout.tensor_rank,
+                              run.cfg.parallel.tensor_parallel)
         yield
     finally:
         with torch.no_grad():

@@ -345,6 +345,10 @@ def _engine(cfg: RunConfig, ds: dict, model, layout: Layout, log: logging.Logger
              "/".join(f"{t:g}" for t in sorted(set(timeouts))))
     engine.config = redact(engine.config)  # the dict DeepSpeed saves into every checkpoint's .pt files
     if cfg.parallel.tensor_parallel > 1:
+        # DeepSpeed's first-forward check that a TP group got one batch compares flat lists of tensors only and
+        # raises on the (input_ids, position_ids) inputs of packed data and pairs; the group's ranks read the same
+        # samples by construction (Layout.data_rank counts data-parallel replicas only).
+        engine.first_dataloader_check.remove()
         sum_rope_key_grads(engine.module, layout.tensor_groups.get_tensor_model_parallel_group())
         log.info("tensor parallel %d: this rank holds %d elements of split weights, %d parameters in all",
                  cfg.parallel.tensor_parallel, sum(shard_elements(engine.module).values()),
