@@ -212,6 +212,7 @@ def dpo_runs(tmp_path_factory, pref_data, reference_dir, many_pairs):
                                                              start + [f"eval.interval={STEPS}"]),
                                                             ("one", "ds_configs/zero1.json", [f"train.steps={STEPS + 1}"]),
                                                             ("ipo", "ds_configs/zero1.json", ["preference.loss=ipo"]),
+                                                            ("rpo", "ds_configs/zero1.json", ["preference.rpo_alpha=0.5"]),
                                                             ("lora", "ds_configs/zero1.json", lora),
                                                             ("simpo", "ds_configs/zero1.json", start + [
                                                                 "preference.loss=simpo", "preference.simpo_gamma=0.4"]),
@@ -312,11 +313,16 @@ def test_first_step_equals_trl_formulas_and_layouts_equal_one_process(dpo_runs, 
 
 
 @pytest.mark.launch
-def test_ipo_and_simpo_first_losses_equal_their_formulas(dpo_runs, pref_data, reference_dir):
+def test_ipo_simpo_and_rpo_first_losses_equal_their_formulas(dpo_runs, pref_data, reference_dir):
     """IPO: ((z - 1/(2 beta))^2) with z on per-token mean logps (TRL DPOTrainer); SimPO: -logsigmoid(beta z) with
-    z = mean-logp margin - gamma / beta and no reference (TRL CPOTrainer), rewards beta x mean logps."""
+    z = mean-logp margin - gamma / beta and no reference (TRL CPOTrainer), rewards beta x mean logps; RPO: DPO's loss
+    + alpha x the chosen response's per-token mean negative log-likelihood, per pair."""
     cfg = load_run_config("recipes/tiny-v3.yaml", SETS + [f"data.path={pref_data}"])
     pol, rf, n = _first_step(cfg, pref_data, reference_dir)
+    z = (pol[:GLOBAL] - pol[GLOBAL:]) - (rf[:GLOBAL] - rf[GLOBAL:])
+    rpo = -F.logsigmoid(0.5 * z) + 0.5 * (-pol[:GLOBAL] / n[:GLOBAL])
+    assert dpo_runs["rpo"][0]["loss"] == pytest.approx(rpo.mean().item(), rel=1e-5)
+    assert dpo_runs["rpo"][0]["reward_margin"] == pytest.approx(dpo_runs["one"][0]["reward_margin"], abs=1e-6)
     pol, rf, beta, B = pol / n, rf / n, 0.5, GLOBAL
     z = (pol[:B] - pol[B:]) - (rf[:B] - rf[B:])
     assert dpo_runs["ipo"][0]["loss"] == pytest.approx(((z - 1 / (2 * beta)) ** 2).mean().item(), rel=1e-5)

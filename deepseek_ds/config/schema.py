@@ -288,6 +288,9 @@ class PreferenceSection:
     """Conservative DPO: the chance a preference label is wrong (sigmoid and simpo)."""
     simpo_gamma: float = 0.5
     """SimPO's target reward margin gamma (the loss uses gamma / beta)."""
+    rpo_alpha: float = 0.0
+    """RPO: add rpo_alpha x the chosen response's per-token mean negative log-likelihood to each pair's loss, which
+    keeps the chosen answers likely (DPO alone may lower both); 0: off."""
     reference: str | None = None
     """The reference model, an HF directory of the policy's architecture and vocabulary; null: the starting weights.
     Its log-probabilities are computed once before training and stored beside the checkpoints."""
@@ -298,6 +301,8 @@ class PreferenceSection:
             problems.append(f"preference.loss = {self.loss!r}: use 'sigmoid' (DPO), 'ipo' or 'simpo'")
         if self.beta <= 0:
             problems.append(f"preference.beta = {self.beta} must be > 0")
+        if self.rpo_alpha < 0:
+            problems.append(f"preference.rpo_alpha = {self.rpo_alpha} must be >= 0 (0: off)")
         if not 0 <= self.label_smoothing < 0.5:
             problems.append(f"preference.label_smoothing = {self.label_smoothing} must be in [0, 0.5)")
         _refuse(problems)

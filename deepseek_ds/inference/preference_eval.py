@@ -15,7 +15,7 @@ from ..data import micro_batch
 from ..data.sft import PreferenceDataset
 from ..models.hf_io import has_weights, load_hf_weights
 from ..models.pipeline import build_model, local_layers, split_micro_batch
-from ..models.preference_loss import METRICS, metric_sums, normalised, preference_terms, sequence_logps
+from ..models.preference_loss import METRICS, chosen_nll, metric_sums, normalised, preference_terms, sequence_logps
 from ..training.evaluation import eval_sample_count
 
 
@@ -53,6 +53,7 @@ def preference_eval(model, cfg: RunConfig, mcfg, data: str, split: str, device) 
     ref = None if reference is None else normalised(_logps(reference, dataset, n, micro, device)[:2].reshape(-1),
                                                     counts, p.loss)
     terms = preference_terms(normalised(policy[:2].reshape(-1), counts, p.loss), ref, p.loss, p.beta,
-                             p.label_smoothing, p.simpo_gamma)
+                             p.label_smoothing, p.simpo_gamma, p.rpo_alpha, chosen_nll(policy[:2].reshape(-1), counts))
     record = {f"eval_{k}": v / n for k, v in zip(METRICS, metric_sums(*terms).tolist())}
-    return {**record, "eval_pairs": n, "preference_loss": p.loss, "reference": p.reference or "starting weights"}
+    return {**record, "eval_pairs": n, "preference_loss": p.loss,
+            "reference": None if reference is None else p.reference or "starting weights"}

@@ -7,6 +7,9 @@ policy logps pc, pr and reference logps rc, rr of a pair (TRL DPOTrainer / CPOTr
     sigmoid (DPO):  z = (pc - pr) - (rc - rr),  loss = -logsigmoid(beta z)(1 - ls) - logsigmoid(-beta z) ls
     ipo:            z as above on per-token means, loss = (z - 1 / (2 beta))^2
     simpo:          z = (pc - pr) - gamma / beta on per-token means, no reference; loss as sigmoid's
+With rpo_alpha > 0 each pair's loss also gets rpo_alpha x the chosen response's per-token mean negative
+log-likelihood (RPO: Pang et al. 2024, "Iterative Reasoning Preference Optimization"; TRL's loss_type
+["sigmoid", "sft"] takes the token mean over each micro-batch instead, which depends on how pairs are batched).
 rewards_chosen = beta (pc - rc) (SimPO: beta pc), rewards_rejected likewise; reward_margin = chosen - rejected;
 reward_accuracy = the share of pairs whose chosen reward is the larger one. Each is a mean over the global batch's
 pairs, and so is the loss whose gradients the step takes (as TRL's per-batch mean).
@@ -43,10 +46,17 @@ def normalised(logps: torch.Tensor, counts: torch.Tensor, loss: str) -> torch.Te
     return logps / counts.clamp(min=1) if loss in (IPO, SIMPO) else logps
 
 
+def chosen_nll(logps: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """[B] the chosen responses' per-token mean negative log-likelihood, from [2B] summed logps and label counts."""
+    return -(logps.chunk(2)[0] / counts.chunk(2)[0].clamp(min=1))
+
+
 def preference_terms(policy: torch.Tensor, reference: torch.Tensor | None, loss: str, beta: float,
-                     label_smoothing: float = 0.0, simpo_gamma: float = 0.0) -> tuple[torch.Tensor, ...]:
+                     label_smoothing: float = 0.0, simpo_gamma: float = 0.0, rpo_alpha: float = 0.0,
+                     nll: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """(per-pair losses, chosen rewards, rejected rewards) from the [2B] log-probabilities of B pairs (chosen rows
-    first), already `normalised`; `reference` is unused (may be None) for SimPO."""
+    first), already `normalised`; `reference` is unused (may be None) for SimPO; `nll` (chosen_nll) is needed when
+    rpo_alpha > 0."""
     if loss not in LOSSES:
         raise ValueError(f"preference loss {loss!r}: use one of {', '.join(LOSSES)}")
     pc, pr = policy.chunk(2)
@@ -61,6 +71,8 @@ def preference_terms(policy: torch.Tensor, reference: torch.Tensor | None, loss:
         losses = (z - 1 / (2 * beta)) ** 2
     else:
         losses = -F.logsigmoid(beta * z) * (1 - label_smoothing) - F.logsigmoid(-beta * z) * label_smoothing
+    if rpo_alpha:
+        losses = losses + rpo_alpha * nll.to(losses.dtype)
     return losses, chosen.detach(), rejected.detach()
 
 
@@ -77,8 +89,10 @@ class PreferenceLoss:
     __name__ = "PreferenceLoss"
     mtp_depth = 0
 
-    def __init__(self, loss: str, beta: float, label_smoothing: float, simpo_gamma: float, pairs_per_step: int):
+    def __init__(self, loss: str, beta: float, label_smoothing: float, simpo_gamma: float, pairs_per_step: int,
+                 rpo_alpha: float = 0.0):
         self.loss, self.beta, self.label_smoothing, self.simpo_gamma = loss, beta, label_smoothing, simpo_gamma
+        self.rpo_alpha = rpo_alpha
         self.pairs_per_step = pairs_per_step
         self.scale = None
         self._sums = None  # METRICS summed over this rank's micro-batches since take_parts
@@ -97,7 +111,8 @@ class PreferenceLoss:
         logps, counts = sequence_logps(logits, labels)
         ref = normalised(reference, counts, self.loss) if self.needs_reference else None
         losses, chosen, rejected = preference_terms(normalised(logps, counts, self.loss), ref, self.loss, self.beta,
-                                                    self.label_smoothing, self.simpo_gamma)
+                                                    self.label_smoothing, self.simpo_gamma, self.rpo_alpha,
+                                                    chosen_nll(logps, counts))
         sums = metric_sums(losses, chosen, rejected)
         self._sums = sums if self._sums is None else self._sums + sums
         return losses.sum() * self.scale

@@ -28,7 +28,7 @@ from ..checkpoint.tensor_names import load_hf_weights_split
 from ..data import micro_batch
 from ..data.layout import read_meta
 from ..models.pipeline import local_layers, split_micro_batch, to_device
-from ..models.preference_loss import METRICS, metric_sums, normalised, preference_terms, sequence_logps
+from ..models.preference_loss import METRICS, chosen_nll, metric_sums, normalised, preference_terms, sequence_logps
 from ..utils.fs import write_bytes_atomic, write_json_atomic
 from .evaluation import _pipeline_eval_loss, eval_sample_count, task_scores_run
 from .setup import Run
@@ -317,7 +317,8 @@ def evaluate_run(run: Run, dataset, reference: np.ndarray | None) -> dict:
     policy = normalised(values[:, :2].t().reshape(-1), counts, loss_fn.loss)
     ref = None if reference is None else normalised(torch.from_numpy(reference[:n]).t().reshape(-1), counts,
                                                     loss_fn.loss)
-    terms = preference_terms(policy, ref, loss_fn.loss, loss_fn.beta, loss_fn.label_smoothing, loss_fn.simpo_gamma)
+    terms = preference_terms(policy, ref, loss_fn.loss, loss_fn.beta, loss_fn.label_smoothing, loss_fn.simpo_gamma,
+                             loss_fn.rpo_alpha, chosen_nll(values[:, :2].t().reshape(-1), counts))
     record = {f"eval_{k}": v / n for k, v in zip(METRICS, metric_sums(*terms).tolist())}
     record["eval_pairs"] = n
     if cfg.eval.task:

@@ -226,7 +226,8 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
     if rank == 0:
         log.info(layout.describe())
     p = cfg.preference
-    loss_fn = (PreferenceLoss(p.loss, p.beta, p.label_smoothing, p.simpo_gamma, cfg.train.global_batch_size)
+    loss_fn = (PreferenceLoss(p.loss, p.beta, p.label_smoothing, p.simpo_gamma, cfg.train.global_batch_size,
+                              p.rpo_alpha)
                if cfg.train.objective == "dpo" else TokenWeightedLoss(mtp_depth(mcfg), cfg.train.mtp_loss_weight))
     model = _build_model(cfg, ds, mcfg, layout, loss_fn, log)
     _load_weights(cfg, model, mcfg, log)
