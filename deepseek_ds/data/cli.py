@@ -182,5 +182,7 @@ def register(subparsers) -> None:
     s.add_argument(*spellings("--max-len"), type=int, default=5, help="most letters per word (default 5)")
     s.add_argument("--kind", choices=sorted(TASK_KINDS), default="reverse",
                    help="reverse: the word's letters reversed (default); copy: the word unchanged, a related task "
-                        "to pretrain a base on (scripts/lora_demo.sh)")
+                        "to pretrain a base on (scripts/lora_demo.sh); reverse-pairs: preference pairs for "
+                        "train.objective: dpo, {\"prompt\", \"chosen\": the reversal, \"rejected\": it with one "
+                        "letter wrong} (scripts/dpo_demo.sh)")
     s.set_defaults(func=_synth_task)

@@ -6,8 +6,13 @@ and the held-out words never occur in the training items (exact match there meas
 attending to the prompt's letters but not reversal, to pretrain the base that scripts/lora_demo.sh adapts. The words
 drawn do not depend on the kind, so with the same --seed and --heldout a copy task's training words are the reversal
 task's, and neither holds the reversal task's held-out words.
+`--kind reverse-pairs` writes preference pairs for train.objective: dpo (scripts/dpo_demo.sh): {"prompt": "reverse
+kqzt", "chosen": "tzqk", "rejected": a near miss}, the reversal with one letter wrong (two adjacent letters swapped,
+or one letter replaced by another of the word's), the errors a fine-tuned model makes on this task (measured: a wrong middle letter, often a
+neighbour's); chosen and rejected have the same length, so comparing their summed log-probabilities is fair. The
+same words as the other kinds, and the same tokenizer, so an SFT model's token ids fit.
 
-The output directory holds train.jsonl and heldout.jsonl ({"prompt", "response"} lines) and tokenizer/: a byte-level
+The output directory holds train.jsonl and heldout.jsonl ({"prompt", "response"} lines; pairs for reverse-pairs) and tokenizer/: a byte-level
 BPE with DeepSeek's chat markers and no merges (one token per letter, so reversing the answer's letters reverses its
 tokens; a 260-token vocabulary keeps the embedding and the logits small on a CPU). Everything is a function of
 --seed alone.
@@ -36,7 +41,27 @@ def copy_item(word: str) -> dict:
     return {"prompt": f"copy {word}", "response": word}
 
 
-TASK_KINDS = {"reverse": reversal_item, "copy": copy_item}
+def near_miss(answer: str) -> str:
+    """`answer` with one letter wrong, drawn from a Random seeded by the answer itself (the same pair whatever the
+    order or number of words drawn): half the time two adjacent different letters swapped, else one letter replaced
+    by another of the word's letters (the confusion of a model that lost its place), or by a random letter when the
+    word has one letter only; never `answer` itself."""
+    rng = random.Random(answer)
+    swaps = [i for i in range(len(answer) - 1) if answer[i] != answer[i + 1]]
+    if swaps and rng.random() < 0.5:
+        i = rng.choice(swaps)
+        return answer[:i] + answer[i + 1] + answer[i] + answer[i + 2:]
+    i = rng.randrange(len(answer))
+    others = sorted(set(answer) - {answer[i]}) or sorted(set(string.ascii_lowercase) - {answer[i]})
+    return answer[:i] + rng.choice(others) + answer[i + 1:]
+
+
+def reversal_pair(word: str) -> dict:
+    chosen = word[::-1]
+    return {"prompt": f"reverse {word}", "chosen": chosen, "rejected": near_miss(chosen)}
+
+
+TASK_KINDS = {"reverse": reversal_item, "copy": copy_item, "reverse-pairs": reversal_pair}
 
 
 def distinct_words(n: int, seed: int, min_len: int, max_len: int) -> list[str]:
@@ -70,6 +95,7 @@ def write_task(out: str, n_train: int, n_heldout: int, seed: int, min_len: int =
     items = [TASK_KINDS[kind](w) for w in words]
     for name, part in ((HELDOUT_FILE, items[:n_heldout]), (TRAIN_FILE, items[n_heldout:])):
         (root / name).write_text("".join(json.dumps(item) + "\n" for item in part), encoding="utf-8")
-    texts = [item["prompt"] + item["response"] for item in items]
+    # The tokenizer has no merges, so it does not depend on these texts: every kind writes the same one.
+    texts = [item["prompt"] + item.get("response", item.get("chosen")) for item in items]
     train_bpe(texts, TASK_VOCAB_SIZE, root / TOKENIZER_SUBDIR, progress=False, chat=True)
     return root
