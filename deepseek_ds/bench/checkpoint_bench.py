@@ -30,6 +30,7 @@ from ..utils.errors import run_command
 from ..utils.fmt import text_table
 from ..utils.fs import fsync_dir
 from ..utils.net import free_port
+from .report import write_process_report
 
 _CHUNK = 16 * 2**20
 
@@ -134,7 +135,18 @@ def format_table(rows: list[dict]) -> str:
 def _bench(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(dir=args.work_dir) as tmp:
         rows = run_checkpoint_bench(args.config, args.set, args.deepspeed_config, args.repeats, tmp)
-    print(format_table(rows))
+    table = format_table(rows)
+    print(table)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, "checkpoint.md")
+        write_process_report(path, "Checkpoint save and load vs raw disk I/O", (
+            f"One process saves and resumes the run's model and optimizer {args.repeats} times (median; `vs raw` is "
+            "the median over the rounds of the raw time over this one's). Raw: the same files' bytes written "
+            "sequentially with fsync of each file and its directory (a save's durability), and read back with the "
+            "page cache dropped first (posix_fadvise), on the same disk, back to back in each round."),
+            ["```\n" + table + "\n```"])
+        print(f"wrote {path}")
     return 0
 
 
@@ -146,6 +158,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed rounds; the median is reported (default 3)")
     p.add_argument(*spellings("--work-dir"), default=None,
                    help="directory on the disk to measure (default: the temp dir)")
+    p.add_argument("--out", default=None, help="write the report OUT/checkpoint.md (default: print only)")
     p.set_defaults(func=_bench)
 
 

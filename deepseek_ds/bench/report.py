@@ -127,6 +127,14 @@ def write_markdown(path: str, blocks: list[str]) -> None:
     write_bytes_atomic(Path(path), ("\n\n".join(b.strip("\n") for b in blocks) + "\n").encode())
 
 
+def write_process_report(path: str, title: str, what: str, blocks: list[str]) -> None:
+    """The report of a benchmark that runs in this process (and its workers), not in launched ranks: its title, what
+    it measured, where (environment(), this process as the one rank) and its tables."""
+    device = f"CUDA {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else f"CPU ({cpu_model()})"
+    env = environment([{"device": device, "threads": torch.get_num_threads()}])
+    write_markdown(path, [f"# {title}", what, environment_markdown(env), *blocks])
+
+
 class HostLoad:
     """The share of this host's cores that work other than the launch used while it ran: the host's busy CPU
     time minus the launch's (the launcher, launch.py and the ranks are waited-for descendants, so their CPU
