@@ -1,6 +1,6 @@
 """Start-up host memory per rank, ZeRO-3 (deepspeed.zero.Init) against ZeRO-1, on 2 local ranks:
 
-    python scripts/zero3_startup_memory.py [--hidden 1024 --layers 12 --vocab 32256]
+    python scripts/zero3_startup_memory.py [--hidden 1024 --layers 12 --vocab 32256] [--out REPORT.md]
 
 Each stage is one `deepspeed` launch of this file's rank side, which runs the training set-up (build_run) and
 records, on every rank: the process's peak RSS once the model is built (before the engine: what zero.Init saves),
@@ -92,13 +92,26 @@ def driver(args: argparse.Namespace) -> int:
             return 1
         with open(result) as f:
             rows += [(stage, rank, r) for rank, r in enumerate(json.load(f))]
-    print("\n| ZeRO | rank | params (model) | params held | partitioned when built | RSS before build | "
-          "RSS, model built | peak RSS, model built | peak RSS, engine built |\n|---|---|---|---|---|---|---|---|---|")
+    table = ["| ZeRO | rank | params (model) | params held | partitioned when built | RSS before build | "
+             "RSS, model built | peak RSS, model built | peak RSS, engine built |", "|---|---|---|---|---|---|---|---|---|"]
     for stage, rank, r in rows:
-        print(f"| {stage} | {rank} | {r['model_elements'] / 1e6:.0f}M | {r['held_elements'] / 1e6:.0f}M | "
-              f"{'yes' if r['partitioned'] else 'no'} | {r['before_rss_gib']:.2f} GiB | "
-              f"{r['model_built_rss_gib']:.2f} GiB | {r['model_built_peak_gib']:.2f} GiB | "
-              f"{r['engine_built_peak_gib']:.2f} GiB |")
+        table.append(f"| {stage} | {rank} | {r['model_elements'] / 1e6:.0f}M | {r['held_elements'] / 1e6:.0f}M | "
+                     f"{'yes' if r['partitioned'] else 'no'} | {r['before_rss_gib']:.2f} GiB | "
+                     f"{r['model_built_rss_gib']:.2f} GiB | {r['model_built_peak_gib']:.2f} GiB | "
+                     f"{r['engine_built_peak_gib']:.2f} GiB |")
+    print("\n" + "\n".join(table))
+    if args.out:
+        from deepseek_ds.bench.report import write_process_report
+
+        write_process_report(args.out, "ZeRO-3 start-up host memory against ZeRO-1", (
+            f"A dense model (tiny-dense with hidden {args.hidden}, {args.layers} layers, vocabulary {args.vocab}), "
+            "fp32, on 2 local ranks, one `deepspeed` launch per stage of this script's rank side, which runs the "
+            "training set-up (build_run). Per rank: the parameters held once the model is built (ZeRO-3: under "
+            "deepspeed.zero.Init, partitioned), the RSS before the build, once the model is built and its peak then, "
+            "and the peak once the engine (optimizer states) exists. The ranks run with MALLOC_MMAP_THRESHOLD_="
+            "1048576 so RSS shows what is held, not what glibc kept after a free; the host's environment below is "
+            "the driver's."), ["\n".join(table)])
+        print(f"wrote {args.out}")
     return 0
 
 
@@ -109,6 +122,7 @@ def main() -> int:
     p.add_argument("--vocab", type=int, default=32256)
     p.add_argument("--data", default=os.path.join(ROOT, "data_cache/stdlib-v2048-8.0mb"))
     p.add_argument("--work-dir", default=None)
+    p.add_argument("--out", default=None, help="write the table as a report here (e.g. docs/bench/zero3-startup.md)")
     p.add_argument("--rank-side", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--ds-config", help=argparse.SUPPRESS)
