@@ -32,7 +32,7 @@ start=$SECONDS
 rm -rf "$dir"
 mkdir -p "$dir"
 # shellcheck disable=SC2086  # DPO_SFT_ARGS is a list of words
-SFT_DIR=$dir/sft SFT_STEPS=$sft_steps SFT_HELDOUT=$heldout bash scripts/sft_demo.sh \
+SFT_REPORT= SFT_DIR=$dir/sft SFT_STEPS=$sft_steps SFT_HELDOUT=$heldout bash scripts/sft_demo.sh \
   --set "checkpoint.interval=$sft_steps" --set "eval.interval=$sft_steps" ${DPO_SFT_ARGS:-}
 sft_s=$((SECONDS - start))
 # fp32: the DPO start and its reference are exactly the SFT model.
@@ -65,10 +65,9 @@ deepseek-ds eval --task "$dir/sft/task/heldout.jsonl" --checkpoint "$dir/dpo/che
 deepseek-ds eval --checkpoint "$dir/dpo/checkpoints" "${all_pairs[@]}" --set preference.loss=simpo \
   --out "$dir/after-pairs.json"
 deepseek-ds eval --checkpoint "$dir/dpo/checkpoints" "${all_pairs[@]}" --out "$dir/after-dpo-rewards.json"
-python - "$dir" "$report" "$sft_s" "$dpo_s" $((SECONDS - start)) "$*" <<'PY'
-import datetime, json, os, subprocess, sys
-import torch
-d, report, sft_s, dpo_s, total_s, args = sys.argv[1:]
+python - "$dir" "$report" "$sft_s" "$dpo_s" $((SECONDS - start)) "$ranks" "$*" <<'PY'
+import json, os, sys
+d, report, sft_s, dpo_s, total_s, ranks, args = sys.argv[1:]
 j = {name: json.load(open(f"{d}/{name}.json"))
      for name in ("before-task", "after-task", "before-pairs", "after-pairs", "after-dpo-rewards")}
 metrics = [json.loads(line) for line in open(f"{d}/dpo/metrics.jsonl")]
@@ -87,19 +86,14 @@ table += [f"| steps (SFT, DPO) | {sft_steps} | {metrics[-1]['step']} |", f"| sec
           f"{sft_s} | {dpo_s} |", f"| DPO loss (step 1 -> last) | {metrics[0]['loss']:.4f} | {metrics[-1]['loss']:.4f} |"]
 print("\n".join(table))
 print(f"{j['after-pairs']['eval_pairs']} held-out pairs, {j['after-task']['n']} held-out words; {total_s} s in all")
-cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 env = " ".join(f"{k}={os.environ[k]}" for k in ("DPO_SFT_STEPS", "DPO_N", "DPO_STEPS", "SFT_N", "SFT_HELDOUT")
                if k in os.environ)
 command = " ".join(filter(None, [env, "bash scripts/dpo_demo.sh", args]))
-os.makedirs(os.path.dirname(report) or ".", exist_ok=True)
-with open(report, "w") as f:
-    f.write(f"# DPO demo (scripts/dpo_demo.sh)\n\ncommit {commit}, {datetime.date.today()}, CPU {cpu} x "
-            f"{os.cpu_count()} cores, GPU {gpu}\n\n`{command}`\n\n" + "\n".join(table) + "\n\n"
-            f"{j['after-pairs']['eval_pairs']} held-out pairs, {j['after-task']['n']} held-out words; {total_s} s "
-            "in all. Preference accuracy: the share of held-out pairs whose chosen answer the model finds more "
-            "likely (reference-free). DPO reward accuracy: beta * log(policy / reference) of chosen > rejected's, "
-            "the reference being the SFT model (at step 0 every reward is 0: a tie on every pair).\n")
+from deepseek_ds.bench.report import write_process_report
+write_process_report(report, "DPO demo (scripts/dpo_demo.sh)", f"`{command}`", ranks=int(ranks), command=command, blocks=[
+    "\n".join(table), f"{j['after-pairs']['eval_pairs']} held-out pairs, {j['after-task']['n']} held-out words; "
+    f"{total_s} s in all. Preference accuracy: the share of held-out pairs whose chosen answer the model finds more "
+    "likely (reference-free). DPO reward accuracy: beta * log(policy / reference) of chosen > rejected's, the "
+    "reference being the SFT model (at step 0 every reward is 0: a tie on every pair)."])
 print(f"wrote {report}")
 PY

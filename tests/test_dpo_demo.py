@@ -57,10 +57,12 @@ def test_dpo_demo_script_connects_its_pieces(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     metrics = read_metrics(str(out / "dpo"))
-    # The reference is the starting weights (the SFT export): at step 1 every reward is 0 and the loss is ln 2.
+    # The reference is the starting weights (the SFT export): at step 1 every reward is 0, and the loss is ln 2 plus
+    # RPO's term, the chosen answers' mean negative log-likelihood (positive).
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
-    assert metrics[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert metrics[0]["rewards_chosen"] == pytest.approx(0, abs=1e-6)
     assert metrics[0]["reward_margin"] == pytest.approx(0, abs=1e-6)
+    assert metrics[0]["loss"] > math.log(2)
     assert [m["step"] for m in metrics if "eval_reward_accuracy" in m] == [2, 4]
     j = {name: json.loads((out / f"{name}.json").read_text())
          for name in ("before-task", "after-task", "before-pairs", "after-pairs", "after-dpo-rewards")}
@@ -81,4 +83,4 @@ def test_dpo_demo_script_connects_its_pieces(tmp_path):
     text = report.read_text()
     for line in lines:
         assert line in proc.stdout and line in text, line
-    assert "commit " in text and "bash scripts/dpo_demo.sh --master_port" in text
+    assert "git commit" in text and "bash scripts/dpo_demo.sh --master_port" in text

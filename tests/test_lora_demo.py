@@ -4,12 +4,17 @@ scored on the reversal task, then LoRA-trained from it, through the real command
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
 
 from deepseek_ds.utils.net import free_port
 from helpers import ROOT, launch_env, read_metrics
+
+
+def _read(path) -> bytes | None:
+    return path.read_bytes() if path.exists() else None
 
 
 def _size(top) -> int:
@@ -19,8 +24,9 @@ def _size(top) -> int:
 @pytest.mark.launch
 def test_lora_demo_script_connects_its_pieces(tmp_path):
     out = tmp_path / "lora-demo"
+    report, sft_report = tmp_path / "report.md", _read(Path(ROOT) / "docs/bench/sft-demo.md")
     env = {**launch_env(), "LORA_DIR": str(out), "LORA_BASE_STEPS": "4", "LORA_FULL": "0", "SFT_N": "300",
-           "SFT_HELDOUT": "8", "SFT_STEPS": "4"}
+           "SFT_HELDOUT": "8", "SFT_STEPS": "4", "LORA_REPORT": str(report)}
     # Its own port: a demo running at the same time holds deepspeed's default one.
     proc = subprocess.run(["bash", "scripts/lora_demo.sh", "--master_port", str(free_port())], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
@@ -41,6 +47,11 @@ def test_lora_demo_script_connects_its_pieces(tmp_path):
     assert (f"base (copy task): held-out copy exact match {base['exact_match']:.3f}, reversal "
             f"{before['exact_match']:.3f}") in proc.stdout
     assert f"lora on reversal: exact match {before['exact_match']:.3f} -> {after['exact_match']:.3f}" in proc.stdout
+    text = report.read_text()  # the printed lines, each evaluation's exact match, where it ran
+    assert f"lora on reversal: exact match {before['exact_match']:.3f} -> {after['exact_match']:.3f}" in text
+    assert f"| lora | 4 | {last['loss']:.3f} | {last['task_exact_match']:.3f} |" in text and "git commit" in text
+    # Its SFT runs write no report of their own (the SFT demo's committed one is left as it was).
+    assert _read(Path(ROOT) / "docs/bench/sft-demo.md") == sft_report
     # Adapters and their optimizer state only: a fraction of the full base run's checkpoint.
     lora_ckpt, base_ckpt = (_size(out / run / "train" / "checkpoints" / "step00000004") for run in ("lora", "base"))
     assert 0 < lora_ckpt < base_ckpt / 2, (lora_ckpt, base_ckpt)

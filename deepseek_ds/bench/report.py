@@ -127,11 +127,16 @@ def write_markdown(path: str, blocks: list[str]) -> None:
     write_bytes_atomic(Path(path), ("\n\n".join(b.strip("\n") for b in blocks) + "\n").encode())
 
 
-def write_process_report(path: str, title: str, what: str, blocks: list[str]) -> None:
-    """The report of a benchmark that runs in this process (and its workers), not in launched ranks: its title, what
-    it measured, where (environment(), this process as the one rank) and its tables."""
+def write_process_report(path: str, title: str, what: str, blocks: list[str], ranks: int = 1,
+                         command: str | None = None) -> None:
+    """The report of a benchmark run by this process (and its workers) or of a demo script whose launches it sums up:
+    its title, what it measured, where (environment(): `ranks` ranks on this host's device, `command` the one that
+    ran, default this process's) and its tables."""
     device = f"CUDA {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else f"CPU ({cpu_model()})"
-    env = environment([{"device": device, "threads": torch.get_num_threads()}])
+    env = environment([{"device": device, "threads": torch.get_num_threads()}] * ranks)
+    if command:
+        env["command"] = command
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     write_markdown(path, [f"# {title}", what, environment_markdown(env), *blocks])
 
 
