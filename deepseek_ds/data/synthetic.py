@@ -8,14 +8,14 @@ drawn do not depend on the kind, so with the same --seed and --heldout a copy ta
 task's, and neither holds the reversal task's held-out words.
 `--kind reverse-pairs` writes preference pairs for train.objective: dpo (scripts/dpo_demo.sh): {"prompt": "reverse
 kqzt", "chosen": "tzqk", "rejected": a near miss}, the reversal with one letter wrong (two adjacent letters swapped,
-or one letter replaced by another of the word's), the errors a fine-tuned model makes on this task (measured: a wrong middle letter, often a
-neighbour's); chosen and rejected have the same length, so comparing their summed log-probabilities is fair. The
-same words as the other kinds, and the same tokenizer, so an SFT model's token ids fit.
+or one letter replaced by another of the word's), the errors a fine-tuned model makes on this task (measured: a
+wrong middle letter, often a neighbour's); chosen and rejected have the same length, so comparing their summed
+log-probabilities is fair. The same words as the other kinds, and the same tokenizer, so an SFT model's ids fit.
 
-The output directory holds train.jsonl and heldout.jsonl ({"prompt", "response"} lines; pairs for reverse-pairs) and tokenizer/: a byte-level
-BPE with DeepSeek's chat markers and no merges (one token per letter, so reversing the answer's letters reverses its
-tokens; a 260-token vocabulary keeps the embedding and the logits small on a CPU). Everything is a function of
---seed alone.
+The output directory holds train.jsonl and heldout.jsonl ({"prompt", "response"} lines; pairs for reverse-pairs)
+and tokenizer/: a byte-level BPE with DeepSeek's chat markers and no merges (one token per letter, so reversing the
+answer's letters reverses its tokens; a 260-token vocabulary keeps the embedding and the logits small on a CPU).
+Everything is a function of --seed alone.
 """
 
 from __future__ import annotations
