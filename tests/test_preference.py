@@ -263,7 +263,8 @@ def _logps(model, rows) -> torch.Tensor:
 @pytest.mark.launch
 def test_first_step_equals_trl_formulas_and_layouts_equal_one_process(dpo_runs, pref_data, reference_dir):
     """Step 1's loss, rewards and accuracy equal TRL's sigmoid DPO computed here on transformers' models (the
-    policy's seeded init and the reference directory); 2-rank ZeRO-1, ZeRO-3 and PP=2 equal one process over 3 steps; with
+    policy's seeded init and the reference directory); 2-rank ZeRO-1, ZeRO-3, PP=2, EP=2, TP=2 and LoRA on PP=2 equal
+    one process over 3 steps (losses and grad norms); with
     the starting weights as the reference the first loss is ln 2; a resumed run reuses the stored reference pass."""
     cfg = load_run_config("recipes/tiny-v3.yaml", SETS + [f"data.path={pref_data}"])
     ds = open_dataset(pref_data, cfg.data)
