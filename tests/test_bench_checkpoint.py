@@ -2,6 +2,7 @@
 torch.save writes them (no re-read, torch's own zip CRC off), xxh3_64 for new records, crc32 records of older
 checkpoints still verified. References: the checksum of the file's bytes read back and hashed here directly."""
 
+import argparse
 import json
 import os
 import statistics
@@ -101,3 +102,17 @@ def test_vs_raw_is_the_median_of_each_rounds_raw_time_over_ours(tmp_path, monkey
     assert write["vs raw"] == read["vs raw"] == 1.0
     table = checkpoint_bench.format_table(rows).splitlines()
     assert [line.split()[-1] for line in table[2:]] == ["0.50x", "1.00x", "0.20x", "1.00x"]
+
+
+def test_out_writes_the_printed_table_with_where_it_was_measured(tmp_path, monkeypatch, capsys):
+    rows = [{"operation": op, "GB": 0.137, "seconds": s, "GB/s": 0.137 / s, "vs raw": v}
+            for op, s, v in (("checkpoint save", 0.4, 0.57), ("raw write", 0.22, 1.0))]
+    monkeypatch.setattr(checkpoint_bench, "run_checkpoint_bench", lambda *a: rows)
+    args = argparse.Namespace(work_dir=str(tmp_path), config="c", set=[], deepspeed_config=None, repeats=7,
+                              out=str(tmp_path / "reports"))
+    assert checkpoint_bench._bench(args) == 0
+    text = (tmp_path / "reports" / "checkpoint.md").read_text()
+    table = checkpoint_bench.format_table(rows)
+    assert table in capsys.readouterr().out and table in text
+    assert "saves and resumes the run's model and optimizer 7 times" in text
+    assert "**git commit**" in text and "**host CPU**" in text

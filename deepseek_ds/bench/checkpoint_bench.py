@@ -138,7 +138,6 @@ def _bench(args: argparse.Namespace) -> int:
     table = format_table(rows)
     print(table)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, "checkpoint.md")
         write_process_report(path, "Checkpoint save and load vs raw disk I/O", (
             f"One process saves and resumes the run's model and optimizer {args.repeats} times (median; `vs raw` is "

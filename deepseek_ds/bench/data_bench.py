@@ -175,7 +175,6 @@ def _bench(args: argparse.Namespace) -> int:
     if args.out:
         from .report import write_process_report  # torch and DeepSpeed, imported only after the measurement
 
-        os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, "data.md")
         write_process_report(path, "Data preparation vs the raw tokenizer", (
             f"`data prepare` of {args.mb:g} MB of the built-in corpus with each worker count, next to two raw "
