@@ -48,12 +48,12 @@ def preference_eval(model, cfg: RunConfig, mcfg, data: str, split: str, device) 
     n = eval_sample_count(len(dataset), cfg.eval.batches, cfg.train.global_batch_size)
     p, micro = cfg.preference, cfg.train.micro_batch_size
     policy = _logps(model, dataset, n, micro, device)
-    counts = policy[2:].reshape(-1)
+    counts, logps = policy[2:].reshape(-1), policy[:2].reshape(-1)
     reference = reference_model(cfg, mcfg, device)
     ref = None if reference is None else normalised(_logps(reference, dataset, n, micro, device)[:2].reshape(-1),
                                                     counts, p.loss)
-    terms = preference_terms(normalised(policy[:2].reshape(-1), counts, p.loss), ref, p.loss, p.beta,
-                             p.label_smoothing, p.simpo_gamma, p.rpo_alpha, chosen_nll(policy[:2].reshape(-1), counts))
+    terms = preference_terms(normalised(logps, counts, p.loss), ref, p.loss, p.beta, p.label_smoothing, p.simpo_gamma,
+                             p.rpo_alpha, chosen_nll(logps, counts))
     record = {f"eval_{k}": v / n for k, v in zip(METRICS, metric_sums(*terms).tolist())}
     return {**record, "eval_pairs": n, "preference_loss": p.loss,
             "reference": None if reference is None else p.reference or "starting weights"}

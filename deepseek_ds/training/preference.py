@@ -90,10 +90,9 @@ def ensure_reference(run: Run, dataset, split: str = "train") -> np.ndarray | No
     with _reference_weights(run, ref):
         values = _resumable_pass(run, dataset, folder / f"{split}.parts", key)
     if run.rank == 0:
-        data = values.astype("<f8").tobytes()
+        data, sha = _encoded(values)
         write_bytes_atomic(folder / f"{split}.bin", data)
-        write_json_atomic(folder / f"{split}.json", {"key": key, "pairs": len(values),
-                                                     "sha256": hashlib.sha256(data).hexdigest()})
+        write_json_atomic(folder / f"{split}.json", {"key": key, "pairs": len(values), "sha256": sha})
         shutil.rmtree(folder / f"{split}.parts", ignore_errors=True)
         run.log.info("reference log-probabilities (%s) of %d pairs (%s) stored in %s", split, len(values),
                      ref or "the starting weights", folder)
@@ -101,15 +100,27 @@ def ensure_reference(run: Run, dataset, split: str = "train") -> np.ndarray | No
     return values
 
 
+def _encoded(values: np.ndarray) -> tuple[bytes, str]:
+    """The stored form of [pairs, 2] log-probabilities: little-endian float64 bytes, and their sha256."""
+    data = values.astype("<f8").tobytes()
+    return data, hashlib.sha256(data).hexdigest()
+
+
+def _decoded(path: Path, sha: str | None) -> np.ndarray | None:
+    """A stored file's [pairs, 2] log-probabilities, None when it is missing or not the bytes `sha` names."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    return np.frombuffer(data, dtype="<f8").reshape(-1, 2).copy() if hashlib.sha256(data).hexdigest() == sha else None
+
+
 def _stored(folder: Path, split: str, key: str) -> np.ndarray | None:
     try:
         record = json.loads((folder / f"{split}.json").read_text())
-        data = (folder / f"{split}.bin").read_bytes()
     except (OSError, ValueError):
         return None
-    if record.get("key") != key or hashlib.sha256(data).hexdigest() != record.get("sha256"):
-        return None
-    return np.frombuffer(data, dtype="<f8").reshape(-1, 2).copy()
+    return _decoded(folder / f"{split}.bin", record.get("sha256")) if record.get("key") == key else None
 
 
 def _from_rank0(value):
@@ -132,8 +143,7 @@ def _resumable_pass(run: Run, dataset, parts: Path, key: str) -> np.ndarray:
     n = len(dataset)
     size = part_pairs(n, run.dp_size, run.cfg.train.micro_batch_size)
     total = math.ceil(n / size)
-    kept = _from_rank0(_kept_parts(parts, key, size) if run.rank == 0 else None)
-    shas = [hashlib.sha256(v.astype("<f8").tobytes()).hexdigest() for v in kept]
+    kept, shas = _from_rank0(_kept_parts(parts, key, size) if run.rank == 0 else None)
     if run.rank == 0:
         if kept:
             run.log.info("reference pass: resuming at pair %d of %d (%d of %d parts kept in %s)", len(kept) * size,
@@ -146,31 +156,29 @@ def _resumable_pass(run: Run, dataset, parts: Path, key: str) -> np.ndarray:
                   disable=run.rank != 0, dynamic_ncols=True):
         values.append(reference_pass(run, dataset, c * size, min(size, n - c * size))[:, :2])
         if run.rank == 0:
-            data = values[-1].astype("<f8").tobytes()
+            data, sha = _encoded(values[-1])
             write_bytes_atomic(parts / f"{c:06d}.bin", data)
-            shas.append(hashlib.sha256(data).hexdigest())
+            shas.append(sha)
             write_json_atomic(parts / "manifest.json", {"key": key, "pairs_per_part": size, "sha256": shas})
     return np.concatenate(values)
 
 
-def _kept_parts(parts: Path, key: str, size: int) -> list[np.ndarray]:
-    """The leading parts of an interrupted pass with this key and part size that are intact (by their sha256)."""
+def _kept_parts(parts: Path, key: str, size: int) -> tuple[list[np.ndarray], list[str]]:
+    """The leading parts of an interrupted pass with this key and part size that are intact, and their sha256s."""
     try:
         manifest = json.loads((parts / "manifest.json").read_text())
     except (OSError, ValueError):
-        return []
+        return [], []
     if manifest.get("key") != key or manifest.get("pairs_per_part") != size:
-        return []
-    kept = []
+        return [], []
+    kept, shas = [], []
     for c, sha in enumerate(manifest.get("sha256", [])):
-        try:
-            data = (parts / f"{c:06d}.bin").read_bytes()
-        except OSError:
+        values = _decoded(parts / f"{c:06d}.bin", sha)
+        if values is None:
             break
-        if hashlib.sha256(data).hexdigest() != sha:
-            break
-        kept.append(np.frombuffer(data, dtype="<f8").reshape(-1, 2).copy())
-    return kept
+        kept.append(values)
+        shas.append(sha)
+    return kept, shas
 
 
 @contextlib.contextmanager
@@ -313,12 +321,12 @@ def evaluate_run(run: Run, dataset, reference: np.ndarray | None) -> dict:
     if loss_fn.needs_reference and lora_base_reference(run):
         with adapters_off(run.engine.module, run.base_buffers):
             reference = reference_pass(run, dataset, count=n)[:, :2]
-    counts = values[:, 2:].t().reshape(-1)
-    policy = normalised(values[:, :2].t().reshape(-1), counts, loss_fn.loss)
+    counts, logps = values[:, 2:].t().reshape(-1), values[:, :2].t().reshape(-1)
+    policy = normalised(logps, counts, loss_fn.loss)
     ref = None if reference is None else normalised(torch.from_numpy(reference[:n]).t().reshape(-1), counts,
                                                     loss_fn.loss)
     terms = preference_terms(policy, ref, loss_fn.loss, loss_fn.beta, loss_fn.label_smoothing, loss_fn.simpo_gamma,
-                             loss_fn.rpo_alpha, chosen_nll(values[:, :2].t().reshape(-1), counts))
+                             loss_fn.rpo_alpha, chosen_nll(logps, counts))
     record = {f"eval_{k}": v / n for k, v in zip(METRICS, metric_sums(*terms).tolist())}
     record["eval_pairs"] = n
     if cfg.eval.task:
