@@ -18,6 +18,7 @@ from ..checkpoint.weights import read_trainable_weights
 from ..config.schema import LoraSection
 from ..models.hf_io import load_hf_weights, to_hf_model
 from ..models.lora import ADAPTER, lora_config
+from ..models.moe import BIAS, HF_ROUTERS
 from ..models.pipeline import layer_specs, prepare_config
 from ..models.presets import build_model_config
 from ..utils.errors import UserError
@@ -58,14 +59,14 @@ def peft_model_from_checkpoint(checkpoint: str, experts_implementation: str = "g
               if not (isinstance(spec, TiedLayerSpec) and spec.forward_fn is not None)]
     load_hf_weights(layers, base_path, config)
     base = to_hf_model(layers, config)
-    # The persistent buffers training moved (the routers' e_score_correction_bias): the checkpoint's, not the base's.
-    _, unexpected = base.load_state_dict(read_buffers(tag_dir), strict=False)
-    if unexpected:
-        raise LoraExportError(f"{tag_dir}/buffers holds tensors its model lacks, e.g. {unexpected[:3]}")
-    model = get_peft_model(base, lora_config(section, config, modules_to_save=True), adapter_name=ADAPTER)
+    routers = _moved_routers(base, read_buffers(tag_dir), tag_dir)
+    model = get_peft_model(base, lora_config(section, config, modules_to_save=True, routers=routers),
+                           adapter_name=ADAPTER)
     model.peft_config[ADAPTER].base_model_name_or_path = os.path.abspath(base_path)
     params = dict(model.named_parameters())
-    wanted = {name for name, p in params.items() if p.requires_grad}
+    # The routers' copies hold the base's weight (frozen in training) beside the moved bias: nothing to copy in.
+    wanted = {name for name, p in params.items()
+              if p.requires_grad and not any(f".{r}.modules_to_save." in name for r in routers)}
     saved = {_peft_name(hf, section.modules_to_save): t for hf, t in read_trainable_weights(tag_dir, config).items()}
     if set(saved) != wanted:
         raise LoraExportError(f"{tag_dir} does not hold the adapters of its run's lora section: missing "
@@ -76,6 +77,20 @@ def peft_model_from_checkpoint(checkpoint: str, experts_implementation: str = "g
     return model.eval(), meta
 
 
+def _moved_routers(base, buffers: dict[str, torch.Tensor], tag_dir: str) -> tuple[str, ...]:
+    """Load the checkpoint's persistent buffers into the base; return the module names (peft's modules_to_save
+    match by suffix) of the routers whose e_score_correction_bias training moved (moe.bias_update_speed > 0). A peft
+    adapter holds no buffers of its own, but a modules_to_save copy carries its module's: with the routers among
+    them, PeftModel.from_pretrained(base, adapter) routes as training left the model."""
+    before = {name: b.clone() for name, b in base.named_buffers()}
+    _, unexpected = base.load_state_dict(buffers, strict=False)
+    if unexpected:
+        raise LoraExportError(f"{tag_dir}/buffers holds tensors its model lacks, e.g. {unexpected[:3]}")
+    moved = {name.rsplit(".", 1)[-1] for name, m in base.named_modules()
+             if isinstance(m, HF_ROUTERS) and hasattr(m, BIAS) and not torch.equal(getattr(m, BIAS), before[f"{name}.{BIAS}"])}
+    return tuple(sorted(moved))
+
+
 def export_lora(checkpoint: str, out: str, data_dir: str | None = None) -> str:
     """peft's adapter directory of a LoRA checkpoint (with the training data's tokenizer and chat template), which
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out) loads."""
@@ -84,13 +99,6 @@ def export_lora(checkpoint: str, out: str, data_dir: str | None = None) -> str:
                               "export hf` for the weights of a full fine-tuning run")
     model, meta = peft_model_from_checkpoint(checkpoint)
     tok = training_tokenizer(meta, data_dir)
-    base = AutoModelForCausalLM.from_pretrained(meta["run_config"]["model"]["path"], dtype=torch.float32)
-    moved = [name for name, b in model.base_model.model.named_buffers()
-             if name in dict(base.named_buffers()) and not torch.equal(b, dict(base.named_buffers())[name])]
-    if moved:  # a peft adapter cannot carry buffers: on the base alone it would route differently
-        raise LoraExportError(f"training moved {len(moved)} buffers of the base (e.g. {moved[0]}: the router bias "
-                              "updates), which a peft adapter cannot carry; use `export hf` (merged, with them) or "
-                              "train with moe.bias_update_speed=0")
     model.save_pretrained(out)
     save_tokenizer(tok, out)
     readable_by_all(out)

@@ -134,14 +134,15 @@ def lora_name_errors(section, config) -> list[str]:
     return errors + unmatched("modules_to_save", list(section.modules_to_save), lambda m: m in last)
 
 
-def lora_config(section, config, modules_to_save: bool = False) -> LoraConfig:
+def lora_config(section, config, modules_to_save: bool = False, routers: tuple[str, ...] = ()) -> LoraConfig:
     """peft's LoraConfig of the run's `lora` section. In training, modules_to_save are unfrozen in place
-    (mark_trainable); peft's own copies of them (modules_to_save=True) are for a PeftModel, as export writes."""
+    (mark_trainable); peft's own copies of them (modules_to_save=True) are for a PeftModel, as export writes, which
+    adds the `routers` (module names) whose bias buffers training moved: a copy carries its buffers."""
+    saved = [*section.modules_to_save, *routers] if modules_to_save else []
     return LoraConfig(r=section.r, lora_alpha=section.alpha, lora_dropout=section.dropout,
                       target_modules=target_modules(section, config),
                       target_parameters=list(ROUTED_EXPERT_PARAMETERS) if section.routed_experts else None,
-                      modules_to_save=list(section.modules_to_save) if modules_to_save and section.modules_to_save
-                      else None)
+                      modules_to_save=saved or None)
 
 
 def apply_lora(model: nn.Module, section, config, seed: int) -> int:
