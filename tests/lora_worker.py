@@ -30,8 +30,9 @@ def tensors(run, trainable: bool) -> dict[str, torch.Tensor]:
     with gathered:
         for layer in local_layers(run.engine.module):
             for key, p in layer.named_parameters():
-                if p.requires_grad == trainable:
-                    out[re.sub(r"(\.base_layer)+\.", ".", hf_name(layer, key))] = p.detach().clone().cpu()
+                if p.requires_grad == trainable:  # peft's names of adapters (nested on the routed experts' two)
+                    name = hf_name(layer, key)
+                    out[name if trainable else re.sub(r"(\.base_layer)+\.", ".", name)] = p.detach().clone().cpu()
     return out
 
 

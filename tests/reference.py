@@ -280,10 +280,13 @@ def lora_reference_losses(cfg: RunConfig, base_dir: str, data_dir: str, initial:
 
     config = prepare_config(AutoConfig.from_pretrained(base_dir))
     model = AutoModelForCausalLM.from_pretrained(base_dir, config=config, dtype=torch.float32)
-    # Written out, not models/lora.py's: r 4 and alpha 8 on the MLA projections (the DeepSeek default targets).
+    # Written out, not models/lora.py's: r 4 and alpha 8 on the MLA projections (the DeepSeek default targets), and
+    # with lora.routed_experts on transformers' fused expert weights.
     assert (cfg.lora.r, cfg.lora.alpha, cfg.lora.target_modules) == (4, 8, None)
     targets = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
-    inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets), model)
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if cfg.lora.routed_experts else None
+    inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets,
+                                       target_parameters=experts), model)
     params = dict(model.named_parameters())
     trainable = {n for n, p in params.items() if p.requires_grad}
     assert trainable == set(initial)

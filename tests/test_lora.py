@@ -8,6 +8,7 @@ ZeRO-1 run also writes the checkpoints the resume and export tests use."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 
 import pytest
@@ -95,11 +96,33 @@ def test_lora_zero1_equals_transformers_peft_reference(zero1, reference, lora_ba
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("layout", ["zero3", "pp2", "sp2"])
-def test_lora_zero3_pipeline_and_sequence_parallel_equal_the_reference(layout, tmp_path_factory, data_dir, lora_base,
-                                                                        zero1, reference):
-    ds, extra = {"zero3": ("ds_configs/zero3.json", []),
-                 "pp2": ("ds_configs/zero1_pp.json", ["parallel.pipeline_stages=2"]),
+def test_lora_zero3_starts_partitioned_and_adapts_the_routed_experts_as_peft(tmp_path_factory, data_dir, lora_base,
+                                                                            zero1):
+    """ZeRO-3 + LoRA builds under deepspeed.zero.Init (each rank holds half the base from the start; rank 0 reads
+    each gathered layer, the others read nothing) and, with adapters on the routed experts too, trains as
+    transformers + peft (target_parameters) + AdamW."""
+    sets = _sets(data_dir, lora_base, "lora.routed_experts=true")
+    run = _launch(tmp_path_factory, "lora_zero3", sets, "ds_configs/zero3.json")
+    initial = _merged(run["ranks"], "initial")
+    assert any(".mlp.experts." in n for n in initial)
+    assert all(torch.equal(t, initial[n]) for n, t in _merged(zero1["ranks"], "initial").items())
+    cfg = load_run_config("recipes/tiny-v3.yaml", sets)
+    _check_run(run, lora_reference_losses(cfg, lora_base, data_dir, initial), lora_base)
+    total = sum(t.numel() for t in AutoModelForCausalLM.from_pretrained(lora_base).parameters())
+    for rank in (0, 1):
+        log = (run["out"] / "logs" / f"rank{rank}.log").read_text()
+        held, whole = map(int, re.search(r"ZeRO-3: built partitioned .*: this rank holds (\d+) of (\d+) parameter "
+                                         r"elements", log).groups())
+        assert whole == total and held < 0.51 * total, (held, whole, total)
+        read = float(re.search(r"loaded ([\d.]+) MB of weights", log).group(1))
+        assert (read > 0) if rank == 0 else (read == 0)
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("layout", ["pp2", "sp2"])
+def test_lora_pipeline_and_sequence_parallel_equal_the_reference(layout, tmp_path_factory, data_dir, lora_base,
+                                                                  zero1, reference):
+    ds, extra = {"pp2": ("ds_configs/zero1_pp.json", ["parallel.pipeline_stages=2"]),
                  "sp2": ("ds_configs/zero1.json", ["parallel.sequence_parallel=2"])}[layout]
     run = _launch(tmp_path_factory, f"lora_{layout}", _sets(data_dir, lora_base, *extra), ds)
     # The same initial adapters whatever the layout: each is seeded by its own HF name.

@@ -284,8 +284,9 @@ def _build_model(cfg: RunConfig, ds: dict, mcfg: PretrainedConfig, layout: Layou
                             activation_checkpoint_interval=cfg.model.activation_checkpoint_interval, loss_fn=loss_fn)
     else:
         # ZeRO-3: each layer is partitioned over the ranks as it is built, so no rank holds the whole model at start.
-        # Not with AutoEP or LoRA, which rebuild modules of an ordinary model.
-        zero_init = zero_stage(ds) == 3 and not cfg.lora.r and cfg.parallel.expert_parallel == 1
+        # Not with AutoEP, which rebuilds the experts of an ordinary model. LoRA's adapters, injected after the load,
+        # are partitioned by deepspeed.initialize.
+        zero_init = zero_stage(ds) == 3 and cfg.parallel.expert_parallel == 1
         with deepspeed.zero.Init(config_dict_or_path=_deepspeed_view(ds, layout), mpu=layout.tensor_groups,
                                  enabled=zero_init):
             model = build_model(mcfg, 1, cfg.train.seed,
