@@ -47,7 +47,10 @@ def rank_side(args: argparse.Namespace) -> int:
     def recording_initialize(*a, model, **kw):  # the moment between building the model and building the engine
         params = list(model.parameters())
         record.update(model_built_peak_gib=peak_rss_gib(), model_built_rss_gib=rss_gib(),
-                      partitioned=all(is_zero_param(p) for p in params),
+                      # LoRA's adapters, added after zero.Init, are partitioned by the engine
+                      partitioned=("yes" if all(is_zero_param(p) for p in params) else
+                                   "the base" if all(is_zero_param(p) for p in params if not p.requires_grad)
+                                   and any(is_zero_param(p) for p in params) else "no"),
                       held_elements=sum(p.ds_tensor.numel() if is_zero_param(p) else p.numel() for p in params),
                       model_elements=sum(p.ds_numel if is_zero_param(p) else p.numel() for p in params))
         return initialize(*a, model=model, **kw)
@@ -104,7 +107,7 @@ def driver(args: argparse.Namespace) -> int:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for training, stage, rank, r in rows:
         table.append(f"| {training} | {stage} | {rank} | {r['model_elements'] / 1e6:.0f}M | {r['held_elements'] / 1e6:.0f}M | "
-                     f"{'yes' if r['partitioned'] else 'no'} | {r['before_rss_gib']:.2f} GiB | "
+                     f"{r['partitioned']} | {r['before_rss_gib']:.2f} GiB | "
                      f"{r['model_built_rss_gib']:.2f} GiB | {r['model_built_peak_gib']:.2f} GiB | "
                      f"{r['engine_built_peak_gib']:.2f} GiB |")
     print("\n" + "\n".join(table))
