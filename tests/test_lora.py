@@ -46,7 +46,9 @@ def _launch(tmp_path_factory, name: str, sets: list[str], ds_config: str, ranks:
         args += ["--set", s]
     run_ranks(ranks, args)
     ranks_out = [torch.load(out / f"lora_rank{r}.pt", weights_only=True) for r in range(ranks)]
-    return {"out": out, "losses": losses(read_metrics(str(out))), "ranks": ranks_out}
+    records = read_metrics(str(out))
+    return {"out": out, "losses": losses(records), "ranks": ranks_out,
+            "grad_norms": {r["step"]: r["grad_norm"] for r in records if "grad_norm" in r}}
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +75,15 @@ def reference(zero1, data_dir, lora_base) -> list[float]:
     return lora_reference_losses(cfg, lora_base, data_dir, _merged(zero1["ranks"], "initial"))
 
 
+def _hf_rows(hf: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """hf[name], or the expert rows `name[first:end]` of it (an AutoEP rank's experts)."""
+    base, _, rows = name.partition("[")
+    if not rows:
+        return hf[name]
+    first, end = map(int, rows.rstrip("]").split(":"))
+    return hf[base][first:end]
+
+
 def _check_run(run: dict, reference: list[float], base_dir: str) -> None:
     """Losses equal the reference's; frozen weights are model.path's, bitwise; adapters moved (B starts at 0); each
     rank's optimizer state is K x its trainable parameters / the ranks ZeRO shards over."""
@@ -80,11 +91,12 @@ def _check_run(run: dict, reference: list[float], base_dir: str) -> None:
     assert max(abs(a - b) for a, b in zip(got, reference)) < 1e-5, (got, reference)
     hf = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).state_dict()
     frozen = _merged(run["ranks"], "frozen")
-    assert frozen and all(torch.equal(t, hf[name]) for name, t in frozen.items())
+    assert frozen and all(torch.equal(t, _hf_rows(hf, name)) for name, t in frozen.items())
     initial, final = _merged(run["ranks"], "initial"), _merged(run["ranks"], "final")
     assert all(not torch.equal(initial[n], final[n]) for n in final if ".lora_B." in n)
     for rank in run["ranks"]:
-        want = K_FP32_ADAM * rank["trainable"] / rank["zero_ranks"]
+        dense = rank["trainable"] - rank["expert_trainable"]
+        want = K_FP32_ADAM * (dense / rank["zero_ranks"] + rank["expert_trainable"] / rank["expert_zero_ranks"])
         assert abs(rank["optimizer_bytes"] - want) <= K_FP32_ADAM * 64, (rank["optimizer_bytes"], want)
         assert rank["optimizer_bytes"] < 0.1 * K_FP32_ADAM * sum(t.numel() for t in rank["frozen"].values())
 
@@ -95,19 +107,32 @@ def test_lora_zero1_equals_transformers_peft_reference(zero1, reference, lora_ba
     _check_run(zero1, reference, lora_base)
 
 
+EXPERTS = ["lora.routed_experts=true"]
+
+
+@pytest.fixture(scope="module")
+def zero3_experts(tmp_path_factory, data_dir, lora_base) -> dict:
+    """ZeRO-3, EP=1, adapters on the routed experts too, a checkpoint at the last step; with its transformers + peft
+    (target_parameters) + AdamW reference's losses and gradient norms."""
+    sets = _sets(data_dir, lora_base, *EXPERTS)
+    run = _launch(tmp_path_factory, "lora_zero3", sets + [f"checkpoint.interval={STEPS}"], "ds_configs/zero3.json")
+    norms = []
+    run["reference"] = lora_reference_losses(load_run_config("recipes/tiny-v3.yaml", sets), lora_base, data_dir,
+                                             _merged(run["ranks"], "initial"), norms)
+    run["reference_norms"] = norms
+    return run
+
+
 @pytest.mark.launch
-def test_lora_zero3_starts_partitioned_and_adapts_the_routed_experts_as_peft(tmp_path_factory, data_dir, lora_base,
-                                                                            zero1):
+def test_lora_zero3_starts_partitioned_and_adapts_the_routed_experts_as_peft(zero3_experts, lora_base, zero1):
     """ZeRO-3 + LoRA builds under deepspeed.zero.Init (each rank holds half the base from the start; rank 0 reads
     each gathered layer, the others read nothing) and, with adapters on the routed experts too, trains as
     transformers + peft (target_parameters) + AdamW."""
-    sets = _sets(data_dir, lora_base, "lora.routed_experts=true")
-    run = _launch(tmp_path_factory, "lora_zero3", sets, "ds_configs/zero3.json")
+    run = zero3_experts
     initial = _merged(run["ranks"], "initial")
     assert any(".mlp.experts." in n for n in initial)
     assert all(torch.equal(t, initial[n]) for n, t in _merged(zero1["ranks"], "initial").items())
-    cfg = load_run_config("recipes/tiny-v3.yaml", sets)
-    _check_run(run, lora_reference_losses(cfg, lora_base, data_dir, initial), lora_base)
+    _check_run(run, run["reference"], lora_base)
     total = sum(t.numel() for t in AutoModelForCausalLM.from_pretrained(lora_base).parameters())
     for rank in (0, 1):
         log = (run["out"] / "logs" / f"rank{rank}.log").read_text()
@@ -116,6 +141,79 @@ def test_lora_zero3_starts_partitioned_and_adapts_the_routed_experts_as_peft(tmp
         assert whole == total and held < 0.51 * total, (held, whole, total)
         read = float(re.search(r"loaded ([\d.]+) MB of weights", log).group(1))
         assert (read > 0) if rank == 0 else (read == 0)
+
+
+@pytest.fixture(scope="module")
+def autoep_zero1(tmp_path_factory, data_dir, lora_base) -> dict:
+    """EP=2 on 2 ranks (each holds half the experts and their adapters), ZeRO-1, checkpoints at 2 and 3."""
+    return _launch(tmp_path_factory, "lora_ep2_zero1", _sets(data_dir, lora_base, *EXPERTS, "parallel.expert_parallel=2",
+                                                             "checkpoint.interval=2", "checkpoint.keep=2"),
+                   "ds_configs/zero1.json")
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("stage", [1, 2])
+def test_lora_on_autoep_experts_equals_one_process(stage, autoep_zero1, zero3_experts, tmp_path_factory, data_dir,
+                                                   lora_base):
+    """Adapters on the routed experts under AutoEP (parallel/expert_lora.py): the same initial adapters as EP=1,
+    and the reference's losses and gradient norms; frozen experts bitwise the base's rows; each rank's optimizer
+    holds its dense adapters' share over the data-parallel ranks and its own experts' adapters."""
+    run = autoep_zero1 if stage == 1 else _launch(
+        tmp_path_factory, "lora_ep2_zero2", _sets(data_dir, lora_base, *EXPERTS, "parallel.expert_parallel=2"),
+        "ds_configs/zero2.json")
+    assert _merged(run["ranks"], "initial").keys() == _merged(zero3_experts["ranks"], "initial").keys()
+    assert all(torch.equal(t, _merged(zero3_experts["ranks"], "initial")[n])
+               for n, t in _merged(run["ranks"], "initial").items())
+    _check_run(run, zero3_experts["reference"], lora_base)
+    assert [run["grad_norms"][s] for s in range(1, STEPS + 1)] == pytest.approx(zero3_experts["reference_norms"],
+                                                                               rel=1e-5)
+    assert all(rank["expert_trainable"] > 0 for rank in run["ranks"])
+
+
+@pytest.mark.launch
+def test_attention_only_lora_on_autoep_equals_the_reference(tmp_path_factory, data_dir, lora_base, reference):
+    """Every expert frozen under AutoEP (DeepSpeed's ZeRO optimizer asserted an expert parameter group before)."""
+    run = _launch(tmp_path_factory, "lora_ep2_attention", _sets(data_dir, lora_base, "parallel.expert_parallel=2"),
+                  "ds_configs/zero1.json")
+    _check_run(run, reference, lora_base)
+    assert all(rank["expert_trainable"] == 0 for rank in run["ranks"])
+
+
+@pytest.mark.launch
+def test_autoep_lora_checkpoint_resumes_bitwise_and_exports_as_ep1(autoep_zero1, zero3_experts, tmp_path_factory,
+                                                                   data_dir, lora_base, tmp_path):
+    """Each expert-parallel rank's adapters are its own in the checkpoint: resuming step 2 gives step 3 bitwise;
+    `export lora` gathers every rank's experts into one peft directory that gives EP=1's exported logits, and
+    `export hf` merges them."""
+    from peft import PeftModel
+
+    step2 = autoep_zero1["out"] / "checkpoints" / "step00000002"
+    assert sorted(os.listdir(step2 / "expert_adapters")) == ["ep_rank_000.pt", "ep_rank_001.pt"]
+    keep = tmp_path_factory.mktemp("lora_ep2_resume_src") / "checkpoints"
+    keep.mkdir()
+    shutil.copytree(step2, keep / step2.name)
+    (keep / "latest").write_text(step2.name)
+    resumed = _launch(tmp_path_factory, "lora_ep2_resume", _sets(data_dir, lora_base, *EXPERTS,
+                                                                 "parallel.expert_parallel=2"),
+                      "ds_configs/zero1.json", checkpoints=str(keep))
+    assert resumed["losses"][3] == autoep_zero1["losses"][3]
+    final, again = _merged(autoep_zero1["ranks"], "final"), _merged(resumed["ranks"], "final")
+    assert all(torch.equal(final[n], again[n]) for n in final)
+    ids = torch.randint(0, 2048, (2, 33), generator=torch.Generator().manual_seed(5))
+    logits = {}
+    for name, ckpt in (("ep2", autoep_zero1["out"] / "checkpoints"), ("ep1", zero3_experts["out"] / "checkpoints")):
+        assert cli(["export", "lora", str(ckpt), "--out", str(tmp_path / name)]) == 0
+        with torch.no_grad():
+            peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(lora_base), str(tmp_path / name))
+            logits[name] = peft.eval()(input_ids=ids).logits
+    assert (logits["ep2"] - logits["ep1"]).abs().max() < 1e-5
+    assert cli(["export", "hf", str(autoep_zero1["out"] / "checkpoints"), "--out", str(tmp_path / "merged"),
+                "--dtype", "fp32"]) == 0
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()(input_ids=ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(lora_base).eval()(input_ids=ids).logits
+    assert (merged - logits["ep2"]).abs().max() < 1e-5
+    assert (plain - logits["ep2"]).abs().max() > 1e-4  # the adapters change the model
 
 
 @pytest.mark.launch
@@ -209,11 +307,13 @@ def test_lora_refusals_name_the_reason_and_the_fix(data_dir, tmp_path):
     ds = load_ds_config("ds_configs/zero1.json")
     cfg = load_run_config("recipes/tiny-v3.yaml", [f"data.path={data_dir}", "lora.r=4"])
     assert refused(cfg, ds, world=2, match="lora.r > 0 adapts a pretrained model.*set model.path")
-    for routed in ("true", "false"):  # attention-only adapters too: DeepSpeed refuses frozen AutoEP experts
-        cfg = load_run_config("recipes/tiny-v3.yaml", [f"data.path={data_dir}", "lora.r=4",
-                                                       f"lora.routed_experts={routed}", "parallel.expert_parallel=2"])
-        assert refused(cfg, ds, world=2, match="expert_parallel > 1: AutoEP replaces the routed experts.*"
-                                               "ZeRO optimizer refuses.*set parallel.expert_parallel=1")
+    cfg = load_run_config("recipes/tiny-v3.yaml", [f"data.path={data_dir}", "lora.r=4", "parallel.expert_parallel=2"])
+    assert refused(cfg, load_ds_config("ds_configs/zero3.json"), world=2,
+                   match="expert_parallel > 1 and ZeRO-3: DeepSpeed cannot checkpoint frozen AutoEP experts")
+    cfg = load_run_config("recipes/tiny-v3.yaml", [f"data.path={data_dir}", "lora.r=4", "parallel.expert_parallel=2",
+                                                   "parallel.pipeline_stages=2"])
+    assert refused(cfg, load_ds_config("ds_configs/zero1_pp.json"), world=4,
+                   match="expert_parallel > 1 and parallel.pipeline_stages > 1: the experts' adapters")
     cfg = load_run_config("recipes/tiny-v3.yaml", [f"data.path={data_dir}", "lora.r=4",
                                                    "lora.target_modules=[o_proj,shared_experts.up_proj]"])
     assert refused(cfg, ds, world=2, match=r"\['up_proj'\] on a DeepSeek model: peft .* maps these names to the fused")

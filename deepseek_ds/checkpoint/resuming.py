@@ -27,7 +27,7 @@ from .format import (
 from .integrity import check_tag, damaged_warning
 from .run import TrainingRun
 from .safe_load import trusted_types_only
-from .state import replay_cpu_adam_steps, restore_buffers, restore_rng
+from .state import replay_cpu_adam_steps, restore_buffers, restore_expert_adapters, restore_rng
 from .universal import convert_on_rank0
 
 
@@ -54,6 +54,7 @@ def resume(run: TrainingRun) -> dict | None:
             path, _ = run.engine.load_checkpoint(ckpt_dir, tag=tag, load_module_strict=run.cfg.lora.r == 0)
             if path is None:
                 raise CheckpointError(f"DeepSpeed found no model states in {tag_dir}; resume from another step")
+            restore_expert_adapters(run, tag_dir)
         else:
             _check_reshardable(tag_dir, saved, now, run.cfg.lora.r)
             if run.rank == 0:

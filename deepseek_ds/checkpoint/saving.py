@@ -40,7 +40,7 @@ from .format import (
 )
 from .integrity import FILES, HashedSaves, intact_tags, merge_records, record_written
 from .run import TrainingRun
-from .state import save_buffers, save_rng
+from .state import save_buffers, save_expert_adapters, save_rng
 
 
 def save(run: TrainingRun, step: int, consumed_samples: int) -> str:
@@ -67,6 +67,8 @@ def save(run: TrainingRun, step: int, consumed_samples: int) -> str:
         engine.save_checkpoint(ckpt_dir, tag=os.path.basename(partial), client_state=client_state, save_latest=False,
                                exclude_frozen_parameters=cfg.lora.r > 0)
     written.append(save_rng(partial, run.rank))
+    if (adapters := save_expert_adapters(partial, run)) is not None:
+        written.append(adapters)
     if run.layout.writes_replica_files:
         written.append(save_buffers(partial, run))
     if run.rank == 0:

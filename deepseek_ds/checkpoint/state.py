@@ -1,6 +1,7 @@
 """What DeepSpeed's checkpoint files do not hold: every rank's RNG states, the persistent buffers (the MoE
-routers' e_score_correction_bias) by HF name, which a universal checkpoint (parameters only) lacks, and the CPU Adam
-kernel's running beta powers (rebuilt by replaying the steps)."""
+routers' e_score_correction_bias) by HF name, which a universal checkpoint (parameters only) lacks, the LoRA
+adapters of each expert-parallel rank's experts (parallel/expert_lora.py), and the CPU Adam kernel's running beta
+powers (rebuilt by replaying the steps)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from deepspeed.ops.adam.fused_adam import multi_tensor_applier
+from deepspeed.utils import groups
 from safetensors.torch import load_file, save_file
 
+from ..models.pipeline import local_layers
+from ..parallel import expert_lora
 from .format import CheckpointError, current_layout
 from .run import TrainingRun
 from .tensor_names import layout_names
@@ -99,6 +103,48 @@ def restore_buffers(run: TrainingRun, tag_dir: str) -> None:
                 raise CheckpointError(f"{tag_dir}/buffers has no {hf}: the checkpoint is incomplete; resume from "
                                       "an earlier step directory")
             buf.copy_(saved[hf])
+
+
+# ----------------------------------------------------------------------------------------------- expert adapters
+EXPERT_ADAPTERS = "expert_adapters"
+
+
+def save_expert_adapters(tag_dir: str, run: TrainingRun) -> str | None:
+    """Every rank calls this (the fp32 rows are gathered within each expert-data-parallel group); the first rank of
+    each group writes its expert-parallel rank's rows; returns the file's path there, None elsewhere or without
+    adapted AutoEP experts."""
+    rows = expert_lora.adapter_rows(local_layers(run.engine.module))
+    group = _ep_group_name(run)
+    if not rows or groups._get_expert_data_parallel_rank(group) != 0:
+        return None
+    path = os.path.join(tag_dir, EXPERT_ADAPTERS, f"ep_rank_{groups._get_expert_parallel_rank(group):03d}.pt")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save(rows, path)
+    return path
+
+
+def restore_expert_adapters(run: TrainingRun, tag_dir: str) -> None:
+    layers = local_layers(run.engine.module)
+    if not any(isinstance(m, expert_lora.LoraGroupedExperts) for layer in layers for m in layer.modules()):
+        return
+    path = os.path.join(tag_dir, EXPERT_ADAPTERS, f"ep_rank_{groups._get_expert_parallel_rank(_ep_group_name(run)):03d}.pt")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{tag_dir} has no {os.path.relpath(path, tag_dir)}: the checkpoint is incomplete; "
+                              "resume from an earlier step directory")
+    expert_lora.restore_rows(layers, torch.load(path, weights_only=True))
+
+
+def read_expert_adapters(tag_dir: str) -> dict[str, torch.Tensor]:
+    """peft's tensors of every expert's adapters in a LoRA checkpoint of an expert-parallel run, by HF name."""
+    folder = os.path.join(tag_dir, EXPERT_ADAPTERS)
+    if not os.path.isdir(folder):
+        return {}
+    return expert_lora.peft_tensors([torch.load(os.path.join(folder, f), weights_only=True)
+                                     for f in sorted(os.listdir(folder))])
+
+
+def _ep_group_name(run: TrainingRun) -> str:
+    return f"ep_size_{run.cfg.parallel.expert_parallel}"  # AutoEPMoELayer's name of its groups
 
 
 # ----------------------------------------------------------------------------------------------- CPU Adam kernel

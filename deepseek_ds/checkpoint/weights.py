@@ -19,11 +19,12 @@ from ..models.pipeline import layer_specs
 from ..models.tensor_parallel import split_dim
 from .format import CheckpointError, Layout, read_meta, saved_layout
 from .safe_load import trusted_types_only
-from .state import read_buffers
+from .state import read_buffers, read_expert_adapters
 from .tensor_names import container_entries, hf_tensors, layout_names
 from .universal import cached_universal
 
 _LAYER_FILE = re.compile(r"^layer_(\d+)-model_states\.pt$")  # DeepSpeed's per-layer files of a pipeline
+_AUTOEP_ADAPTER = re.compile(r"\.experts\.lora_[AB]_")  # parallel/expert_lora.py's parameters
 
 
 def read_weights(tag_dir: str, config: PretrainedConfig, work_dir: str, scheme: str | None = None
@@ -97,17 +98,19 @@ def read_trainable_weights(tag_dir: str, config: PretrainedConfig) -> dict[str, 
     converter expects every parameter); ZeRO-0 and pipelines: the module's own tensors, which equal the masters in
     fp32 runs only, so a bf16 one is refused rather than silently rounded."""
     saved = saved_layout(read_meta(tag_dir))
-    if (saved.pipeline_stages > 1 or saved.zero_stage == 0) and saved.precision != "fp32":
-        raise CheckpointError(f"{tag_dir} is a {saved.precision} LoRA checkpoint of a pipeline or ZeRO-0 run, whose "
-                              "saved adapters are rounded copies of the fp32 masters; deepseek-ds reads them exactly "
-                              "from fp32 runs and from ZeRO 1-3 without pipeline: train with an fp32 DeepSpeed config "
-                              "such as ds_configs/zero1.json or ds_configs/zero1_pp.json")
+    # zero_to_fp32 cannot read AutoEP's per-expert files; the experts' adapters are read_expert_adapters'
+    from_module = saved.pipeline_stages > 1 or saved.zero_stage == 0 or saved.expert_parallel > 1
+    if from_module and saved.precision != "fp32":
+        raise CheckpointError(f"{tag_dir} is a {saved.precision} LoRA checkpoint of a pipeline, ZeRO-0 or expert-"
+                              "parallel run, whose saved dense adapters are rounded copies of the fp32 masters; "
+                              "deepseek-ds reads them exactly from fp32 runs and from ZeRO 1-3 without pipeline or "
+                              "EP: train with an fp32 DeepSpeed config such as ds_configs/zero1.json")
     with torch.device("meta"):
         layers = [spec.build() for spec in layer_specs(config, seed=None)]
     with trusted_types_only():
         if saved.pipeline_stages > 1:  # named as SequentialLM's (layers.<i>.<key>), as the branches below are
             container = {f"layers.{i}.{k}": v for i, state in _pipeline_layer_files(tag_dir) for k, v in state.items()}
-        elif saved.zero_stage == 0:
+        elif from_module:
             container = torch.load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), map_location="cpu",
                                    weights_only=True)["module"]
         else:
@@ -117,9 +120,11 @@ def read_trainable_weights(tag_dir: str, config: PretrainedConfig) -> dict[str, 
     for name, tensor in container.items():
         _, index, key = name.split(".", 2)
         layer = layers[int(index)]
+        if _AUTOEP_ADAPTER.search(key):  # one rank's rows under every rank's name: read_expert_adapters has all
+            continue
         if ".lora_" in key or key in dict(layer.named_parameters()):  # not the persistent buffers (buffers/ files)
             out[hf_name(layer, key)] = tensor.float()
-    return out
+    return out | read_expert_adapters(tag_dir)
 
 
 def _tensor_parallel_weights(tag_dir: str, saved: Layout, config: PretrainedConfig) -> dict[str, torch.Tensor]:

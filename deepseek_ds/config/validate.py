@@ -153,7 +153,7 @@ def _model_errors(cfg: RunConfig, ds: dict, files: bool = True) -> list[str]:
     if cfg.data.seq_len > mcfg.max_position_embeddings:
         errors.append(f"data.seq_len ({cfg.data.seq_len}) exceeds the model's max_position_embeddings "
                       f"({mcfg.max_position_embeddings})")
-    return errors + _moe_errors(cfg, ds, mcfg) + _mtp_errors(cfg, mcfg) + _lora_errors(cfg, mcfg, files)
+    return errors + _moe_errors(cfg, ds, mcfg) + _mtp_errors(cfg, mcfg) + _lora_errors(cfg, ds, mcfg, files)
 
 
 def _data_errors(cfg: RunConfig) -> list[str]:
@@ -315,11 +315,12 @@ def _nan_policy_errors(cfg: RunConfig, ds: dict) -> list[str]:
     return []
 
 
-def _lora_errors(cfg: RunConfig, mcfg, files: bool = True) -> list[str]:
+def _lora_errors(cfg: RunConfig, ds: dict, mcfg, files: bool = True) -> list[str]:
     p = cfg.parallel
     return lora_errors(cfg.lora.r, cfg.lora.target_modules, cfg.lora.routed_experts, p.expert_parallel,
                        not files or bool(cfg.model.path and has_weights(cfg.model.path)), mcfg.model_type,
-                       bool(num_routed_experts(mcfg)), mtp_depth(mcfg)) + lora_name_errors(cfg.lora, mcfg)
+                       bool(num_routed_experts(mcfg)), mtp_depth(mcfg), zero_stage(ds),
+                       p.pipeline_stages) + lora_name_errors(cfg.lora, mcfg)
 
 
 def _mtp_errors(cfg: RunConfig, mcfg) -> list[str]:

@@ -41,7 +41,8 @@ _MODULES: dict[str, list[tuple[str, bool]]] = {}  # architecture -> (module name
 
 
 def lora_errors(r: int, target_modules: list[str] | str | None, routed_experts: bool, expert_parallel: int,
-                has_base: bool, model_type: str, moe: bool, mtp_depth: int) -> list[str]:
+                has_base: bool, model_type: str, moe: bool, mtp_depth: int, zero: int = 1,
+                pipeline_stages: int = 1) -> list[str]:
     """What cannot work with LoRA in a run of these settings (empty with r = 0), each with the reason and the fix
     (LoRA with tensor parallelism: models/tensor_parallel.py's rules)."""
     if r == 0:
@@ -63,13 +64,14 @@ def lora_errors(r: int, target_modules: list[str] | str | None, routed_experts: 
                         "evaluated (transformers' CausalLM has no MTP); set model.overrides.num_nextn_predict_layers: 0")
     if routed_experts and not moe:
         problems.append("lora.routed_experts is true but the model has no routed experts: set it to false")
-    if expert_parallel > 1:
-        # Tried: with attention-only adapters, DeepSpeed's ZeRO optimizer asserts that an MoE model has a trainable
-        # expert parameter group ("None of the param groups are marked as MoE") on every rank.
-        problems.append("lora.r > 0 with parallel.expert_parallel > 1: AutoEP replaces the routed experts by its "
-                        "own grouped-GEMM module, which peft cannot adapt, and DeepSpeed's ZeRO optimizer refuses "
-                        "an expert-parallel model whose experts are all frozen; set parallel.expert_parallel=1 "
-                        "(lora.routed_experts=true then adapts the experts too)")
+    if expert_parallel > 1 and zero == 3:
+        # DeepSpeed's ZeRO-3 checkpointing of AutoEP experts asserts that the expert weights train.
+        problems.append("lora.r > 0 with parallel.expert_parallel > 1 and ZeRO-3: DeepSpeed cannot checkpoint frozen "
+                        "AutoEP experts under ZeRO-3; use ZeRO-1 or ZeRO-2 (e.g. ds_configs/zero1.json), which shard "
+                        "only the adapters' optimizer state, or parallel.expert_parallel=1")
+    if expert_parallel > 1 and pipeline_stages > 1:
+        problems.append("lora.r > 0 with parallel.expert_parallel > 1 and parallel.pipeline_stages > 1: the experts' "
+                        "adapters are checkpointed per expert-parallel rank without a pipeline only; set one of them to 1")
     return problems
 
 

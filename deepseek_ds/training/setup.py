@@ -40,7 +40,7 @@ from ..models.preference_loss import PreferenceLoss
 from ..models.presets import build_model_config
 from ..models.tensor_parallel import shard_elements, sum_rope_key_grads
 from ..models.tiled import tile_mlps
-from ..parallel import sequence
+from ..parallel import expert_lora, sequence
 from ..parallel.layout import Layout
 from ..utils.jit_lock import announce, check_jit_locks
 from ..utils.redact import redact
@@ -320,6 +320,9 @@ def _parallelize(cfg: RunConfig, ds: dict, model, mcfg: PretrainedConfig, layout
     if cfg.parallel.expert_parallel > 1:
         ds = {**ds, "expert_parallel": autoep_section(mcfg, cfg.parallel.expert_parallel)}
         model.config = mcfg  # AutoEP reads the expert count, top-k and routing from model.config
+        if cfg.lora.r and cfg.lora.routed_experts:
+            log.info("LoRA on AutoEP: %d MoE blocks' expert adapters go with their experts' shard",
+                     expert_lora.detach_peft_experts(model))
     if cfg.parallel.tensor_parallel > 1:
         model.config = mcfg  # AutoTP reads the head counts from model.config
     if layout.sequence_shard:
@@ -339,8 +342,12 @@ def _deepspeed_view(ds: dict, layout: Layout) -> dict:
 
 def _engine(cfg: RunConfig, ds: dict, model, layout: Layout, log: logging.Logger) -> DeepSpeedEngine:
     biases = snapshot_biases(model)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                           config=ds, mpu=layout.tensor_groups)
+    lora_on_autoep = cfg.lora.r and cfg.parallel.expert_parallel > 1
+    with expert_lora.autoep_lora() if lora_on_autoep else contextlib.nullcontext():
+        # A generator: the engine lists it after AutoEP's replacements, so the experts' adapters are among them.
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=(p for p in model.parameters()
+                                                                              if p.requires_grad),
+                                               config=ds, mpu=layout.tensor_groups)
     restore_fp32_biases(engine.module, biases)
     timeouts = apply_timeout_to_all_groups(cfg.train.dist_timeout_s)
     log.info("%d process groups, each with a %s s timeout (train.dist_timeout_s)", len(timeouts),
