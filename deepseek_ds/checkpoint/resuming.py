@@ -24,6 +24,7 @@ from .format import (
     read_meta,
     saved_layout,
 )
+from .frozen_experts import experts_from_module
 from .integrity import check_tag, damaged_warning
 from .run import TrainingRun
 from .safe_load import trusted_types_only
@@ -51,7 +52,8 @@ def resume(run: TrainingRun) -> dict | None:
     with trusted_types_only():
         if _loads_natively(saved, now):
             # A LoRA checkpoint's model states lack the frozen base, which build_run loaded from model.path.
-            path, _ = run.engine.load_checkpoint(ckpt_dir, tag=tag, load_module_strict=run.cfg.lora.r == 0)
+            with experts_from_module(run.engine.checkpoint_engine, run.engine.module):
+                path, _ = run.engine.load_checkpoint(ckpt_dir, tag=tag, load_module_strict=run.cfg.lora.r == 0)
             if path is None:
                 raise CheckpointError(f"DeepSpeed found no model states in {tag_dir}; resume from another step")
             restore_expert_adapters(run, tag_dir)

@@ -38,6 +38,7 @@ from .format import (
     model_fingerprint,
     tag_for,
 )
+from .frozen_experts import holds_frozen_experts, marker_for
 from .integrity import FILES, HashedSaves, intact_tags, merge_records, record_written
 from .run import TrainingRun
 from .state import save_buffers, save_expert_adapters, save_rng
@@ -62,7 +63,7 @@ def save(run: TrainingRun, step: int, consumed_samples: int) -> str:
         # save path writes this key itself and refuses it from the client, and AutoTP's module carries its own
         # (which TP dimension each tensor was split on), which this would replace.
         client_state[UNIVERSAL_CHECKPOINT_INFO] = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
-    with _recording_saves(engine.checkpoint_engine) as (written, hashed):
+    with _recording_saves(engine.checkpoint_engine, holds_frozen_experts(engine.module)) as (written, hashed):
         # LoRA: the frozen base stays out (resume reads it from model.path), so the checkpoint holds what changes.
         engine.save_checkpoint(ckpt_dir, tag=os.path.basename(partial), client_state=client_state, save_latest=False,
                                exclude_frozen_parameters=cfg.lora.r > 0)
@@ -99,22 +100,28 @@ def save(run: TrainingRun, step: int, consumed_samples: int) -> str:
 
 
 @contextlib.contextmanager
-def _recording_saves(checkpoint_engine) -> Iterator[tuple[list[str], dict[str, dict]]]:
+def _recording_saves(checkpoint_engine, frozen_experts: bool = False) -> Iterator[tuple[list[str], dict[str, dict]]]:
     """The files DeepSpeed's checkpoint engine writes on this rank while the block runs (its save() is the one
     place every model, optimizer and layer file goes through): ([paths], {path: record}). DeepSpeed's own torch
     engine is replaced by the same torch.save through integrity.HashedSaves, so its files (nearly all the bytes)
     are checksummed as they are written (records without a re-read) and each is flushed while the next one is
-    serialized. Any other engine's files are read back."""
+    serialized. Any other engine's files are read back. frozen_experts: AutoEP's expert files are written as
+    frozen_experts.py's markers."""
     written: list[str] = []
     hashed: dict[str, dict] = {}
     saves = HashedSaves()
     original = checkpoint_engine.save
+
+    def content(state_dict, path):
+        return (marker_for(path) if frozen_experts else None) or state_dict
+
     if type(checkpoint_engine) is TorchCheckpointEngine:
         def save(state_dict, path):
-            saves.save(state_dict, path, _use_new_zipfile_serialization=checkpoint_engine.zipfile_serialization)
+            saves.save(content(state_dict, path), path,
+                       _use_new_zipfile_serialization=checkpoint_engine.zipfile_serialization)
     else:
         def save(state_dict, path):
-            original(state_dict, path)
+            original(content(state_dict, path), path)
             written.append(str(path))
 
     checkpoint_engine.save = save
