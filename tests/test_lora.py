@@ -13,6 +13,7 @@ import shutil
 
 import pytest
 import torch
+from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from deepseek_ds.config import load_run_config
@@ -171,6 +172,30 @@ def test_lora_on_autoep_experts_equals_one_process(stage, autoep_zero1, zero3_ex
 
 
 @pytest.mark.launch
+def test_lora_on_autoep_experts_with_a_pipeline_equals_one_process_and_exports_as_ep1(
+        zero3_experts, tmp_path_factory, tmp_path, data_dir, lora_base):
+    """PP=2 x DP=2 x EP=2 on 4 ranks: each stage's EP ranks hold their experts' adapters; the reference's losses and
+    grad norms, and an export equal to EP=1's."""
+    run = _launch(tmp_path_factory, "lora_pp2xep2", _sets(data_dir, lora_base, *EXPERTS, "parallel.expert_parallel=2",
+                                                          "parallel.pipeline_stages=2", f"checkpoint.interval={STEPS}"),
+                  "ds_configs/zero1_pp.json", ranks=4)
+    assert all(torch.equal(t, _merged(zero3_experts["ranks"], "initial")[n])
+               for n, t in _merged(run["ranks"], "initial").items())
+    _check_run(run, zero3_experts["reference"], lora_base)
+    assert [run["grad_norms"][s] for s in range(1, STEPS + 1)] == pytest.approx(zero3_experts["reference_norms"],
+                                                                               rel=1e-5)
+    assert len(os.listdir(run["out"] / "checkpoints" / f"step{STEPS:08d}" / "expert_adapters")) == 4  # stage x EP rank
+    ids = torch.randint(0, 2048, (2, 33), generator=torch.Generator().manual_seed(5))
+    logits = []
+    for name, ckpt in (("pp2xep2", run["out"] / "checkpoints"), ("ep1", zero3_experts["out"] / "checkpoints")):
+        assert cli(["export", "lora", str(ckpt), "--out", str(tmp_path / name)]) == 0
+        with torch.no_grad():
+            peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(lora_base), str(tmp_path / name))
+            logits.append(peft.eval()(input_ids=ids).logits)
+    assert (logits[0] - logits[1]).abs().max() < 1e-5
+
+
+@pytest.mark.launch
 def test_attention_only_lora_on_autoep_equals_the_reference(tmp_path_factory, data_dir, lora_base, reference):
     """Every expert frozen under AutoEP (DeepSpeed's ZeRO optimizer asserted an expert parameter group before)."""
     run = _launch(tmp_path_factory, "lora_ep2_attention", _sets(data_dir, lora_base, "parallel.expert_parallel=2"),
@@ -185,8 +210,6 @@ def test_autoep_lora_checkpoint_resumes_bitwise_and_exports_as_ep1(autoep_zero1,
     """Each expert-parallel rank's adapters are its own in the checkpoint: resuming step 2 gives step 3 bitwise;
     `export lora` gathers every rank's experts into one peft directory that gives EP=1's exported logits, and
     `export hf` merges them."""
-    from peft import PeftModel
-
     step2 = autoep_zero1["out"] / "checkpoints" / "step00000002"
     assert sorted(os.listdir(step2 / "expert_adapters")) == ["ep_rank_000.pt", "ep_rank_001.pt"]
     # DeepSpeed's per-expert files are markers (the frozen experts come from model.path): the adapters are the bulk
@@ -315,10 +338,6 @@ def test_lora_refusals_name_the_reason_and_the_fix(data_dir, tmp_path):
     cfg = load_run_config("recipes/tiny-v3.yaml", [f"data.path={data_dir}", "lora.r=4", "parallel.expert_parallel=2"])
     assert refused(cfg, load_ds_config("ds_configs/zero3.json"), world=2,
                    match="expert_parallel > 1 and ZeRO-3: DeepSpeed cannot checkpoint frozen AutoEP experts")
-    cfg = load_run_config("recipes/tiny-v3.yaml", [f"data.path={data_dir}", "lora.r=4", "parallel.expert_parallel=2",
-                                                   "parallel.pipeline_stages=2"])
-    assert refused(cfg, load_ds_config("ds_configs/zero1_pp.json"), world=4,
-                   match="expert_parallel > 1 and parallel.pipeline_stages > 1: the experts' adapters")
     cfg = load_run_config("recipes/tiny-v3.yaml", [f"data.path={data_dir}", "lora.r=4",
                                                    "lora.target_modules=[o_proj,shared_experts.up_proj]"])
     assert refused(cfg, ds, world=2, match=r"\['up_proj'\] on a DeepSeek model: peft .* maps these names to the fused")

@@ -117,7 +117,7 @@ def save_expert_adapters(tag_dir: str, run: TrainingRun) -> str | None:
     group = _ep_group_name(run)
     if not rows or groups._get_expert_data_parallel_rank(group) != 0:
         return None
-    path = os.path.join(tag_dir, EXPERT_ADAPTERS, f"ep_rank_{groups._get_expert_parallel_rank(group):03d}.pt")
+    path = _expert_adapters_file(tag_dir, run)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     torch.save(rows, path)
     return path
@@ -127,7 +127,7 @@ def restore_expert_adapters(run: TrainingRun, tag_dir: str) -> None:
     layers = local_layers(run.engine.module)
     if not any(isinstance(m, expert_lora.LoraGroupedExperts) for layer in layers for m in layer.modules()):
         return
-    path = os.path.join(tag_dir, EXPERT_ADAPTERS, f"ep_rank_{groups._get_expert_parallel_rank(_ep_group_name(run)):03d}.pt")
+    path = _expert_adapters_file(tag_dir, run)
     if not os.path.isfile(path):
         raise CheckpointError(f"{tag_dir} has no {os.path.relpath(path, tag_dir)}: the checkpoint is incomplete; "
                               "resume from an earlier step directory")
@@ -141,6 +141,13 @@ def read_expert_adapters(tag_dir: str) -> dict[str, torch.Tensor]:
         return {}
     return expert_lora.peft_tensors([torch.load(os.path.join(folder, f), weights_only=True)
                                      for f in sorted(os.listdir(folder))])
+
+
+def _expert_adapters_file(tag_dir: str, run: TrainingRun) -> str:
+    """This pipeline stage's and expert-parallel rank's file (every layer's names are unique across stages)."""
+    stage = f"stage_{run.engine.stage_id:02d}_" if run.pipeline else ""
+    ep_rank = groups._get_expert_parallel_rank(_ep_group_name(run))
+    return os.path.join(tag_dir, EXPERT_ADAPTERS, f"{stage}ep_rank_{ep_rank:03d}.pt")
 
 
 def _ep_group_name(run: TrainingRun) -> str:

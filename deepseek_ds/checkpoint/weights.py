@@ -108,7 +108,13 @@ def read_trainable_weights(tag_dir: str, config: PretrainedConfig) -> dict[str, 
     with torch.device("meta"):
         layers = [spec.build() for spec in layer_specs(config, seed=None)]
     with trusted_types_only():
-        if saved.pipeline_stages > 1:  # named as SequentialLM's (layers.<i>.<key>), as the branches below are
+        if saved.pipeline_stages > 1 and saved.expert_parallel > 1:
+            # DeepSpeed's MoE save of a pipeline writes each stage's module whole into mp_rank_<stage>, keyed
+            # <layer index>.<key>; named as SequentialLM's below
+            container = {f"layers.{k}": v for stage in range(saved.pipeline_stages) for k, v in torch.load(
+                os.path.join(tag_dir, f"mp_rank_{stage:02d}_model_states.pt"), map_location="cpu",
+                weights_only=True)["module"].items()}
+        elif saved.pipeline_stages > 1:  # named as SequentialLM's (layers.<i>.<key>), as the branches below are
             container = {f"layers.{i}.{k}": v for i, state in _pipeline_layer_files(tag_dir) for k, v in state.items()}
         elif from_module:
             container = torch.load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), map_location="cpu",

@@ -319,8 +319,7 @@ def _lora_errors(cfg: RunConfig, ds: dict, mcfg, files: bool = True) -> list[str
     p = cfg.parallel
     return lora_errors(cfg.lora.r, cfg.lora.target_modules, cfg.lora.routed_experts, p.expert_parallel,
                        not files or bool(cfg.model.path and has_weights(cfg.model.path)), mcfg.model_type,
-                       bool(num_routed_experts(mcfg)), mtp_depth(mcfg), zero_stage(ds),
-                       p.pipeline_stages) + lora_name_errors(cfg.lora, mcfg)
+                       bool(num_routed_experts(mcfg)), mtp_depth(mcfg), zero_stage(ds)) + lora_name_errors(cfg.lora, mcfg)
 
 
 def _mtp_errors(cfg: RunConfig, mcfg) -> list[str]:

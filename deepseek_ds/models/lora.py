@@ -41,8 +41,7 @@ _MODULES: dict[str, list[tuple[str, bool]]] = {}  # architecture -> (module name
 
 
 def lora_errors(r: int, target_modules: list[str] | str | None, routed_experts: bool, expert_parallel: int,
-                has_base: bool, model_type: str, moe: bool, mtp_depth: int, zero: int = 1,
-                pipeline_stages: int = 1) -> list[str]:
+                has_base: bool, model_type: str, moe: bool, mtp_depth: int, zero: int = 1) -> list[str]:
     """What cannot work with LoRA in a run of these settings (empty with r = 0), each with the reason and the fix
     (LoRA with tensor parallelism: models/tensor_parallel.py's rules)."""
     if r == 0:
@@ -69,9 +68,6 @@ def lora_errors(r: int, target_modules: list[str] | str | None, routed_experts: 
         problems.append("lora.r > 0 with parallel.expert_parallel > 1 and ZeRO-3: DeepSpeed cannot checkpoint frozen "
                         "AutoEP experts under ZeRO-3; use ZeRO-1 or ZeRO-2 (e.g. ds_configs/zero1.json), which shard "
                         "only the adapters' optimizer state, or parallel.expert_parallel=1")
-    if expert_parallel > 1 and pipeline_stages > 1:
-        problems.append("lora.r > 0 with parallel.expert_parallel > 1 and parallel.pipeline_stages > 1: the experts' "
-                        "adapters are checkpointed per expert-parallel rank without a pipeline only; set one of them to 1")
     return problems
 
 
