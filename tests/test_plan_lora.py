@@ -1,6 +1,7 @@
 """`plan` for fine-tuning: LoRA's step time without the frozen weights' gradient matmuls (against FLOPs counted from
 the transformers model itself), GPU presets with datasheet memory and peak (and the GPU a plan assumed, said), and a
-recipe whose model.path is not on this machine planned from the preset it names."""
+recipe whose model.path is not on this machine planned from the preset it names; LoRA under AutoEP, each rank with
+its own experts and their adapters in the expert-data-parallel group."""
 
 from __future__ import annotations
 
@@ -99,3 +100,44 @@ def test_a_recipe_whose_model_path_is_absent_is_planned_from_its_preset(capsys, 
     assert status == 2 and err.startswith(f"deepseek-ds: error: model.path {tmp_path / 'models' / 'my-model'} is not "
                                           "on this machine and names no preset: set model.preset")
 
+
+
+MLA_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")  # LoRA's default on DeepSeek
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("routed, world", [(True, 2), (True, 4), (False, 2)])
+def test_lora_under_autoep_shards_expert_adapters_over_the_expert_data_parallel_group(routed, world):
+    """EP=2, ZeRO-1, fp32: a rank keeps its dense adapters' optimizer share over the data-parallel ranks, and its own
+    experts' adapters (1/EP of them) sharded over the dp / EP ranks holding the same experts; the frozen experts 1/EP.
+    Counted here from the transformers model on the meta device and the config's shapes, not from the planner."""
+    r, ep = 4, 2
+    cfg = load_run_config("recipes/tiny-v3.yaml", [f"lora.r={r}", f"lora.routed_experts={str(routed).lower()}",
+                                                   f"parallel.expert_parallel={ep}", "train.micro_batch_size=4"])
+    ds = load_ds_config("ds_configs/zero1.json")
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(build_model_config("tiny-v3"))
+    c = hf.config
+    dense = sum(r * (m.in_features + m.out_features) for n, m in hf.named_modules()
+                if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in MLA_TARGETS)
+    moe_layers = c.num_hidden_layers - c.first_k_dense_replace
+    # Per expert: gate_up A (r, hidden), B (2 ffn, r); down A (r, ffn), B (hidden, r).
+    h, ffn = c.hidden_size, c.moe_intermediate_size
+    experts = moe_layers * c.n_routed_experts * r * (h + 2 * ffn + ffn + h) if routed else 0
+    routed_base = sum(p.numel() for n, p in hf.named_parameters() if ".mlp.experts." in n)
+    frozen = sum(p.numel() for p in hf.parameters()) - routed_base + routed_base // ep
+    assert dense and routed_base and experts % (ep * world) == 0 and dense % (2 * world) == 0  # no ZeRO padding
+
+    lay = layout_of(cfg, ds, world)
+    assert (lay.ep, lay.dp, lay.zero) == (ep, world, 1)
+    plan = estimate(cfg, ds, lay, 2**40, True)
+    rank = plan.ranks[0]
+    edp = world // ep  # ranks holding the same experts
+    assert rank.optimizer == 12 * (dense // world + experts // ep // edp)  # fp32 master + Adam's two moments
+    assert rank.grads == 4 * (dense + experts // ep)  # ZeRO-1: whole fp32 gradients of what this rank trains
+    assert rank.params == 4 * (frozen + dense + experts // ep)
+    # The step's gradient all-reduces (ring, 2 (n-1)/n of the bytes): dense adapters over the data-parallel ranks,
+    # expert adapters over their expert-data-parallel group only (none with EP = dp); all-to-alls made free here.
+    hw = Hardware(peak_tflops=1.0, mfu=1.0, bandwidth=1.0, intra_bandwidth=1e30, gpus_per_node=8)
+    want = 2 * (world - 1) / world * 4 * dense + 2 * (edp - 1) / edp * 4 * (experts // ep)
+    assert step_time(cfg, plan, hw, SpecParams(model_config(cfg))).comm_s == pytest.approx(want, rel=1e-9)

@@ -3,7 +3,8 @@ the run builds (models.pipeline), in DeepSpeed's order: a pipeline stage registe
 layers; expert parallelism (AutoEP) keeps 1/EP of each MoE layer's routed experts in a parameter group of their own;
 tensor parallelism (AutoTP) keeps 1/TP of each matrix models.tensor_parallel splits. With LoRA, the whole model is built
 on the meta device and models.lora.apply_lora adapts it as training does: its requires_grad flags are the trainable
-parameters (adapters on the targets and the routed experts, lora.modules_to_save in full)."""
+parameters (adapters on the targets and the routed experts, lora.modules_to_save in full); under AutoEP the routed
+experts' adapters go with their experts, 1/EP per rank in the expert group."""
 
 from __future__ import annotations
 
@@ -114,18 +115,22 @@ def rank_params(model: SpecParams, bounds: list[int], stage: int, ep: int, tp: i
             layers.extend((f"{i}.{n}", k, t) for n, k, t in entries)
     out, replaced = [], []
     for name, numel, trainable in tied + layers:
+        routed = ep > 1 and bool(_ROUTED.search(name))
         if adapted:
-            # lora.routed_experts refuses AutoEP: with it the routed experts are frozen base weights, 1/EP each.
-            out.append(Param(name, numel // ep if ep > 1 and _ROUTED.search(name) else numel, False, trainable))
-        elif ep > 1 and _ROUTED.search(name):
+            # A rank holds its own experts (frozen, 1/EP) and, with lora.routed_experts, their adapters
+            # (parallel/expert_lora.py: A and B rows of its experts, marked as AutoEP's expert weights), so ZeRO
+            # shards them over the expert-data-parallel group; peft's fused (E r, in) adapters split evenly by expert.
+            # training/setup.py hands LoRA's engine a generator, read after AutoEP's replacements: all in place.
+            out.append(Param(name, numel // ep if routed else numel, routed, trainable))
+        elif routed:
             replaced.extend(_autoep_experts(name, numel // ep))
         elif ep > 1 and _ROUTER.search(name):
             replaced.append(Param(name, numel, expert=False))
         else:
             split = tp > 1 and split_dim(name, model.mcfg.model_type) is not None
             out.append(Param(name, numel // tp if split else numel, expert=False))
-    # AutoEP swaps each MoE block for its own module; DeepSpeed drops the swapped parameters (routed experts and the
-    # router) from the optimizer's list and appends their replacements at its end, layer by layer.
+    # AutoEP swaps each MoE block for its own module; given a list, DeepSpeed drops the swapped parameters (routed
+    # experts and the router) from the optimizer's list and appends their replacements at its end, layer by layer.
     return out + replaced
 
 

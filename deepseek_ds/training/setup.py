@@ -343,11 +343,13 @@ def _deepspeed_view(ds: dict, layout: Layout) -> dict:
 def _engine(cfg: RunConfig, ds: dict, model, layout: Layout, log: logging.Logger) -> DeepSpeedEngine:
     biases = snapshot_biases(model)
     lora_on_autoep = cfg.lora.r and cfg.parallel.expert_parallel > 1
+    trainable = (p for p in model.parameters() if p.requires_grad)
     with expert_lora.autoep_lora() if lora_on_autoep else contextlib.nullcontext():
-        # A generator: the engine lists it after AutoEP's replacements, so the experts' adapters are among them.
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=(p for p in model.parameters()
-                                                                              if p.requires_grad),
-                                               config=ds, mpu=layout.tensor_groups)
+        # LoRA on AutoEP: a generator, which the engine lists after AutoEP's replacements, so the experts' adapters
+        # are among them. Otherwise a list, whose order (AutoEP's replacements appended) older checkpoints' flat
+        # optimizer partitions follow.
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable if lora_on_autoep
+                                               else list(trainable), config=ds, mpu=layout.tensor_groups)
     restore_fp32_biases(engine.module, biases)
     timeouts = apply_timeout_to_all_groups(cfg.train.dist_timeout_s)
     log.info("%d process groups, each with a %s s timeout (train.dist_timeout_s)", len(timeouts),
