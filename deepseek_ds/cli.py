@@ -14,7 +14,7 @@ import time
 from .bench import checkpoint_bench, data_bench, lora_bench, overhead, pipeline_bench, sequence_bench, zero_bench
 from .checkpoint import cli as checkpoint_cli
 from .checkpoint.existing import check_existing_checkpoint
-from .config import RunConfig, filled_sections, load_and_validate, load_ds_config
+from .config import RunConfig, filled_sections, load_and_validate, load_ds_config, load_run_config
 from .data import cli as data_cli
 from .data.sft import dataset_option_notes
 from .inference import cli as inference_cli
@@ -163,13 +163,19 @@ def _register_modules(sub) -> None:
     """Sub-commands that live with their own modules (each module's register() adds its parsers)."""
     data = sub.add_parser("data", help="prepare and inspect tokenized datasets").add_subparsers(
         dest="data_command", metavar="SUBCOMMAND", required=True)
-    data_cli.register(data)
+    data_cli.register(data, run_data=_run_data)
     for module in (launcher_cli, checkpoint_cli, inference_cli, plan_cli):
         module.register(sub)
     bench = sub.add_parser("bench", help="benchmarks that print tables and write reports").add_subparsers(
         dest="bench_command", metavar="SUBCOMMAND", required=True)
     for module in (data_bench, checkpoint_bench, zero_bench, pipeline_bench, overhead, lora_bench, sequence_bench):
         module.register(bench)
+
+
+def _run_data(config: str, sets: list[str]):
+    """(data section, train.seed, train.shuffle) of a run YAML: what `data dump --config` orders."""
+    cfg = load_run_config(config, sets)
+    return cfg.data, cfg.train.seed, cfg.train.shuffle
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from deepseek_ds.data import (
-    BlendedDataset,
     DataError,
     PackedDataset,
     dataset_info,
@@ -285,20 +284,6 @@ def test_packed_dataset_pickles_without_copying_data(dataset):
     blob = pickle.dumps(ds)  # what a DataLoader worker receives
     assert len(blob) < 4096
     assert np.array_equal(pickle.loads(blob)[len(ds) - 1], ds[len(ds) - 1])
-
-
-def test_blended_dataset_follows_weights(dataset):
-    train, valid = PackedDataset(dataset, 16), PackedDataset(dataset, 16, split="valid")
-    blend = BlendedDataset([train, valid], [3.0, 1.0], seed=1, num_samples=400)
-    assert len(blend) == 400
-    counts = np.bincount(blend.dataset_index[:100])
-    assert counts.tolist() == [75, 25]
-    picked = [(int(k), int(s)) for k, s in zip(blend.dataset_index, blend.sample_index)]
-    assert all(np.array_equal(blend[i], [train, valid][k][s]) for i, (k, s) in enumerate(picked[:20]))
-    again = BlendedDataset([train, valid], [3.0, 1.0], seed=1, num_samples=400)
-    other = BlendedDataset([train, valid], [3.0, 1.0], seed=2, num_samples=400)
-    assert np.array_equal(again.sample_index, blend.sample_index)
-    assert not np.array_equal(other.sample_index, blend.sample_index)
 
 
 def test_builtin_corpus(tmp_path):

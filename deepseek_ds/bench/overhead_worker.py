@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import load_and_validate
-from ..data import GlobalBatchSampler, micro_batches
+from ..data import GlobalBatchSampler, micro_batches, sample_count
 from ..models.hf_io import to_hf_model
 from ..models.loss import IGNORE_INDEX
 from ..models.pipeline import local_layers
@@ -40,7 +40,7 @@ def _sync(device: torch.device) -> None:
 
 def _sampler(run) -> GlobalBatchSampler:
     cfg = run.cfg
-    return GlobalBatchSampler(len(run.dataset), cfg.train.global_batch_size, cfg.train.micro_batch_size,
+    return GlobalBatchSampler(sample_count(run.dataset), cfg.train.global_batch_size, cfg.train.micro_batch_size,
                               run.dp_rank, run.dp_size, cfg.train.seed, shuffle=cfg.train.shuffle)
 
 

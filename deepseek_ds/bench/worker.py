@@ -26,7 +26,7 @@ from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ..config import load_and_validate, precision, zero_stage
-from ..data import GlobalBatchSampler, micro_batches
+from ..data import GlobalBatchSampler, micro_batches, sample_count
 from ..training.loop import train_step
 from ..training.metrics import flops_per_token, peak_tflops
 from ..training.schedule import start_lr_schedule
@@ -263,7 +263,7 @@ def _measure(run, cfg, ds: dict, warmup: int, timed: int) -> dict:
     start_lr_schedule(engine)
     clock, probe = PhaseClock(engine.device), StateProbe(engine)
     instrument(engine, clock, probe)
-    sampler = GlobalBatchSampler(len(run.dataset), cfg.train.global_batch_size, cfg.train.micro_batch_size,
+    sampler = GlobalBatchSampler(sample_count(run.dataset), cfg.train.global_batch_size, cfg.train.micro_batch_size,
                                  run.dp_rank, run.dp_size, cfg.train.seed, shuffle=cfg.train.shuffle)
     batches = micro_batches(run.dataset, sampler)
     if engine.device.type == "cuda":

@@ -1,7 +1,8 @@
 """Reading a run config: the YAML file, `--set section.key=value` overrides, and each value checked against the
 type of its dataclass field (the real types, from `typing.get_type_hints`).
 
-Relative paths. The inputs a recipe names (`deepspeed_config`, `model.path`, `data.path`, `eval.task`) resolve
+Relative paths. The inputs a recipe names (`deepspeed_config`, `model.path`, `data.path`, `data.blend`'s directories,
+`eval.task`) resolve
 against the project root (the directory holding the `deepseek_ds` package) when the recipe lives inside the project,
 and against the recipe's own directory when it lives elsewhere; so a recipe means the same files from any current directory. The
 default `deepspeed_config` (ds_configs/zero1.json) is the project's, and so is a recipe's relative one that its own
@@ -162,6 +163,10 @@ def resolve_recipe_paths(data: dict, recipe: str | None) -> dict:
             if key == "deepspeed_config" and not os.path.exists(path) and os.path.isfile(shipped):
                 path = shipped
             node[key] = path
+    blend = data.get("data", {}).get("blend") if isinstance(data.get("data"), dict) else None
+    if isinstance(blend, dict):
+        data["data"]["blend"] = {d if not isinstance(d, str) or os.path.isabs(d) else os.path.normpath(
+            os.path.join(base, d)): w for d, w in blend.items()}
     return data
 
 

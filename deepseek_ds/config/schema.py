@@ -34,6 +34,15 @@ def _at_least(section: str, minimum: int, **values: int) -> list[str]:
     return [f"{section}.{name} must be >= {minimum}" for name, value in values.items() if value < minimum]
 
 
+def _blend_problems(path: str | None, blend) -> list[str]:
+    if path is not None:
+        return ["data.path and data.blend are both set: a blend names its datasets itself; keep one of them"]
+    if not isinstance(blend, dict) or not blend:
+        return ["data.blend must map dataset directories to weights, e.g. {data/web: 0.7, data/code: 0.3}"]
+    return [f"data.blend weight of {d!r} is {w!r}: weights must be numbers > 0 (drop a source to leave it out)"
+            for d, w in blend.items() if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0]
+
+
 @dataclass
 class ModelSection:
     preset: str | None = "tiny-v3"
@@ -59,7 +68,11 @@ class ModelSection:
 @dataclass
 class DataSection:
     path: str | None = None
-    """A dataset made by `deepseek-ds data prepare`; null: the built-in corpus."""
+    """A dataset made by `deepseek-ds data prepare`; null: the built-in corpus (or data.blend)."""
+    blend: dict[str, float] | None = None
+    """Prepared dataset directories (one tokenizer, one format) -> weights, instead of data.path: the training order
+    interleaves them so that every prefix holds each source within one sample of its share (data/blend.py), each
+    source in its own order of train.seed; a small source's epochs wrap inside the blend."""
     builtin: str | None = "stdlib"
     """The built-in corpus (the Python standard library's sources), built into `cache_dir` on first use."""
     builtin_max_mb: float = 8.0
@@ -83,7 +96,9 @@ class DataSection:
         problems = _at_least("data", 2, seq_len=self.seq_len)
         if self.truncation not in TRUNCATIONS:
             problems.append(f"data.truncation = {self.truncation!r}: use 'drop', 'truncate_left' or 'truncate_right'")
-        if self.path is None and self.builtin not in BUILTIN_CORPORA:
+        if self.blend is not None:
+            problems += _blend_problems(self.path, self.blend)
+        elif self.path is None and self.builtin not in BUILTIN_CORPORA:
             problems.append(f"data.builtin = {self.builtin!r}: the only built-in corpus is 'stdlib'; or set data.path")
         _refuse(problems)
 

@@ -9,6 +9,7 @@ import os
 import torch
 
 from ..data import DataError, dataset_info
+from ..data.blend import blend_errors
 from ..data.layout import MASKED_FORMATS, PREFERENCE_FORMAT, TOKENIZER_DIR, dataset_format
 from ..data.sft import dataset_option_errors
 from ..data.tokenizer import dataset_tokenizer_hashes, describe, directory_tokenizer
@@ -25,8 +26,8 @@ from ..parallel.sequence import sequence_parallel_errors
 from .deepspeed_json import (
     asynchronous_checkpoint_engines,
     deepspeed_refusals,
+    expert_gradient_path_errors,
     missing_monitor_packages,
-    offloads,
     precision,
     resolve_ds_config,
     skips_nonfinite_steps,
@@ -45,7 +46,7 @@ def validate(cfg: RunConfig, ds: dict, world_size: int, cuda_available: bool | N
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()
     errors = (unknown_top_level_keys(ds) + _layout_errors(cfg, world_size) + _deepspeed_errors(cfg, ds, cuda_available)
-              + _model_errors(cfg, ds, files) + (_data_errors(cfg) if files else []) + _task_errors(cfg, files)
+              + _model_errors(cfg, ds, files) + (_blend_or_data_errors(cfg) if files else []) + _task_errors(cfg, files)
               + _nan_policy_errors(cfg, ds) + missing_monitor_packages(ds)
               + asynchronous_checkpoint_engines(ds) + _tensor_parallel_errors(cfg, ds)
               + _sequence_parallel_errors(cfg)
@@ -154,6 +155,17 @@ def _model_errors(cfg: RunConfig, ds: dict, files: bool = True) -> list[str]:
         errors.append(f"data.seq_len ({cfg.data.seq_len}) exceeds the model's max_position_embeddings "
                       f"({mcfg.max_position_embeddings})")
     return errors + _moe_errors(cfg, ds, mcfg) + _mtp_errors(cfg, mcfg) + _lora_errors(cfg, ds, mcfg, files)
+
+
+def _blend_or_data_errors(cfg: RunConfig) -> list[str]:
+    """data.path's checks, or data.blend's own and then each source's as data.path's."""
+    if not cfg.data.blend:
+        return _data_errors(cfg)
+    errors = blend_errors(cfg.data.blend)
+    for source in cfg.data.blend if not errors else ():
+        alone = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=source, blend=None))
+        errors += [e.replace("data.path ", "data.blend source ") for e in _data_errors(alone)]
+    return errors
 
 
 def _data_errors(cfg: RunConfig) -> list[str]:
@@ -359,22 +371,8 @@ def _moe_errors(cfg: RunConfig, ds: dict, mcfg) -> list[str]:
     if cfg.parallel.expert_parallel > 1 and cfg.parallel.pipeline_stages > 1:
         errors += _stages_without_experts(cfg, mcfg)
     if cfg.parallel.expert_parallel > 1 and zero_stage(ds) in (1, 2):
-        errors += _expert_gradient_path_errors(ds)
+        errors += expert_gradient_path_errors(ds)
     return errors
-
-
-def _expert_gradient_path_errors(ds: dict) -> list[str]:
-    """ZeRO 1/2 reduce expert gradients within their expert-data-parallel groups only on DeepSpeed's contiguous,
-    reduce-scatter gradient path. Measured on 2 ranks with EP=2 (DeepSpeed 0.19.8): with contiguous_gradients off,
-    stage 1 all-reduces them over the whole data-parallel group, mixing different experts' gradients (losses 6e-4 off
-    the reference after one step, DeepSpeed only warning "experimental"); stage 2, or reduce_scatter off, stops every
-    rank with an assertion."""
-    # DeepSpeed forces contiguous gradients when it offloads the optimizer.
-    keys = ("reduce_scatter",) if offloads(ds, "optimizer") else ("contiguous_gradients", "reduce_scatter")
-    off = [key for key in keys if ds.get("zero_optimization", {}).get(key, True) is False]
-    return [f"zero_optimization.{key} = false with parallel.expert_parallel > 1 and ZeRO stage {zero_stage(ds)}: "
-            "DeepSpeed reduces expert gradients within their expert-data-parallel groups only with it on; remove the "
-            "key (DeepSpeed's default is true)" for key in off]
 
 
 def _stages_without_experts(cfg: RunConfig, mcfg) -> list[str]:

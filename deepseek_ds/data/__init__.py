@@ -4,15 +4,16 @@
 Importing this package stays light (numpy, tqdm): torch, transformers and datasets load only when used.
 """
 
+from .blend import BlendedDataset, open_training_data
 from .builtin import ensure_builtin_dataset
 from .errors import DataError
 from .layout import dataset_info
-from .packed import BlendedDataset, PackedDataset
+from .packed import PackedDataset
 from .prepare import prepare_dataset
-from .sampler import GlobalBatchSampler, micro_batch, micro_batches
+from .sampler import GlobalBatchSampler, micro_batch, micro_batches, sample_count
 from .sft import ChatDataset, open_dataset
 from .tokenizer import load_tokenizer
 
 __all__ = ["DataError", "ensure_builtin_dataset", "prepare_dataset", "load_tokenizer", "dataset_info",
-           "PackedDataset", "BlendedDataset", "ChatDataset", "open_dataset", "GlobalBatchSampler", "micro_batch",
-           "micro_batches"]
+           "PackedDataset", "BlendedDataset", "ChatDataset", "open_dataset", "open_training_data", "GlobalBatchSampler",
+           "micro_batch", "micro_batches", "sample_count"]

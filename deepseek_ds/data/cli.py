@@ -11,12 +11,14 @@ from types import SimpleNamespace
 import numpy as np
 
 from ..utils.cli_args import spellings
+from .blend import BlendedDataset, open_training_data
 from .builtin import stdlib_files
 from .chat import TRAIN_ON
+from .errors import DataError
 from .formats import INPUT_FORMATS
 from .layout import MASKED_FORMATS, PREFERENCE_FORMAT, TEXT_FORMAT, dataset_format, dataset_info
 from .prepare import prepare_dataset
-from .sampler import GlobalBatchSampler
+from .sampler import GlobalBatchSampler, sample_count
 from .sft import DROP, TRUNCATE_LEFT, TRUNCATE_RIGHT, chat_sample_lengths, open_dataset
 from .sources import DEFAULT_EXTENSIONS
 from .synthetic import HELDOUT_FILE, TASK_KINDS, TOKENIZER_SUBDIR, TRAIN_FILE, write_task
@@ -80,6 +82,10 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _dump(args: argparse.Namespace) -> int:
+    if args.config:
+        return _dump_run(args)
+    if not (args.data and args.seq_len):
+        raise DataError("data dump needs --data DIR and --seq-len N, or --config RUN.yaml (the run's own order)")
     options = SimpleNamespace(seq_len=args.seq_len, packing=args.packing, truncation=args.truncation,
                               document_mask=args.document_mask)
     ds = open_dataset(args.data, options, args.split)
@@ -94,15 +100,37 @@ def _dump(args: argparse.Namespace) -> int:
     # The training order itself (a one-sample global batch on one rank), so dumps match what is trained on.
     order = GlobalBatchSampler(len(ds), 1, 1, 0, 1, args.seed, shuffle=args.shuffle).positions(args.start, count)
     for i in order:
-        sample = ds[int(i)]
-        if getattr(ds, "pairs", False):
-            print(json.dumps({side: dict(zip(("input_ids", "labels", "position_ids"), seq.tolist()))
-                              for side, seq in zip(("chosen", "rejected"), sample)}))
-        elif getattr(ds, "gives_position_ids", False):
-            print(json.dumps(dict(zip(("input_ids", "labels", "position_ids"), sample.tolist()))))
-        else:
-            print(json.dumps(sample.tolist()))
+        print(json.dumps(_sample_record(ds, ds[int(i)])))
     return 0
+
+
+def _dump_run(args: argparse.Namespace) -> int:
+    """The run's training order from its config: one object a sample, with its source directory."""
+    data, seed, shuffle = args.run_data(args.config, args.set)
+    if not (data.path or data.blend):
+        raise DataError(f"{args.config} trains on the built-in corpus; data dump --config reads data.path or data.blend")
+    ds = open_training_data(data, data.path, seed, shuffle, args.split)
+    positions = GlobalBatchSampler(sample_count(ds), 1, 1, 0, 1, seed, shuffle=shuffle).positions(args.start,
+                                                                                                   args.count)
+    if isinstance(ds, BlendedDataset):
+        located = ds.locate(args.start, args.count)
+        samples = [(ds.names[i], ds.datasets[i][index]) for i, index in located]
+    else:
+        samples = [(data.path, ds[int(p)]) for p in positions]
+    for source, sample in samples:
+        record = _sample_record(ds, sample)
+        print(json.dumps({"source": source, **(record if isinstance(record, dict) else {"input_ids": record})}))
+    return 0
+
+
+def _sample_record(ds, sample):
+    """A sample as dump prints it: token ids, or input_ids / labels / position_ids, or a pair's two."""
+    if getattr(ds, "pairs", False):
+        return {side: dict(zip(("input_ids", "labels", "position_ids"), seq.tolist()))
+                for side, seq in zip(("chosen", "rejected"), sample)}
+    if getattr(ds, "gives_position_ids", False):
+        return dict(zip(("input_ids", "labels", "position_ids"), sample.tolist()))
+    return sample.tolist()
 
 
 def _synth_task(args: argparse.Namespace) -> int:
@@ -112,8 +140,10 @@ def _synth_task(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers) -> None:
-    """Add `prepare`, `dump` and `synth-task` to the `deepseek-ds data` sub-command group."""
+def register(subparsers, run_data=None) -> None:
+    """Add `prepare`, `dump` and `synth-task` to the `deepseek-ds data` sub-command group. run_data(config, sets) ->
+    (DataSection, train.seed, train.shuffle): how `dump --config` reads a run YAML (the config package sits above
+    this one)."""
     p = subparsers.add_parser("prepare", help="tokenize inputs into memory-mapped shards")
     p.add_argument("--input", nargs="+", action="extend",
                    help="text files, directories, .jsonl files or saved HF datasets (default: the built-in "
@@ -158,8 +188,12 @@ def register(subparsers) -> None:
     d = subparsers.add_parser("dump", help="print samples in training order: JSON lists of token ids, or for chat data "
                           "and --document-mask one object of input_ids, labels and position_ids each; for preference "
                           "data one object a pair: {\"chosen\": {...}, \"rejected\": {...}}")
-    d.add_argument("--data", required=True, help="prepared dataset directory")
-    d.add_argument(*spellings("--seq-len"), type=int, required=True, help="tokens per sample")
+    d.add_argument("--data", help="prepared dataset directory (or --config)")
+    d.add_argument(*spellings("--seq-len"), type=int, help="tokens per sample (with --data)")
+    d.add_argument("--config", help="a run YAML: its own training order (data.path or data.blend, data.seq_len, "
+                   "train.seed, train.shuffle, the data options), one JSON object a sample with its `source`")
+    d.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="with --config: override a field, as train's --set")
     d.add_argument("--start", type=int, default=0, help="first global sample position (default 0)")
     d.add_argument("--count", type=int, default=1, help="samples to print (default 1)")
     d.add_argument("--split", default="train", choices=["train", "valid"], help="which split (default: train)")
@@ -170,7 +204,7 @@ def register(subparsers) -> None:
                    help="chat: samples longer than --seq-len, as data.truncation (default drop)")
     d.add_argument(*spellings("--document-mask"), action="store_true",
                    help="raw text: position ids restarting per document, as data.document_mask: true")
-    d.set_defaults(func=_dump)
+    d.set_defaults(func=_dump, run_data=run_data)
 
     s = subparsers.add_parser("synth-task", help="generate a synthetic instruction task (reverse a word's letters): "
                               "train/held-out JSON Lines and a tokenizer with chat markers")

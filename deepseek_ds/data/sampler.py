@@ -15,11 +15,13 @@ from collections.abc import Iterator
 import numpy as np
 
 
-def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+def epoch_order(num_samples: int, seed: int | tuple[int, ...], epoch: int, shuffle: bool) -> np.ndarray:
     if not shuffle:
         return np.arange(num_samples, dtype=np.int64)
-    # Seeded by the pair (seed, epoch): unlike seed + epoch, (0, 1) and (1, 0) give different orders.
-    return np.random.default_rng([seed, epoch]).permutation(num_samples)
+    # Seeded by the pair (seed, epoch): unlike seed + epoch, (0, 1) and (1, 0) give different orders. A tuple seed
+    # (a blend's (seed, source)) extends the key.
+    key = list(seed) if isinstance(seed, tuple) else [seed]
+    return np.random.default_rng([*key, epoch]).permutation(num_samples)
 
 
 class GlobalBatchSampler:
@@ -30,9 +32,9 @@ class GlobalBatchSampler:
     saved after that batch's optimizer step resumes exactly at the next batch.
     """
 
-    def __init__(self, num_samples: int, global_batch_size: int, micro_batch_size: int, dp_rank: int,
+    def __init__(self, num_samples: int | None, global_batch_size: int, micro_batch_size: int, dp_rank: int,
                  dp_size: int, seed: int, shuffle: bool = True, consumed_samples: int = 0):
-        if num_samples < 1:
+        if num_samples is not None and num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
         if min(global_batch_size, micro_batch_size, dp_size) < 1 \
                 or global_batch_size % (micro_batch_size * dp_size) != 0:
@@ -59,8 +61,11 @@ class GlobalBatchSampler:
         return self._orders[epoch]
 
     def positions(self, start: int, count: int) -> np.ndarray:
-        """Sample indices at global positions [start, start + count)."""
+        """Sample indices at global positions [start, start + count); num_samples None (a blend, which orders its
+        own samples): the positions themselves."""
         pos = np.arange(start, start + count, dtype=np.int64)
+        if self.num_samples is None:
+            return pos
         epochs = pos // self.num_samples
         out = np.empty(count, np.int64)
         for e in np.unique(epochs):
@@ -77,6 +82,12 @@ class GlobalBatchSampler:
             mine = self.global_batch(self.consumed_samples)[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
             self.consumed_samples += self.global_batch_size
             yield [mine[j:j + self.micro_batch_size].tolist() for j in range(0, per_rank, self.micro_batch_size)]
+
+
+def sample_count(dataset) -> int | None:
+    """What GlobalBatchSampler orders: the dataset's samples, or None for a blend (blend.BlendedDataset), indexed by
+    global position."""
+    return None if getattr(dataset, "positional", False) else len(dataset)
 
 
 def micro_batches(dataset, sampler: GlobalBatchSampler) -> Iterator[list[tuple]]:

@@ -15,6 +15,7 @@ data-parallel rank, gathered with all_gather_object; exact match and sacrebleu's
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ConfigError
-from ..data import ChatDataset, PackedDataset, load_tokenizer, micro_batch
+from ..data import BlendedDataset, ChatDataset, PackedDataset, load_tokenizer, micro_batch
 from ..data.chat import TaskItem, fitting_items, task_items
 from ..models.hf_io import to_hf_model
 from ..models.loss import IGNORE_INDEX
@@ -44,10 +45,12 @@ class EvalResult:
     accuracy: float    # fraction of valid tokens whose argmax prediction is the label
     tokens: int
     task: dict = field(default_factory=dict)  # eval.task's scores (see `scores`), when the run has a task
+    sources: dict = field(default_factory=dict)  # a blend's: source label -> its own EvalResult
 
     def as_record(self) -> dict:
         return {"eval_loss": self.loss, "eval_ppl": self.perplexity, "eval_accuracy": self.accuracy,
-                "eval_tokens": self.tokens, **{f"task_{k}": v for k, v in self.task.items()}}
+                "eval_tokens": self.tokens, **{f"task_{k}": v for k, v in self.task.items()},
+                **{f"eval_loss/{name}": r.loss for name, r in self.sources.items()}}
 
 
 class TokenSums:
@@ -130,16 +133,27 @@ def evaluate(model, batches: list[tuple], device, pipeline: bool = False, counts
     return EvalResult(loss, math.exp(loss), correct / tokens, int(tokens))
 
 
-def evaluate_run(run: Run, dataset: PackedDataset | ChatDataset) -> EvalResult:
-    """The periodic evaluation of a training run on its validation split, and on eval.task when it has one."""
+def evaluate_run(run: Run, dataset: PackedDataset | ChatDataset | BlendedDataset) -> EvalResult:
+    """The periodic evaluation of a training run on its validation split, and on eval.task when it has one. A blend:
+    each source's validation split on its own (eval_loss/<source>), and their means weighted as the blend weighs
+    the sources (eval_loss, eval_accuracy; eval_ppl of that loss)."""
+    if isinstance(dataset, BlendedDataset):
+        parts = {name: _split_result(run, part) for name, part in zip(dataset.labels, dataset.datasets)}
+        w = [x / sum(dataset.weights) for x in dataset.weights]
+        loss = sum(wi * r.loss for wi, r in zip(w, parts.values()))
+        result = EvalResult(loss, math.exp(loss), sum(wi * r.accuracy for wi, r in zip(w, parts.values())),
+                            sum(r.tokens for r in parts.values()), sources=parts)
+    else:
+        result = _split_result(run, dataset)
+    return dataclasses.replace(result, task=task_scores_run(run)) if run.cfg.eval.task else result
+
+
+def _split_result(run: Run, dataset: PackedDataset | ChatDataset) -> EvalResult:
     cfg = run.cfg
     n = eval_sample_count(len(dataset), cfg.eval.batches, cfg.train.global_batch_size)
     batches = [shard_micro_batch(mb, run.layout.sequence_shard)  # sequence ranks: each its shard of the batches
                for mb in rank_batches(dataset, n, cfg.train.micro_batch_size, run.dp_rank, run.dp_size)]
-    result = evaluate(run.engine, batches, run.engine.device, pipeline=run.pipeline, counts=run.layout.counts_once)
-    if cfg.eval.task:
-        result = EvalResult(result.loss, result.perplexity, result.accuracy, result.tokens, task_scores_run(run))
-    return result
+    return evaluate(run.engine, batches, run.engine.device, pipeline=run.pipeline, counts=run.layout.counts_once)
 
 
 # ----------------------------------------------------------------------------------------------- task scores

@@ -13,7 +13,7 @@ from ..checkpoint.format import latest_tag, tag_for
 from ..checkpoint.lock import checkpoint_lock
 from ..checkpoint.resuming import resume
 from ..checkpoint.saving import save
-from ..data import GlobalBatchSampler, micro_batches, open_dataset
+from ..data import GlobalBatchSampler, micro_batches, open_dataset, open_training_data, sample_count
 from ..launcher.supervise import STOP_RECORD
 from ..models.loss import valid_token_counts
 from ..models.pipeline import split_micro_batch, to_device
@@ -221,7 +221,7 @@ def _train(run: Run, stop: StopOnSignal, on_accepted=None) -> dict:
     if start_step and is_rank0:
         log.info("resumed from %s at step %d (%d samples consumed)", state["tag"], start_step,
                  consumed)
-    sampler = GlobalBatchSampler(len(run.dataset), cfg.train.global_batch_size, cfg.train.micro_batch_size,
+    sampler = GlobalBatchSampler(sample_count(run.dataset), cfg.train.global_batch_size, cfg.train.micro_batch_size,
                                  run.dp_rank, run.dp_size, cfg.train.seed, shuffle=cfg.train.shuffle,
                                  consumed_samples=consumed)
     metrics = MetricsWriter(os.path.join(cfg.train.output_dir, "metrics.jsonl"), start_step) if is_rank0 else None
@@ -262,7 +262,8 @@ def _steps(run: Run, sampler: GlobalBatchSampler, metrics: MetricsWriter | None,
     batches = (preference.pair_batches(run, sampler, run.reference) if preference.is_dpo(run)
                else micro_batches(run.dataset, sampler))
     meter, routers = step_meter(run), router_stats(run)
-    valid = open_dataset(run.dataset_dir, cfg.data, split="valid") if cfg.eval.interval else None
+    valid = (open_training_data(cfg.data, run.dataset_dir, cfg.train.seed, cfg.train.shuffle, "valid")
+             if cfg.eval.interval else None)
     progress = Progress(cfg.train.steps, start_step, run.rank == 0, cfg.train.log_interval, log)
     skips = nan_policy.ConsecutiveSkips(cfg.train.max_consecutive_skips)
     last_saved, step = None, start_step

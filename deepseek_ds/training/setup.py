@@ -20,7 +20,15 @@ from torch.distributed import ProcessGroup, distributed_c10d
 from transformers import PretrainedConfig
 
 from ..config import RunConfig, zero_stage
-from ..data import ChatDataset, DataError, PackedDataset, dataset_info, ensure_builtin_dataset, open_dataset
+from ..data import (
+    BlendedDataset,
+    ChatDataset,
+    DataError,
+    PackedDataset,
+    dataset_info,
+    ensure_builtin_dataset,
+    open_training_data,
+)
 from ..models.hf_io import has_weights, load_hf_weights, mtp_layers_absent
 from ..models.layers import mtp_depth
 from ..models.lora import apply_lora
@@ -55,7 +63,7 @@ class Run:
     engine: DeepSpeedEngine          # a PipelineEngine when `pipeline`
     model_config: PretrainedConfig
     loss_fn: TokenWeightedLoss | PreferenceLoss  # PreferenceLoss: train.objective dpo
-    dataset: PackedDataset | ChatDataset  # the training split (data.open_dataset)
+    dataset: PackedDataset | ChatDataset | BlendedDataset  # the training data (data.open_training_data)
     dataset_dir: str
     rank: int
     world: int
@@ -194,9 +202,10 @@ def _not_noise(record: logging.LogRecord) -> bool:
 
 
 def prepare_data(cfg: RunConfig, local_rank: int) -> str:
-    """The dataset directory; the built-in corpus is built by one process per host while the others wait."""
-    if cfg.data.path:
-        return cfg.data.path
+    """The dataset directory (a blend's first source: all share its tokenizer); the built-in corpus is built by one
+    process per host while the others wait."""
+    if cfg.data.path or cfg.data.blend:
+        return cfg.data.path or next(iter(cfg.data.blend))
     vocab = build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides).vocab_size
     path = None
     if local_rank == 0:
@@ -266,7 +275,7 @@ def _open_training_data(cfg: RunConfig, dataset_dir: str, mcfg: PretrainedConfig
     if info["vocab_size"] > mcfg.vocab_size:
         raise DataError(f"dataset {dataset_dir} uses a tokenizer with {info['vocab_size']} tokens but the model's "
                         f"vocab_size is {mcfg.vocab_size}; use a matching tokenizer or set model.overrides.vocab_size")
-    dataset = open_dataset(dataset_dir, cfg.data)
+    dataset = open_training_data(cfg.data, dataset_dir, cfg.train.seed, cfg.train.shuffle)
     if rank == 0 and hasattr(dataset, "report"):
         log.info(dataset.report())  # what packing and truncation made of the samples
     return dataset
