@@ -103,6 +103,9 @@ def test_a_two_rank_run_trains_on_the_dumped_blend_and_evaluates_each_source(dat
     assert records[0]["loss"] == pytest.approx(want, rel=1e-5)
     last = records[-1]
     names = {os.path.basename(data_dir): 0.3, "docs": 0.7}
+    for name, source in zip(names, (data_dir, docs_dir)):  # 2 steps x 8 samples drawn
+        drawn = sum(d["source"] == source for d in dumped[:16])
+        assert last[f"epochs/{name}"] == pytest.approx(drawn / len(PackedDataset(source, 64)))
     assert set(names) <= {k.removeprefix("eval_loss/") for k in last if k.startswith("eval_loss/")}
     assert last["eval_loss"] == pytest.approx(sum(w * last[f"eval_loss/{n}"] for n, w in names.items()), rel=1e-9)
 

@@ -138,9 +138,13 @@ class BlendedDataset:
         return [(int(i), self._sample_index(int(i), int(k))) for i, k in zip(sources, draws)]
 
     def epochs(self, consumed: int) -> dict[str, float]:
-        """How many epochs of each source the first `consumed` positions hold."""
+        """How many epochs of each source (by label) the first `consumed` positions hold."""
         a = integer_weights(self.weights)
-        return {name: _first_draw_at(a, i, consumed) / len(self.datasets[i]) for i, name in enumerate(self.names)}
+        return {label: _first_draw_at(a, i, consumed) / len(self.datasets[i]) for i, label in enumerate(self.labels)}
+
+    def report(self) -> str:
+        return "data.blend: " + ", ".join(f"{label} {w / sum(self.weights):.1%} of the order ({len(d):,} samples)"
+                                          for label, w, d in zip(self.labels, self.weights, self.datasets))
 
     def __getitem__(self, position: int):
         (i, index), = self.locate(int(position), 1)

@@ -279,6 +279,8 @@ def _steps(run: Run, sampler: GlobalBatchSampler, metrics: MetricsWriter | None,
             saved = _save_and_close(run, step, sampler, progress, metrics)
             raise nan_policy.NonFiniteLoss(nan_policy.min_scale_message(step, saved, run.ds.get("fp16", {}), lr)) from e
         loss = record["loss"]
+        if hasattr(run.dataset, "epochs"):  # a blend: the epochs of each source drawn so far (small ones wrap)
+            record.update({f"epochs/{k}": v for k, v in run.dataset.epochs(sampler.consumed_samples).items()})
         if valid is not None and (step % cfg.eval.interval == 0 or step == cfg.train.steps):
             with stop.busy():
                 record.update(preference.evaluate_run(run, valid, run.valid_reference) if preference.is_dpo(run)
