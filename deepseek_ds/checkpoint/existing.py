@@ -21,7 +21,7 @@ from .lock import check_free
 
 def _dataset_dir(cfg: RunConfig, vocab_size: int) -> str | None:
     """The run's dataset if it exists already (data.path, or a built-in corpus prepared by an earlier run)."""
-    path = cfg.data.path or builtin_dataset_dir(cfg.data.cache_dir, vocab_size, cfg.data.builtin_max_mb)
+    path = cfg.data.named_dir or builtin_dataset_dir(cfg.data.cache_dir, vocab_size, cfg.data.builtin_max_mb)
     return path if os.path.isfile(os.path.join(path, DATASET_META)) else None
 
 

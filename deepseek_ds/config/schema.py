@@ -102,6 +102,11 @@ class DataSection:
             problems.append(f"data.builtin = {self.builtin!r}: the only built-in corpus is 'stdlib'; or set data.path")
         _refuse(problems)
 
+    @property
+    def named_dir(self) -> str | None:
+        """The dataset directory the section names: data.path, or data.blend's first (all share its tokenizer)."""
+        return self.path or (next(iter(self.blend)) if self.blend else None)
+
 
 @dataclass
 class TrainSection:

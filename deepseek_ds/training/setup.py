@@ -204,8 +204,8 @@ def _not_noise(record: logging.LogRecord) -> bool:
 def prepare_data(cfg: RunConfig, local_rank: int) -> str:
     """The dataset directory (a blend's first source: all share its tokenizer); the built-in corpus is built by one
     process per host while the others wait."""
-    if cfg.data.path or cfg.data.blend:
-        return cfg.data.path or next(iter(cfg.data.blend))
+    if cfg.data.named_dir:
+        return cfg.data.named_dir
     vocab = build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides).vocab_size
     path = None
     if local_rank == 0:
