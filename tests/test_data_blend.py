@@ -101,6 +101,14 @@ def test_a_two_rank_run_trains_on_the_dumped_blend_and_evaluates_each_source(dat
         logits = model.eval()(input_ids=ids[:, :-1]).logits
     want = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).item()
     assert records[0]["loss"] == pytest.approx(want, rel=1e-5)
+    for r in records:  # each source's token-weighted loss: their mean is the loss (tiny-v3 has no MTP)
+        tokens = {n: r[f"tokens/{n}"] for n in (os.path.basename(data_dir), "docs")}
+        assert sum(tokens.values()) == 8 * 64
+        assert sum(r[f"loss/{n}"] * t for n, t in tokens.items()) / sum(tokens.values()) == pytest.approx(
+            r["loss"], abs=1e-6)
+    first = {n: sum(d["source"] == s for d in dumped[:8]) * 64 for n, s in ((os.path.basename(data_dir), data_dir),
+                                                                           ("docs", docs_dir))}
+    assert {n: records[0][f"tokens/{n}"] for n in first} == first
     last = records[-1]
     names = {os.path.basename(data_dir): 0.3, "docs": 0.7}
     for name, source in zip(names, (data_dir, docs_dir)):  # 2 steps x 8 samples drawn

@@ -137,6 +137,13 @@ class BlendedDataset:
         sources, draws = blend_order(self.weights, start, count)
         return [(int(i), self._sample_index(int(i), int(k))) for i, k in zip(sources, draws)]
 
+    def sources_of(self, positions: list[int]) -> np.ndarray:
+        """The source index of each of these (contiguous) positions."""
+        if not positions:
+            return np.zeros(0, np.int64)
+        assert positions == list(range(positions[0], positions[0] + len(positions))), "a micro-batch is contiguous"
+        return blend_order(self.weights, positions[0], len(positions))[0]
+
     def epochs(self, consumed: int) -> dict[str, float]:
         """How many epochs of each source (by label) the first `consumed` positions hold."""
         a = integer_weights(self.weights)

@@ -49,6 +49,7 @@ class GlobalBatchSampler:
         self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
         self.consumed_samples = consumed_samples
         self._orders: dict[int, np.ndarray] = {}  # at most the two epochs a batch can straddle
+        self.last: list[list[int]] = []  # the micro-batches of the last global batch yielded
 
     @property
     def grad_accum_steps(self) -> int:
@@ -81,7 +82,9 @@ class GlobalBatchSampler:
         while True:
             mine = self.global_batch(self.consumed_samples)[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
             self.consumed_samples += self.global_batch_size
-            yield [mine[j:j + self.micro_batch_size].tolist() for j in range(0, per_rank, self.micro_batch_size)]
+            # kept for the per-source metrics of a blend (the rows' sources of the batch being trained)
+            self.last = [mine[j:j + self.micro_batch_size].tolist() for j in range(0, per_rank, self.micro_batch_size)]
+            yield self.last
 
 
 def sample_count(dataset) -> int | None:

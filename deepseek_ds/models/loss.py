@@ -106,6 +106,9 @@ class TokenWeightedLoss:
         self.mtp_weight = mtp_weight
         self.scales = None  # per depth (0: main), set per global batch by the training loop (set_global_tokens)
         self._parts = None  # detached scaled losses per depth, summed over this rank's micro-batches
+        self._row_groups: list[torch.Tensor] = []  # per coming micro-batch, each row's group (a blend's source)
+        self._group_sums = None  # [group, (summed main CE, valid targets)] of this rank's micro-batches, detached
+        self._num_groups = 0
 
     def set_global_tokens(self, global_valid_tokens, dp_size: int, grad_accum: int) -> None:
         """global_valid_tokens: valid targets of the global batch, an int, one per depth (valid_token_counts), or a
@@ -126,19 +129,55 @@ class TokenWeightedLoss:
         # A sequence shard's labels go on past its positions (the MTP halo): each output's own positions' targets.
         if isinstance(logits, Projection):
             outputs = logits.hidden
-            sums = [linear_cross_entropy(h, logits.weight, shift_labels(labels, k, position_ids)[:, :h.shape[1]])
-                    for k, h in enumerate(outputs)]
+
+            def summed(k, rows=slice(None)):
+                h = outputs[k][rows]
+                return linear_cross_entropy(h, logits.weight, shift_labels(labels, k, position_ids)[rows, :h.shape[1]])
         else:
             outputs = logits if isinstance(logits, tuple) else (logits,)
-            sums = [F.cross_entropy(out.float().reshape(-1, out.shape[-1]),
-                                    shift_labels(labels, k, position_ids)[:, :out.shape[1]].reshape(-1),
-                                    ignore_index=IGNORE_INDEX, reduction="sum") for k, out in enumerate(outputs)]
+
+            def summed(k, rows=slice(None)):
+                out = outputs[k][rows]
+                return F.cross_entropy(out.float().reshape(-1, out.shape[-1]),
+                                       shift_labels(labels, k, position_ids)[rows, :out.shape[1]].reshape(-1),
+                                       ignore_index=IGNORE_INDEX, reduction="sum")
+        sums = [summed(k) for k in range(1, len(outputs))]
+        sums.insert(0, self._grouped_main_sum(summed, labels, position_ids, outputs[0].shape[1]) if self._row_groups
+                    else summed(0))
         parts = torch.stack([s * self.scales[k] for k, s in enumerate(sums)])
         detached = parts.detach().double()
         self._parts = detached if self._parts is None else self._parts + detached
         if len(outputs) == 1:
             return parts[0]
         return parts[0] + self.mtp_weight / (len(outputs) - 1) * parts[1:].sum()
+
+    def queue_row_groups(self, groups: list[torch.Tensor], num_groups: int) -> None:
+        """Each row's group (int64, [rows]) of the micro-batches this rank's next calls get, in order: their main
+        loss is then summed group by group (the same total) and each group's sum and targets kept (take_group_sums).
+        Without a pipeline every micro-batch comes to this rank's loss; with one, to the last stage's only."""
+        self._row_groups, self._num_groups = list(groups), num_groups
+
+    def _grouped_main_sum(self, summed, labels, position_ids, positions: int) -> torch.Tensor:
+        groups = self._row_groups.pop(0)
+        targets = shift_labels(labels, 0, position_ids)[:, :positions] != IGNORE_INDEX
+        if self._group_sums is None:  # on the loss's device: no host-device sync
+            self._group_sums = torch.zeros(self._num_groups, 2, dtype=torch.float64, device=labels.device)
+        total = 0.0
+        for g in groups.unique().tolist():  # host tensors
+            rows = (groups == g).nonzero().flatten().to(labels.device)
+            part = summed(0, rows)
+            self._group_sums[g] += torch.stack([part.detach().double(), targets[rows].sum().double()])
+            total = total + part
+        return total
+
+    def take_group_sums(self, device) -> torch.Tensor | None:
+        """[group, (summed main CE, valid targets)] since the last call (zeros on ranks that computed no loss);
+        None when no groups were queued."""
+        if not self._num_groups:
+            return None
+        sums, self._group_sums = self._group_sums, None
+        return sums.to(device) if sums is not None else torch.zeros(self._num_groups, 2, dtype=torch.float64,
+                                                                    device=device)
 
     def take_parts(self, device) -> torch.Tensor:
         """[main, depth 1..D] losses of this rank's micro-batches since the last call, each scaled as in training

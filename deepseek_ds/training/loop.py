@@ -21,7 +21,7 @@ from ..parallel.sequence import shard_micro_batch
 from ..utils.fs import write_json_atomic
 from . import monitors, nan_policy, preference
 from .evaluation import evaluate_run
-from .metrics import MetricsWriter, StepMeter, flops_per_token, peak_tflops, plot_loss
+from .metrics import MetricsWriter, StepMeter, flops_per_token, peak_tflops, plot_loss, source_metrics
 from .progress import Progress
 from .router_stats import RouterStats, moe_layer_indices
 from .schedule import align_resumed_schedule, start_lr_schedule
@@ -100,7 +100,11 @@ def recorded_step(run: Run, batches, sampler: GlobalBatchSampler, meter: StepMet
     engine = run.engine
     skipped_before = engine.skipped_steps
     meter.start()
-    local = _local_step(run, next(batches))
+    batch = next(batches)
+    if getattr(run.dataset, "positional", False):  # a blend: each row's source, for loss/<source>
+        run.loss_fn.queue_row_groups([torch.from_numpy(run.dataset.sources_of(m)) for m in sampler.last],
+                                     len(run.dataset.labels))
+    local = _local_step(run, batch)
     # DeepSpeed discarded the update (fp16 overflow, non-finite gradients): no optimizer/scheduler step.
     skipped = engine.skipped_steps > skipped_before
     values, stop_asked = _reduced_metrics(run, meter, routers, local, skipped, stop)
@@ -129,8 +133,9 @@ def _reduced_metrics(run: Run, meter: StepMeter, routers: RouterStats | None, lo
     dpo = preference.is_dpo(run)  # its parts: the pair metrics (preference_loss.METRICS), summed
     parts = run.loss_fn.take_parts(device) * replica if depth or dpo else None
     aux = balancer.take_aux() if balancer and balancer.s.has_aux else None
+    groups = run.loss_fn.take_group_sums(device) if hasattr(run.loss_fn, "take_group_sums") else None
     summed = _cat([None if run.pipeline else local.reshape(1) * replica, parts, aux,
-                   routers.local_load() if routers else None], device)
+                   groups * replica if groups is not None else None, routers.local_load() if routers else None], device)
     if dist.is_initialized() and summed.numel():
         dist.all_reduce(summed)
     if balancer:  # the router biases move from the step's summed load, on the device, before the bias statistics
@@ -164,6 +169,9 @@ def _reduced_metrics(run: Run, meter: StepMeter, routers: RouterStats | None, lo
     if aux is not None:
         out.update(balancer.aux_metrics(summed[:aux.numel()]))
         summed = summed[aux.numel():]
+    if groups is not None:
+        out.update(source_metrics(run.dataset.labels, summed[:groups.numel()]))
+        summed = summed[groups.numel():]
     out.update(mtp)
     if routers:
         out.update(routers.metrics(summed, maxed[1 + (stop is not None):]))

@@ -141,6 +141,17 @@ def _read_records(lines, path: str) -> list[dict]:
     return records
 
 
+def source_metrics(labels: list[str], sums: list[float]) -> dict:
+    """A blend's per-source training metrics from [(summed main CE, valid targets)] per source, summed over the
+    ranks: loss/<source> (token-weighted, as `loss` is: their token-weighted mean is the main loss) and
+    tokens/<source>."""
+    out = {}
+    for i, label in enumerate(labels):
+        ce, tokens = sums[2 * i], sums[2 * i + 1]
+        out[f"loss/{label}"], out[f"tokens/{label}"] = (ce / tokens if tokens else None), int(tokens)
+    return out
+
+
 def plot_loss(records: list[dict], path: str, title: str) -> None:
     # Imported here: ~1 s that only the final plot needs, and the backend must be chosen before pyplot is imported.
     import matplotlib
@@ -155,6 +166,8 @@ def plot_loss(records: list[dict], path: str, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     # Markers keep a step between two gaps (skipped non-finite losses) visible.
     ax.plot([r["step"] for r in records], values("loss"), ".-", lw=1.2, ms=3, label="train loss")
+    for key in sorted({k for r in records for k in r if k.startswith("loss/")}):  # a blend's sources
+        ax.plot([r["step"] for r in records], values(key), "-", lw=0.8, alpha=0.7, label=f"train {key}")
     evals = [r for r in records if r.get("eval_loss") is not None]
     if evals:
         ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", lw=1.2, label="validation loss")
