@@ -4,8 +4,8 @@ samples in its own seeded order, epochs of a small source wrapping (and counted)
 Position p of the blend holds draw k of source i, where the draws of all sources are sorted by their "times"
 (k + 1/2) / w_i, ties going to the lower source index: stride scheduling, the Sainte-Laguë divisor order. For any
 prefix of n positions the count c_i of source i satisfies |c_i - w_i n| <= (1 - w_i + w_i (S - 1)) / 2, under 1 sample
-for 2 or 3 sources (Megatron's BlendedDataset keeps the same bound by greedily taking the source furthest behind, an
-index it builds in C++). Unlike the greedy index, the position of each draw has a closed form, so any range of
+for 2 or 3 sources (Megatron's BlendedDataset takes the source furthest behind its share, greedily, in an index it
+builds in C++). Unlike a greedy index, the position of each draw has a closed form, so any range of
 positions is computed directly, with integers: deterministic, resumable at any consumed_samples, layout-independent.
 Written here because no library in use exposes such an order (Megatron's helper is its C++ extension).
 
