@@ -19,6 +19,7 @@ from .data import cli as data_cli
 from .data.sft import dataset_option_notes
 from .inference import cli as inference_cli
 from .launcher import cli as launcher_cli
+from .launcher import per_host
 from .launcher.hostfile import read_hostfile, select_slots
 from .launcher.remote import LOCAL_HOSTS
 from .launcher.supervise import read_stop_record, run_launcher
@@ -163,7 +164,7 @@ def _register_modules(sub) -> None:
     """Sub-commands that live with their own modules (each module's register() adds its parsers)."""
     data = sub.add_parser("data", help="prepare and inspect tokenized datasets").add_subparsers(
         dest="data_command", metavar="SUBCOMMAND", required=True)
-    data_cli.register(data, run_data=_run_data)
+    data_cli.register(data, run_data=_run_data, per_host=per_host)
     for module in (launcher_cli, checkpoint_cli, inference_cli, plan_cli):
         module.register(sub)
     bench = sub.add_parser("bench", help="benchmarks that print tables and write reports").add_subparsers(

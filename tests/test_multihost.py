@@ -1,6 +1,6 @@
 """Multi-host launches for real, on a test cluster of network-namespace hosts with their own sshd
-(launch/testcluster.sh): preflight, a host dying mid-run, the --no_ssh per-node mode, and training
-across 4 hosts against the same run on 4 local ranks.
+(launch/testcluster.sh): preflight, a host dying mid-run, the --no_ssh per-node mode, training
+across 4 hosts against the same run on 4 local ranks, and `data prepare` over 2 and 4 hosts against one.
 
 The cluster is built once for the whole session and removed at the end. Needs root, iproute2,
 openssh-server and pdsh (launch/install_test_deps.sh); skipped with the reason otherwise (`-rs` prints it), and
@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -263,3 +264,60 @@ def test_pipeline_and_data_parallel_across_four_hosts_matches_four_local_ranks(c
     assert [s for s, _ in on_hosts] == [s for s, _ in on_one] and len(on_hosts) == 3
     for (step, a), (_, b) in zip(on_hosts, on_one, strict=True):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-6), f"step {step}: {a} on 4 hosts vs {b} locally"
+
+
+# ---------------------------------------------------------------- data prepare across hosts
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def prepare_command(out: Path, *hosts_args: str) -> list[str]:
+    # The built-in corpus in many small shards, so that every host has a share of several and a kill lands mid-way.
+    return [PYTHON, "-m", "deepseek_ds", "data", "prepare", "--out", str(out), "--builtin-mb", "4", "--shard-mb",
+            "0.05", "--vocab-size", "512", "--no-progress", *hosts_args]
+
+
+def test_data_prepare_on_two_and_four_hosts_is_byte_identical_to_one_and_resumes_after_a_host_dies(cluster, tmp_path):
+    shutil.copy(cluster.env_file, tmp_path / ".deepspeed_env")
+    on_hosts = ["--hostfile", str(cluster.hostfile), "--master_port", "29658"]
+    runs = {"one": prepare_command(tmp_path / "one"),
+            "two": prepare_command(tmp_path / "two", *on_hosts, "--include", "dsnode0@dsnode1")}
+    procs = {name: subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for name, command in runs.items()}
+    outputs = {name: proc.communicate(timeout=300)[0] for name, proc in procs.items()}
+    for name, proc in procs.items():
+        assert proc.returncode == 0, f"{name}:\n{outputs[name][-4000:]}"
+    reference = tree(tmp_path / "one")
+    assert len(reference) > 50 and tree(tmp_path / "two") == reference
+    assert "data prepare: " in outputs["two"] and " shards to tokenize on 2 hosts" in outputs["two"]
+
+    # Four hosts; host 3 dies as soon as its share has begun (its first shard record is on disk).
+    four = tmp_path / "four"
+    command = prepare_command(four, *on_hosts)
+    log = tmp_path / "four.log"
+    with log.open("w") as sink:
+        job = subprocess.Popen(command, cwd=tmp_path, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+                               env={**os.environ, "PDSH_SSH_ARGS_APPEND": FAST_KEEPALIVE})
+    try:
+        share = four / ".hosts" / "host-003.pkl"
+        deadline = time.monotonic() + 180
+        while not (share.is_file() and any((four / f"{t.name}.json").is_file()
+                                           for t in pickle.loads(share.read_bytes())["tasks"])):
+            assert job.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        kill_host(cluster, 3)
+        returncode = job.wait(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+        cluster.reset_host(3)
+    output = log.read_text()
+    assert returncode == 2, output
+    assert "shards of" in output and "are missing" in output and not (four / "meta.json").exists(), output
+    rerun = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    left, total = map(int, rerun.stdout.split("data prepare: ", 1)[1].split(" shards")[0].split(" of "))
+    assert 0 < left < total, rerun.stdout  # only what the dead host left
+    assert tree(four) == reference

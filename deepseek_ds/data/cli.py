@@ -4,24 +4,30 @@ through the entry point's one error report (`deepseek-ds: error: ...`, exit 2)."
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
+import os
 import sys
 from types import SimpleNamespace
 
 import numpy as np
 
-from ..utils.cli_args import spellings
+from ..utils.cli_args import add_hostfile, add_master_port, add_slot_filters, spellings
 from .blend import BlendedDataset, open_training_data
 from .builtin import stdlib_files
 from .chat import TRAIN_ON
 from .errors import DataError
 from .formats import INPUT_FORMATS
+from .hosts import finish_shares, shard_progress, write_shares
 from .layout import MASKED_FORMATS, PREFERENCE_FORMAT, TEXT_FORMAT, dataset_format, dataset_info
-from .prepare import prepare_dataset
+from .prepare import planned, prepare_dataset
 from .sampler import GlobalBatchSampler, sample_count
 from .sft import DROP, TRUNCATE_LEFT, TRUNCATE_RIGHT, chat_sample_lengths, open_dataset
 from .sources import DEFAULT_EXTENSIONS
 from .synthetic import HELDOUT_FILE, TASK_KINDS, TOKENIZER_SUBDIR, TRAIN_FILE, write_task
+
+HOSTS_MODULE = "deepseek_ds.data.hosts"  # what each host runs under `prepare --hostfile`
 
 
 def _extensions(value: str) -> tuple[str, ...] | None:
@@ -72,13 +78,36 @@ def summary(out: str) -> list[str]:
 
 def _prepare(args: argparse.Namespace) -> int:
     inputs = args.input or stdlib_files(args.builtin_mb)
-    out = prepare_dataset(inputs, args.out, tokenizer_dir=args.tokenizer, vocab_size=args.vocab_size,
-                          workers=args.workers, jsonl_field=args.jsonl_field, valid_fraction=args.valid_fraction,
-                          seed=args.seed, shard_mb=args.shard_mb, progress=not args.no_progress,
-                          extensions=_extensions(args.extensions), data_format=args.format,
-                          train_on=args.train_on, skip_bad=args.skip_bad, split=args.split)
+    options = dict(tokenizer_dir=args.tokenizer, vocab_size=args.vocab_size, workers=args.workers,
+                   jsonl_field=args.jsonl_field, valid_fraction=args.valid_fraction, seed=args.seed,
+                   shard_mb=args.shard_mb, progress=not args.no_progress, extensions=_extensions(args.extensions),
+                   data_format=args.format, train_on=args.train_on, skip_bad=args.skip_bad, split=args.split)
+    if args.hostfile or args.srun:
+        out = _prepare_on_hosts(args, inputs, options)
+    else:
+        out = prepare_dataset(inputs, args.out, **options)
     print("\n".join(summary(out)))
     return 0
+
+
+def _prepare_on_hosts(args: argparse.Namespace, inputs: list[str], options: dict) -> str:
+    """Preflight, then the plan and tokenizer here, the shards on every host, meta.json here (data/hosts.py)."""
+    per_host = args.per_host
+    job = per_host.HostJob(args.hostfile, args.include, args.exclude, args.master_port, srun=args.srun)
+    out = os.path.abspath(args.out)  # the hosts' working directory may not be this one
+    hosts = per_host.check_hosts(job, out)  # before a tokenizer is trained
+    with planned(inputs, out, **{**options, "workers": 1}) as (prep, _):
+        pass  # the plan only: the hosts tokenize
+    prep = dataclasses.replace(prep, workers=args.workers)
+    shares_dir, todo = write_shares(prep, len(hosts))
+    print(f"data prepare: {len(todo)} of {len(prep.tasks)} shards to tokenize on {len(hosts)} host"
+          f"{'s' * (len(hosts) != 1)} x {args.workers} workers", flush=True)
+    if todo:
+        with shard_progress(todo, len(hosts)) if options["progress"] else contextlib.nullcontext():
+            status = per_host.run_per_host(job, out, HOSTS_MODULE, [str(shares_dir)])
+        if status != 0:
+            print(f"data prepare: the launch on the hosts exited with status {status}", flush=True)
+    return finish_shares(prep, shares_dir)
 
 
 def _dump(args: argparse.Namespace) -> int:
@@ -140,10 +169,11 @@ def _synth_task(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers, run_data=None) -> None:
+def register(subparsers, run_data=None, per_host=None) -> None:
     """Add `prepare`, `dump` and `synth-task` to the `deepseek-ds data` sub-command group. run_data(config, sets) ->
     (DataSection, train.seed, train.shuffle): how `dump --config` reads a run YAML (the config package sits above
-    this one)."""
+    this one); per_host: launcher/per_host.py, how `prepare --hostfile` starts a process on each host (the launcher
+    package sits beside this one)."""
     p = subparsers.add_parser("prepare", help="tokenize inputs into memory-mapped shards")
     p.add_argument("--input", nargs="+", action="extend",
                    help="text files, directories, .jsonl files or saved HF datasets (default: the built-in "
@@ -183,7 +213,16 @@ def register(subparsers, run_data=None) -> None:
                    "says which split was read and lists the others")
     p.add_argument(*spellings("--skip-bad"), action="store_true",
                    help="chat: skip and count bad lines instead of stopping at the first")
-    p.set_defaults(func=_prepare)
+    hosts = p.add_mutually_exclusive_group()
+    add_hostfile(hosts, help="split the shards over the hosts of this DeepSpeed hostfile, each tokenizing its share "
+                 "with --workers processes into --out, which every host must mount at the same path (checked first, "
+                 "by preflight; each host checks that it sees the inputs); the output is byte-identical to a one-host prepare, and a re-run "
+                 "after a failed host prepares only the missing shards")
+    hosts.add_argument("--srun", action="store_true",
+                       help="as --hostfile, over the nodes of the Slurm allocation this runs in (one srun task a node)")
+    add_slot_filters(p)
+    add_master_port(p, help="with --hostfile: the deepspeed launcher's --master_port (default 29500)")
+    p.set_defaults(func=_prepare, per_host=per_host)
 
     d = subparsers.add_parser("dump", help="print samples in training order: JSON lists of token ids, or for chat data "
                           "and --document-mask one object of input_ids, labels and position_ids each; for preference "

@@ -14,7 +14,9 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -125,7 +127,7 @@ def _ensure_tokenizer(out: Path, src_tok, train: Callable[[Path], None]):
 
 
 @contextlib.contextmanager
-def _worker_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
+def worker_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
     """`workers` processes started now, so that their start-up (an interpreter, numpy, tokenizers: ~0.4 s each)
     overlaps the parent's serial part (loading or training the tokenizer, planning, checking finished shards)
     instead of following it; None for one worker, which tokenizes in this process."""
@@ -199,27 +201,27 @@ def _meta(out: Path, tasks: list[ShardTask], plan_hash: str, tok) -> dict:
             "num_tokens": sum(s["num_tokens"] for s in splits.values()), "splits": splits}
 
 
-def prepare_dataset(inputs: list[str], out_dir: str, tokenizer_dir: str | None = None, vocab_size: int = 2048,
-                    workers: int = 1, jsonl_field: str = "text", valid_fraction: float = 0.01, seed: int = 0,
-                    *, shard_mb: float = 16.0, progress: bool = True,
-                    extensions: tuple[str, ...] | None = DEFAULT_EXTENSIONS, data_format: str = TEXT_FORMAT,
-                    train_on: str = "all", skip_bad: bool = False, split: str | None = None) -> str:
-    """Tokenize `inputs` into a packed, checksummed dataset at `out_dir` and return `out_dir`.
+@dataclass(frozen=True)
+class Planned:
+    """What a prepare knows before it tokenizes: every shard's task, and what meta.json needs besides the shards."""
+    out: Path
+    tasks: list[ShardTask]
+    plan_hash: str
+    tok: Any
+    extra: dict  # meta.json's keys beyond the shards' (skipped inputs, chat options, bad lines, ...)
+    inputs: list[str]
+    workers: int
 
-    With `tokenizer_dir` the dataset uses that HF tokenizer; otherwise a byte-level BPE of `vocab_size`
-    is trained on the training documents. Shards hold about `shard_mb` of text each; the output does not
-    depend on `workers`. Re-running continues an interrupted run and verifies a finished one. Directory inputs
-    contribute files with one of `extensions` (None: all); meta.json lists the files skipped.
 
-    `data_format` "chat": the inputs are .jsonl conversations (data/chat.py), each stored as one sample with a
-    trained mask (assistant turns: all, or the last with `train_on` "last"); a bad line is an error naming its
-    file:line, or skipped and counted in meta.json with `skip_bad`. Whole conversations are held out for validation.
-    Each record's format (messages, prompt/response, Alpaca, ShareGPT: formats.py) is told from its keys;
-    `data_format` "alpaca" or "sharegpt" makes a chat dataset of records that must all be in that format;
-    "preference" a preference dataset of {"prompt", "chosen", "rejected"} records (data/pairs.py), two samples a
-    pair (layout.py), with a count of the pairs whose chosen and rejected are the same.
-    A saved DatasetDict input contributes its split `split` ("train" when None); meta.json says which.
-    """
+@contextlib.contextmanager
+def planned(inputs: list[str], out_dir: str, tokenizer_dir: str | None = None, vocab_size: int = 2048,
+            workers: int = 1, jsonl_field: str = "text", valid_fraction: float = 0.01, seed: int = 0,
+            *, shard_mb: float = 16.0, progress: bool = True,
+            extensions: tuple[str, ...] | None = DEFAULT_EXTENSIONS, data_format: str = TEXT_FORMAT,
+            train_on: str = "all", skip_bad: bool = False, split: str | None = None,
+            ) -> Iterator[tuple[Planned, ProcessPoolExecutor | None]]:
+    """The serial part of a prepare (scan, split, plan, the tokenizer trained or imported once), with `workers`
+    tokenizer processes started alongside it; yields the plan and that pool. prepare_dataset's arguments."""
     if workers < 1:
         raise DataError(f"workers must be >= 1, got {workers}")
     if data_format not in INPUT_FORMATS:
@@ -240,7 +242,7 @@ def prepare_dataset(inputs: list[str], out_dir: str, tokenizer_dir: str | None =
         table, rows = _split(scan_inputs(inputs, jsonl_field, extensions, split), valid_fraction, seed)
     shards = {split: group_by_size(table.size[rows[split]], int(shard_mb * 2**20)) for split in SPLITS}
     # Workers start before the tokenizer loads, at most one per shard; the pool closes (joining them) before meta.
-    with _worker_pool(min(workers, sum(map(len, shards.values())))) as pool:
+    with worker_pool(min(workers, sum(map(len, shards.values())))) as pool:
         src_tok = None if tokenizer_dir is None else import_tokenizer(tokenizer_dir)
         plan = {"format_version": FORMAT_VERSION, "inputs": [str(Path(p).resolve()) for p in inputs],
                 "docs_sha256": hashlib.sha256(json.dumps(table.refs()).encode()).hexdigest(), "num_docs": len(table),
@@ -264,20 +266,61 @@ def prepare_dataset(inputs: list[str], out_dir: str, tokenizer_dir: str | None =
             tok = _ensure_tokenizer(out, src_tok, lambda d: train_bpe(_iter_texts(train_docs, jsonl_field), vocab_size,
                                                                       d, progress))
         tasks = _plan_tasks(out, table, rows, jsonl_field, shards, tok, train_on if chat else None, line_format)
-        _run([t for t in tasks if not is_done(t)], pool, progress)
-    meta = _meta(out, tasks, plan_hash, tok)
-    meta["skipped_inputs"] = list(table.skipped)
-    if table.read_splits:
-        meta["read_splits"] = list(table.read_splits)
-    if chat:
-        # The first few errors are kept for the summary; the count is of all lines skipped.
-        meta.update(format=stored_format, train_on=train_on, bad_lines=len(bad), bad_line_errors=bad[:5])
-    if line_format == PREFERENCE_FORMAT:
-        meta["identical_pairs"] = sum(read_json(shard_files(out, t.name)[2]).get("identical_pairs", 0) for t in tasks)
-    if src_tok is None:
-        meta["requested_vocab_size"] = vocab_size
+        extra: dict = {"skipped_inputs": list(table.skipped)}
+        if table.read_splits:
+            extra["read_splits"] = list(table.read_splits)
+        if chat:
+            # The first few errors are kept for the summary; the count is of all lines skipped.
+            extra.update(format=stored_format, train_on=train_on, bad_lines=len(bad), bad_line_errors=bad[:5])
+        if src_tok is None:
+            extra["requested_vocab_size"] = vocab_size
+        yield Planned(out, tasks, plan_hash, tok, extra, list(inputs), workers), pool
+
+
+def finish(prep: Planned) -> str:
+    """meta.json from the finished shards' records (written last: its presence says the dataset is complete)."""
+    meta = _meta(prep.out, prep.tasks, prep.plan_hash, prep.tok)
+    meta.update(prep.extra)
+    if meta.get("format") == PREFERENCE_FORMAT:
+        meta["identical_pairs"] = sum(read_json(shard_files(prep.out, t.name)[2]).get("identical_pairs", 0)
+                                      for t in prep.tasks)
     if meta["splits"]["train"]["num_tokens"] == 0:
-        raise DataError(f"inputs {inputs} produced no training tokens (only empty or whitespace documents): "
+        raise DataError(f"inputs {prep.inputs} produced no training tokens (only empty or whitespace documents): "
                         f"pass inputs with text")
-    write_json_atomic(out / META, meta)
-    return str(out)
+    write_json_atomic(prep.out / META, meta)
+    return str(prep.out)
+
+
+def run_tasks(tasks: list[ShardTask], pool: ProcessPoolExecutor | None, progress: bool) -> int:
+    """Tokenize the tasks not already done on disk (with the pool's workers); returns how many were."""
+    todo = [t for t in tasks if not is_done(t)]
+    _run(todo, pool, progress)
+    return len(todo)
+
+
+def prepare_dataset(inputs: list[str], out_dir: str, tokenizer_dir: str | None = None, vocab_size: int = 2048,
+                    workers: int = 1, jsonl_field: str = "text", valid_fraction: float = 0.01, seed: int = 0,
+                    *, shard_mb: float = 16.0, progress: bool = True,
+                    extensions: tuple[str, ...] | None = DEFAULT_EXTENSIONS, data_format: str = TEXT_FORMAT,
+                    train_on: str = "all", skip_bad: bool = False, split: str | None = None) -> str:
+    """Tokenize `inputs` into a packed, checksummed dataset at `out_dir` and return `out_dir`.
+
+    With `tokenizer_dir` the dataset uses that HF tokenizer; otherwise a byte-level BPE of `vocab_size`
+    is trained on the training documents. Shards hold about `shard_mb` of text each; the output does not
+    depend on `workers`. Re-running continues an interrupted run and verifies a finished one. Directory inputs
+    contribute files with one of `extensions` (None: all); meta.json lists the files skipped.
+
+    `data_format` "chat": the inputs are .jsonl conversations (data/chat.py), each stored as one sample with a
+    trained mask (assistant turns: all, or the last with `train_on` "last"); a bad line is an error naming its
+    file:line, or skipped and counted in meta.json with `skip_bad`. Whole conversations are held out for validation.
+    Each record's format (messages, prompt/response, Alpaca, ShareGPT: formats.py) is told from its keys;
+    `data_format` "alpaca" or "sharegpt" makes a chat dataset of records that must all be in that format;
+    "preference" a preference dataset of {"prompt", "chosen", "rejected"} records (data/pairs.py), two samples a
+    pair (layout.py), with a count of the pairs whose chosen and rejected are the same.
+    A saved DatasetDict input contributes its split `split` ("train" when None); meta.json says which.
+    """
+    with planned(inputs, out_dir, tokenizer_dir, vocab_size, workers, jsonl_field, valid_fraction, seed,
+                 shard_mb=shard_mb, progress=progress, extensions=extensions, data_format=data_format,
+                 train_on=train_on, skip_bad=skip_bad, split=split) as (prep, pool):
+        run_tasks(prep.tasks, pool, progress)
+    return finish(prep)

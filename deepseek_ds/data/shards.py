@@ -57,17 +57,22 @@ def group_by_size(sizes: np.ndarray, shard_bytes: int) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:]))
 
 
+def written_record(task: ShardTask) -> dict | None:
+    """The record of the shard as written for exactly this task (its files were published before it), or None."""
+    record_path = shard_files(Path(task.out_dir), task.name)[2]
+    if not record_path.is_file():
+        return None
+    record = read_json(record_path)
+    return record if record.get("key") == task.key else None
+
+
 def is_done(task: ShardTask) -> bool:
     """True when the shard was completely written for exactly this task and is intact on disk."""
-    out = Path(task.out_dir)
-    record_path = shard_files(out, task.name)[2]
-    if not record_path.is_file():
-        return False
-    record = read_json(record_path)
-    if record.get("key") != task.key:
+    record = written_record(task)
+    if record is None:
         return False
     try:
-        check_shard(out, record, task.dtype, verify_checksums=True)
+        check_shard(Path(task.out_dir), record, task.dtype, verify_checksums=True)
     except DataError:
         return False  # damaged: the caller rebuilds it
     return True

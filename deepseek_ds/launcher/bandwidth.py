@@ -11,8 +11,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from deepseek_ds.launcher.per_host import runner_command
 from deepseek_ds.launcher.preflight import PreflightOptions
-from deepseek_ds.launcher.remote import LOCAL_HOSTS
 
 # A warm 4-rank CPU launch takes ~20 s; the script's own collective timeout (60 s) ends a stuck
 # rank well before this.
@@ -31,23 +31,7 @@ class BandwidthResult:
 
 
 def bandwidth_command(options: PreflightOptions, hosts: list[str]) -> list[str]:
-    command = [options.python, "-m", "deepspeed.launcher.runner", "--hostfile", str(options.hostfile),
-               "--master_port", str(options.master_port)]
-    master_addr = options.master_addr
-    if set(hosts) <= set(LOCAL_HOSTS):
-        # DeepSpeed starts a local-only job without ssh, yet with a hostfile it still tests
-        # `ssh localhost` and asks it for the master address unless told otherwise.
-        command.append("--no_ssh_check")
-        master_addr = master_addr or "127.0.0.1"
-    if master_addr:
-        command += ["--master_addr", master_addr]
-    if options.include:
-        command += ["--include", options.include]
-    if options.exclude:
-        command += ["--exclude", options.exclude]
-    if options.ssh_port is not None:
-        command += ["--ssh_port", str(options.ssh_port)]
-    return command + [str(BENCH_SCRIPT)]
+    return runner_command(options, hosts) + [str(BENCH_SCRIPT)]
 
 
 def measure(command: list[str], cwd: Path) -> BandwidthResult:

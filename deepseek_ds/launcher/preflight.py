@@ -48,6 +48,9 @@ class PreflightOptions:
     master_port: int = DEFAULT_MASTER_PORT
     master_addr: str = ""  # as deepspeed --master_addr; empty: DeepSpeed asks the first host (hostname -I)
     checkpoint_dir: str | None = None
+    # What checkpoint_dir holds, as the report names it: "checkpoint" (checkpoint.dir), or "output" for the dataset
+    # directory of `data prepare --hostfile`.
+    dir_role: str = "checkpoint"
     timeout: float = 10.0
     allow_cpu: bool = False  # CPU-only hosts (test clusters): no GPUs / no InfiniBand are not failures
     ssh_port: int | None = None
@@ -99,22 +102,26 @@ def _shared_checkpoint_dir(options: PreflightOptions, hosts: list[str], results:
                               options.timeout, options.ssh_port) if readers else {}
     remote.probe_hosts(hosts[:1], options.python, {hosts[0]: ["--remove-token", token_path]}, options.timeout,
                        options.ssh_port)
-    return judge_shared(hosts[0], options.checkpoint_dir, token_path, seen)
+    return judge_shared(hosts[0], options.checkpoint_dir, token_path, seen, options.dir_role)
 
 
-def judge_shared(first: str, checkpoint_dir: str, token_path: str, seen: dict[str, remote.ProbeResult]) -> Check:
+def judge_shared(first: str, checkpoint_dir: str, token_path: str, seen: dict[str, remote.ProbeResult],
+                 role: str = "checkpoint") -> Check:
     """PASS when every host read the first host's token file back; FAIL naming those that did not."""
     blind = {h: (r.facts["token"]["detail"] if r.facts else r.error) for h, r in seen.items()
              if not (r.facts and r.facts["token"]["seen"])}
     if blind:
         why = "; ".join(f"{h}: {detail}" for h, detail in blind.items())
-        return Check(JOB, "checkpoint shared", Status.FAIL,
+        lost = ("a checkpoint would lack the shards of the hosts rank 0 cannot see" if role == "checkpoint" else
+                f"the {role} would lack the files of the hosts the first cannot see")
+        return Check(JOB, f"{role} shared", Status.FAIL,
                      f"{_count(len(blind), 'host')} of {len(seen) + 1} do not see the file {first} wrote in "
                      f"{os.path.dirname(token_path)} ({why}): {checkpoint_dir} is not one directory shared by "
-                     "every host, so a checkpoint would lack the shards of the hosts rank 0 cannot see",
+                     f"every host, so {lost}",
                      f"mount the same shared filesystem (NFS, Lustre, GPFS, ...) at {checkpoint_dir} on every host, "
-                     "or point checkpoint.dir at a directory on one")
-    return Check(JOB, "checkpoint shared", Status.PASS,
+                     + ("or point checkpoint.dir at a directory on one" if role == "checkpoint" else
+                        f"or write the {role} to a directory on one"))
+    return Check(JOB, f"{role} shared", Status.PASS,
                  f"{_count(len(seen), 'other host')} read back the file {first} wrote in {os.path.dirname(token_path)}")
 
 
@@ -150,7 +157,7 @@ def _host_checks(job: Job, options: PreflightOptions, result: remote.ProbeResult
     if is_first:
         checks.append(_master(host, facts, options))
     if options.checkpoint_dir:
-        checks.append(_checkpoint_dir(host, facts))
+        checks.append(_checkpoint_dir(host, facts, options.dir_role))
     return checks
 
 
@@ -273,13 +280,13 @@ def _master(host: str, facts: dict, options: PreflightOptions) -> Check:
                  f"{facts['first_address']} (first of 'hostname -I'; --master_addr overrides)")
 
 
-def _checkpoint_dir(host: str, facts: dict) -> Check:
+def _checkpoint_dir(host: str, facts: dict, role: str) -> Check:
     status = facts["checkpoint_dir"]
     if status["ok"]:
-        return Check(host, "checkpoint dir", Status.PASS, status["detail"])
-    return Check(host, "checkpoint dir", Status.FAIL, status["detail"],
-                 f"make it writable for this user on {host}, on storage every host mounts at the same path "
-                 f"(checkpoint.dir in the recipe)")
+        return Check(host, f"{role} dir", Status.PASS, status["detail"])
+    return Check(host, f"{role} dir", Status.FAIL, status["detail"],
+                 f"make it writable for this user on {host}, on storage every host mounts at the same path"
+                 + (" (checkpoint.dir in the recipe)" if role == "checkpoint" else ""))
 
 
 def failed(checks: list[Check]) -> list[Check]:
