@@ -41,9 +41,11 @@ from ..data.builtin import stdlib_files
 from ..data.layout import TOKENIZER_DIR
 from ..data.shards import init_worker
 from ..data.tokenizer import backend_json, load_hf_tokenizer
-from ..utils.cli_args import positive_int, spellings
+from ..launcher.hostfile import read_hostfile, select_slots
+from ..utils.cli_args import add_hostfile, add_master_port, positive_int, spellings
 from ..utils.fmt import text_table
 from ..utils.system import usable_cpus
+from .data_hosts_bench import bench_hosts
 
 # Several shards per worker so extra workers have something to do.
 _SHARD_MB = 0.5
@@ -167,6 +169,8 @@ def format_rounds(rows: list[dict]) -> str:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.hostfile:
+        return bench_hosts(args, list(select_slots(read_hostfile(args.hostfile))))
     with tempfile.TemporaryDirectory() as tmp:
         rows = run_data_bench(args.workers, args.mb, args.vocab_size, args.work_dir or tmp, args.repeats)
     text = "\n".join([format_table(rows), f"{usable_cpus()} usable cores, load average {os.getloadavg()[0]:.1f}: N "
@@ -195,5 +199,11 @@ def register(subparsers) -> None:
                    help="rounds of all rows, each row showing its median round (default 3)")
     p.add_argument(*spellings("--vocab-size"), type=int, default=2048, help="BPE vocabulary size (default 2048)")
     p.add_argument(*spellings("--work-dir"), help="keep outputs here (default: a temporary directory)")
-    p.add_argument("--out", default=None, help="write the report OUT/data.md (default: print only)")
+    p.add_argument("--out", default=None, help="write the report OUT/data.md (OUT/data-hosts.md with --hostfile; "
+                   "default: print only)")
+    add_hostfile(p, help="instead: `data prepare --hostfile` on the first N hosts of this hostfile for each --hosts N, "
+                 "with the first --workers count a host, next to the same prepare on this host without a hostfile")
+    p.add_argument("--hosts", type=positive_int, nargs="+", default=[1, 2, 4],
+                   help="with --hostfile: host counts to compare (default 1 2 4)")
+    add_master_port(p, default=29500, help="with --hostfile: the launcher's --master_port (default 29500)")
     p.set_defaults(func=_bench)
