@@ -7,6 +7,7 @@ every round running all rows back to back."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -32,7 +33,9 @@ def _prepare(files: list[str], tok_dir: Path, out: Path, workers: int, hosts_arg
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} exited {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}")
     tokens = dataset_info(str(out))["num_tokens"]
-    return {"seconds": seconds, "tokens": tokens}
+    # Each host's own line: "host K of N: S shards, T tokens in X s (...)"; the slowest one bounds the tokenizing.
+    shares = [float(m) for m in re.findall(r"host \d+ of \d+: .* tokens in ([\d.]+) s", done.stdout)]
+    return {"seconds": seconds, "tokens": tokens, "tokenizing_s": max(shares) if shares else None}
 
 
 def corpus_files(mb: float, work_dir: str) -> list[str]:
@@ -82,15 +85,22 @@ def run_hosts_bench(hostfile: str, hosts: list[str], counts: list[int], workers:
     return rows
 
 
-HEADERS = ["method", "seconds", "tokens", "tokens/s", "vs this host", "vs 1 host", "rounds (s)"]
+HEADERS = ["method", "seconds", "tokens", "tokens/s", "vs this host", "vs 1 host", "slowest host's share (s)",
+           "tokens/s of the shares", "rounds (s)"]
 
 
 def format_table(rows: list[dict]) -> str:
+    """`slowest host's share`: the longest time a host spent tokenizing its share (its own line); `tokens/s of the
+    shares`: the tokens over it, the rate without the fixed cost of preflight, plan and launch."""
     def ratio(r, key):
         return f"{r[key]:.2f}" if key in r else "-"
 
+    def share(r):
+        return ("-", "-") if not r.get("tokenizing_s") else (f"{r['tokenizing_s']:.1f}",
+                                                              f"{r['tokens'] / r['tokenizing_s']:,.0f}")
+
     cells = [[r["method"], f"{r['seconds']:.2f}", f"{r['tokens']:,}", f"{r['tokens/s']:,.0f}", ratio(r, "vs_local"),
-              ratio(r, "vs_one_host"), " ".join(f"{s:.1f}" for s in r["all_seconds"])] for r in rows]
+              ratio(r, "vs_one_host"), *share(r), " ".join(f"{s:.1f}" for s in r["all_seconds"])] for r in rows]
     return text_table(cells, HEADERS)
 
 
@@ -116,7 +126,7 @@ def bench_hosts(args, hosts: list[str]) -> int:
             "host without a hostfile. One imported tokenizer (trained once, untimed). Where the hosts are the "
             "namespace test cluster (launch/testcluster.sh) they share this machine's cores, so tokens/s can grow "
             f"only up to {cores} / {args.workers[0]} = {cores / args.workers[0]:g}x over one host; on a real "
-            "cluster each host brings its own cores and the fixed cost (launch and plan, the 1-host row's excess "
-            "over the local row) is what does not shrink."), ["```\n" + text + "\n```"])
+            "cluster each host brings its own cores and the fixed cost (preflight, plan and the launcher: the 1-host "
+            "row's excess over the local row) is what does not shrink; the share columns leave it out."), ["```\n" + text + "\n```"])
         print(f"wrote {path}")
     return 0
