@@ -84,7 +84,7 @@ def config_page() -> str:
         out += [f"## `{f.name}`", ""] + ([_text(intro), ""] if intro else [])
         out += ["| field | type | default | meaning |", "|---|---|---|---|"]
         for sub in dataclasses.fields(cls):
-            out.append(f"| `{f.name}.{sub.name}` | `{_cell(sub.type)}` | `{_cell(_default(sub))}` | "
+            out.append(f"| `{f.name}.{schema.yaml_key(sub)}` | `{_cell(sub.type)}` | `{_cell(_default(sub))}` | "
                        f"{_cell(fields.get(sub.name, '-'))} |")
         out.append("")
     if top:

@@ -97,14 +97,15 @@ def test_resume_on_one_rank_reshards_zero1(zero1, tmp_path, data_dir):
 
 @pytest.mark.launch
 def test_sigterm_stops_cleanly_and_resume_is_bitwise_exact_zero3(zero3, tmp_path, data_dir):
-    """Resume the ZeRO-3 run from step 4, SIGTERM every rank (as a scheduler does) once step 5 is logged: the ranks
-    finish a step, save it and exit 0; every loss up to there equals the uninterrupted run's bit for bit."""
+    """Resume the ZeRO-3 run from step 4, saving every step in the background (checkpoint.async), SIGTERM every rank
+    (as a scheduler does) once step 5 is logged: the ranks finish a step, wait for its background save to be
+    published and exit 0; every loss up to there equals the uninterrupted run's bit for bit."""
     ckpt = fresh_ckpt_dir(zero3["step4"], tmp_path / "ckpt")
     out = tmp_path / "out"
     cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "train.py",
            "--config", "recipes/tiny-v3.yaml", "--deepspeed_config", "ds_configs/zero3.json",
            "--set", f"train.output_dir={out}"]
-    for s in checkpoint_sets(data_dir, 8, 4, f"checkpoint.dir={ckpt}"):
+    for s in checkpoint_sets(data_dir, 8, 1, f"checkpoint.dir={ckpt}", "checkpoint.async=true"):
         cmd += ["--set", s]
     with open(tmp_path / "launcher.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=log, stderr=subprocess.STDOUT)
@@ -127,6 +128,8 @@ def test_sigterm_stops_cleanly_and_resume_is_bitwise_exact_zero3(zero3, tmp_path
     assert checkpoint.latest_tag(str(ckpt)) == checkpoint.tag_for(stopped)
     meta = checkpoint.read_meta(str(ckpt / checkpoint.tag_for(stopped)))
     assert meta["step"] == stopped and meta["consumed_samples"] == stopped * GLOBAL_BATCH
+    assert f"saved checkpoint step {stopped} in the background" in (tmp_path / "launcher.log").read_text()
+    assert cli(["checkpoint", "verify", str(ckpt)]) == 0
 
 
 @pytest.mark.launch

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from deepseek_ds.checkpoint import integrity
-from deepseek_ds.checkpoint.format import FORMAT_VERSION, META, CheckpointError, tag_for
+from deepseek_ds.checkpoint.format import FORMAT_VERSION, META, CheckpointError, complete_tags, tag_for
 from deepseek_ds.checkpoint.integrity import (
     FILES,
     VISIBLE_WAIT_S,
@@ -29,7 +29,8 @@ from deepseek_ds.checkpoint.integrity import (
 from deepseek_ds.checkpoint.lock import LOCK, acquire
 from deepseek_ds.config import load_ds_config, run_config_from_dict, validate
 from deepseek_ds.config.deepspeed_json import asynchronous_checkpoint_engines
-from helpers import ROOT, cli, losses, read_metrics, refused, resuming_sets, run_ranks
+from deepseek_ds.utils.net import free_port
+from helpers import BIN, ROOT, cli, launch_env, losses, read_metrics, refused, resuming_sets, run_ranks
 from tag_reference import read_back_record
 
 STALE_S = 300  # checkpoint.lock_stale_s's default
@@ -417,3 +418,69 @@ def test_list_and_verify_of_a_missing_directory_are_one_line_errors(tmp_path, ca
     (tmp_path / "empty").mkdir()
     assert cli(["checkpoint", "list", str(tmp_path / "empty")]) == 0
     assert "no complete checkpoints" in capsys.readouterr().out
+
+
+@pytest.mark.launch
+def test_a_background_save_that_cannot_write_fails_the_job_in_one_line_and_publishes_nothing(tmp_path, data_dir):
+    """checkpoint.async with files over the disk's limit (ulimit -f: every write past 1 MiB fails, as on a full
+    disk): the writer threads fail at step 2's save, every rank stops at the next step with one line, and the tag is
+    never published."""
+    out = tmp_path / "run"
+    args = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "train.py",
+            "--config", "recipes/tiny-v3.yaml", "--set", f"train.output_dir={out}"]
+    for s in resuming_sets(data_dir, 6, 2) + ["checkpoint.async=true"]:
+        args += ["--set", s]
+    # The ranks' files of the run (logs, metrics) stay far below the limit; a checkpoint's optimizer file does not.
+    job = subprocess.run(["bash", "-c", 'ulimit -f 1024 && exec "$@"', "bash", *args], cwd=ROOT, env=launch_env(),
+                         capture_output=True, text=True, timeout=600)
+    output = job.stdout + job.stderr
+    assert job.returncode == 2, output[-4000:]
+    errors = [line for line in output.splitlines() if "deepseek-ds: error:" in line]
+    assert errors and all(f"the checkpoint {out / 'checkpoints' / tag_for(2)} was not published: rank " in line
+                          and "File too large" in line for line in errors), output[-4000:]
+    assert "Traceback" not in output
+    assert complete_tags(str(out / "checkpoints")) == [] and not (out / "checkpoints" / "latest").exists()
+    steps = [r["step"] for r in read_metrics(str(out))]
+    assert steps == list(range(1, len(steps) + 1)) and 2 <= len(steps) < 6, steps  # stopped soon after step 2
+
+
+@pytest.mark.unit
+def test_a_host_copy_saves_the_same_bytes_and_does_not_follow_the_original(tmp_path):
+    """async_save.host_copy of a state like DeepSpeed's (views into one flat buffer, a Parameter, settings in dicts):
+    torch.save writes the very bytes of the original, and changing the original afterwards changes nothing."""
+    import io
+    from collections import OrderedDict
+
+    import torch
+
+    from deepseek_ds.checkpoint.async_save import host_copy
+
+    flat = torch.arange(24, dtype=torch.float32)
+    state = {"module": OrderedDict(w=flat[:12].view(3, 4), b=flat[12:16], t=flat[16:24].view(4, 2).t()),
+             "optimizer": {"state": {0: {"exp_avg": torch.ones(5, dtype=torch.bfloat16), "step": 3}},
+                           "param_groups": [{"lr": 0.1, "params": [0]}]},
+             "master": torch.nn.Parameter(torch.randn(6)), "args": ("tiny", 2), "shared": [flat, flat[2:4]]}
+
+    def saved(obj) -> bytes:
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        return buffer.getvalue()
+
+    before = saved(state)
+    copied = host_copy(state)
+    assert saved(copied) == before
+    flat.add_(1)
+    state["optimizer"]["param_groups"][0]["lr"] = 0.5
+    state["optimizer"]["state"][0]["exp_avg"].zero_()
+    assert saved(copied) == before and saved(state) != before
+    assert isinstance(copied["master"], torch.nn.Parameter) and copied["master"].requires_grad
+
+
+@pytest.mark.unit
+def test_checkpoint_async_is_spelled_async_in_the_yaml_and_round_trips():
+    cfg = run_config_from_dict({"checkpoint": {"async": True, "interval": 5}})
+    assert cfg.checkpoint.async_ is True and cfg.to_dict()["checkpoint"]["async"] is True
+    assert "async_" not in cfg.to_dict()["checkpoint"]
+    assert run_config_from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="unknown key 'checkpoint.async_' in the run config. Did you mean 'async'"):
+        run_config_from_dict({"checkpoint": {"async_": True}})

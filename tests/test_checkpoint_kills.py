@@ -1,7 +1,8 @@
 """Checkpoints survive the whole job being killed: SIGKILL to the launcher's process group at seeded random moments
-while it saves every step, twice in a row, the relaunch resuming; after every kill each complete tag
-verifies (sizes and checksums), and the final resume to the end gives the straight run's losses bitwise (conftest.py
-`straight`, with dropout: the ranks' RNG states survive the kills too)."""
+while it saves every step, twice in a row, the relaunch resuming, the second time saving in the background
+(checkpoint.async); after every kill each complete tag verifies (sizes and checksums), and the final resume to the
+end (from the background writer's newest tag, saving in the background too) gives the straight run's losses bitwise
+(conftest.py `straight`, with dropout: the ranks' RNG states survive the kills too)."""
 
 from __future__ import annotations
 
@@ -26,10 +27,10 @@ KILLS = 2
 SEED = 14  # the random moments, reproducible
 
 
-def _args(out: Path, data_dir: str) -> list[str]:
-    """train.py on the straight run's settings, saving every step."""
+def _args(out: Path, data_dir: str, background: bool) -> list[str]:
+    """train.py on the straight run's settings, saving every step (in the background: checkpoint.async)."""
     args = ["train.py", "--config", "recipes/tiny-v3.yaml", "--set", f"train.output_dir={out}"]
-    for s in resuming_sets(data_dir, STEPS, 1):
+    for s in resuming_sets(data_dir, STEPS, 1) + ([f"checkpoint.async={str(background).lower()}"]):
         args += ["--set", s]
     return args
 
@@ -38,13 +39,13 @@ def _newest_checkpoint(ckpt: Path) -> int:
     return max((int(t[4:]) for t in complete_tags(str(ckpt))), default=0)
 
 
-def _kill_while_saving(out: Path, data_dir: str, rng: random.Random) -> None:
+def _kill_while_saving(out: Path, data_dir: str, rng: random.Random, background: bool) -> None:
     """Launch (resuming whatever is there), let it train past its resume point, then SIGKILL the launcher and every
     rank at once (their process group) after a random delay."""
     ckpt = out / "checkpoints"
     resumed_at = _newest_checkpoint(ckpt)
     cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
-    proc = subprocess.Popen(cmd + _args(out, data_dir), cwd=ROOT, env=launch_env(), start_new_session=True,
+    proc = subprocess.Popen(cmd + _args(out, data_dir, background), cwd=ROOT, env=launch_env(), start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     # Wait for this run's first checkpoint (so every relaunch gets further), then kill at a random moment of the
@@ -66,8 +67,8 @@ def test_sigkill_at_random_moments_while_saving_every_step(tmp_path, data_dir, s
     out, rng = tmp_path / "killed", random.Random(SEED)
     ckpt = out / "checkpoints"
     newest = []
-    for _ in range(KILLS):
-        _kill_while_saving(out, data_dir, rng)
+    for kill in range(KILLS):
+        _kill_while_saving(out, data_dir, rng, background=kill > 0)
         tags = complete_tags(str(ckpt))
         assert tags, "killed before the first checkpoint"
         for tag in tags:  # every complete tag verifies, checksums included
@@ -77,9 +78,11 @@ def test_sigkill_at_random_moments_while_saving_every_step(tmp_path, data_dir, s
         newest.append(int(tags[-1][4:]))
     assert newest == sorted(newest) and newest[-1] < STEPS  # each relaunch got further, none finished
 
-    final = run_ranks(2, _args(out, data_dir))
+    final = run_ranks(2, _args(out, data_dir, background=True))
     log = final.stdout + final.stderr
     assert f"resumed from step{newest[-1]:08d} at step {newest[-1]}" in log
+    assert f"saved checkpoint step {STEPS} in the background" in log  # the end waited for it
+    assert complete_tags(str(ckpt))[-1] == f"step{STEPS:08d}"
     assert "taking over the stale lock" in log  # the killed job's lock: its pid is dead on this host
     assert losses(read_metrics(str(out))) == straight  # bitwise, the steps after every resume included
     assert cli(["checkpoint", "verify", str(ckpt)]) == 0

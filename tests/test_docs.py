@@ -54,7 +54,7 @@ def test_reference_covers_every_field_command_and_refusal(gen_docs):
     hints = typing.get_type_hints(schema.RunConfig)
     for f in dataclasses.fields(schema.RunConfig):
         cls = hints[f.name]
-        names = [f"{f.name}.{s.name}" for s in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else [f.name]
+        names = [f"{f.name}.{schema.yaml_key(s)}" for s in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else [f.name]
         for name in names:
             assert f"`{name}`" in pages["config.md"], name
     assert "| `train.lr` | `float` | `0.003` | Peak learning rate, after the warm-up. |" in pages["config.md"]

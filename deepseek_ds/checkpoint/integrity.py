@@ -79,13 +79,18 @@ class HashingFile:
         self.path = str(path)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # open()'s mode, as torch.save
         self._hash, self.size = _hasher(CHECKSUM), 0
+        self.error: OSError | None = None  # torch.save reports a failed write as its own "unexpected pos" error
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         self._hash.update(view)
         done = 0
-        while done < len(view):
-            done += os.write(self._fd, view[done:])
+        try:
+            while done < len(view):
+                done += os.write(self._fd, view[done:])
+        except OSError as e:
+            self.error = e
+            raise
         self.size += len(view)
         return len(view)
 
@@ -123,8 +128,10 @@ class HashedSaves:
         try:
             with _without_zip_crc32():
                 torch.save(obj, f, **kwargs)
-        except BaseException:
+        except BaseException as e:
             f.close()
+            if f.error is not None and f.error is not e:  # the disk's own error (ENOSPC, EFBIG), not torch's echo
+                raise f.error from e
             raise
         self._pending[str(path)] = self._pool.submit(f.close)
 

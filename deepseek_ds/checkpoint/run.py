@@ -27,3 +27,4 @@ class TrainingRun(Protocol):
     dp_size: int
     pipeline: bool
     log: logging.Logger
+    saver: object | None             # checkpoint.async: async_save.AsyncSaver (which imports this module's users)

@@ -27,6 +27,7 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchChe
 from ..data import dataset_info
 from ..utils.fs import fsync_dir, write_bytes_atomic, write_json_atomic
 from ..utils.redact import redact
+from .async_save import copies_done, host_copy
 from .format import (
     FORMAT_VERSION,
     LATEST,
@@ -44,14 +45,20 @@ from .run import TrainingRun
 from .state import save_buffers, save_expert_adapters, save_rng
 
 
-def save(run: TrainingRun, step: int, consumed_samples: int) -> str:
+def save(run: TrainingRun, step: int, consumed_samples: int, *, background: bool = False) -> str:
     """Every rank calls this. Writes into `.stepN.partial`, then rank 0 publishes it by renaming it to `stepN`
     and pointing `latest` at it; a kill at any moment leaves at worst a `.partial` that resume ignores. Every rank
-    flushes and checksums its own files before the collectives, so rank 0's work inside them is metadata only."""
+    flushes and checksums its own files before the collectives, so rank 0's work inside them is metadata only.
+
+    background (checkpoint.async; run.saver): returns once the state is copied to host memory; run.saver's thread
+    writes, checksums, flushes and publishes it as above, over a process group of its own. Otherwise any save still
+    in the background is waited for first."""
     cfg, engine = run.cfg, run.engine
     ckpt_dir, tag = cfg.checkpoint_dir, tag_for(step)
     partial, final = os.path.join(ckpt_dir, f".{tag}.partial"), os.path.join(ckpt_dir, tag)
     t0 = time.perf_counter()
+    if run.saver is not None:
+        run.saver.wait(step)  # one save at a time
     if run.rank == 0:
         _deletion.join()  # the previous save's: one at a time, never racing this save's retention
         os.makedirs(ckpt_dir, exist_ok=True)
@@ -63,91 +70,155 @@ def save(run: TrainingRun, step: int, consumed_samples: int) -> str:
         # save path writes this key itself and refuses it from the client, and AutoTP's module carries its own
         # (which TP dimension each tensor was split on), which this would replace.
         client_state[UNIVERSAL_CHECKPOINT_INFO] = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
-    with _recording_saves(engine.checkpoint_engine, holds_frozen_experts(engine.module)) as (written, hashed):
+    writes = Writes(copies=background)
+    with _recording_saves(engine.checkpoint_engine, writes, holds_frozen_experts(engine.module)):
         # LoRA: the frozen base stays out (resume reads it from model.path), so the checkpoint holds what changes.
         engine.save_checkpoint(ckpt_dir, tag=os.path.basename(partial), client_state=client_state, save_latest=False,
                                exclude_frozen_parameters=cfg.lora.r > 0)
-    written.append(save_rng(partial, run.rank))
+    writes.small.append(save_rng(partial, run.rank))
     if (adapters := save_expert_adapters(partial, run)) is not None:
-        written.append(adapters)
+        writes.small.append(adapters)
     if run.layout.writes_replica_files:
-        written.append(save_buffers(partial, run))
+        writes.small.append(save_buffers(partial, run))
     if run.rank == 0:
-        written.append(os.path.join(partial, MODEL_CONFIG))
-        run.model_config.to_json_file(written[-1])
-    record = {"host": socket.gethostname(), "files": record_written(partial, written, hashed)}
-    records = [None] * run.world if run.rank == 0 else None
-    dist.gather_object(record, records, dst=0)  # every rank's files are written and flushed
-    refusal, doomed, failure = [None], [], None
+        writes.small.append(os.path.join(partial, MODEL_CONFIG))
+        run.model_config.to_json_file(writes.small[-1])
+    publication = Publication(run.rank, run.world, partial, final, cfg.checkpoint.keep,
+                              redact(_meta(run, tag, step, consumed_samples)) if run.rank == 0 else None)
+    if background:
+        run.saver.start(step, lambda group: _complete(writes, publication, group), time.perf_counter() - t0)
+        return final
+    _complete(writes, publication, None)
     if run.rank == 0:
+        run.log.info("saved checkpoint %s in %.1fs", final, time.perf_counter() - t0)
+    return final
+
+
+@dataclasses.dataclass
+class Writes:
+    """A save's files on this rank: `queued` (DeepSpeed's model and optimizer files: written now through HashedSaves,
+    or with `copies` their state copied now and written later), `small` (ours, written now, flushed and checksummed
+    by record_written)."""
+    copies: bool = False
+    saves: HashedSaves = dataclasses.field(default_factory=HashedSaves)
+    queued: list[tuple[object, str, dict]] = dataclasses.field(default_factory=list)
+    small: list[str] = dataclasses.field(default_factory=list)
+    others: list[str] = dataclasses.field(default_factory=list)  # another engine's files, read back
+    error: OSError | None = None  # a write that failed inside DeepSpeed's save_checkpoint, raised by records()
+
+    def records(self, tag_dir: str) -> dict[str, dict]:
+        """Write what is queued, then every file's record (record_written), all flushed."""
         try:
-            doomed = _publish(run, partial, final, merge_records(partial, records), step, consumed_samples)
+            if self.error is not None:
+                raise self.error
+            for state, path, kwargs in self.queued:
+                self.saves.save(state, path, **kwargs)
+            self.queued.clear()  # the copies go as soon as they are written
+            return record_written(tag_dir, self.small + self.others, self.saves.records())
+        finally:
+            self.saves.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class Publication:
+    rank: int
+    world: int
+    partial: str
+    final: str
+    keep: int
+    meta: dict | None  # rank 0's checkpoint.json, less its "files"
+
+
+def _complete(writes: Writes, pub: Publication, group) -> None:
+    """Every rank: its files written and recorded, gathered on rank 0, which publishes the tag unless a rank failed;
+    the outcome is broadcast, so every rank raises the same CheckpointError, or returns. `group`: the process group
+    of the collectives (the background writer's own; None: the default)."""
+    try:
+        record = {"host": socket.gethostname(), "files": writes.records(pub.partial)}
+    except Exception as e:  # disk full, I/O error: every rank must still reach the gather, or the others hang in it
+        record = {"host": socket.gethostname(), "error": f"rank {pub.rank} on {socket.gethostname()}: {e}"}
+    records = [None] * pub.world if pub.rank == 0 else None
+    dist.gather_object(record, records, dst=0, group=group)  # every rank's files are written and flushed
+    refusal, doomed, failure = [None], [], None
+    if pub.rank == 0:
+        failed = [r["error"] for r in records if "error" in r]
+        try:
+            if failed:
+                refusal[0] = (f"the checkpoint {pub.final} was not published: {failed[0]}",
+                              "free space or fix the storage of checkpoint.dir; the previous checkpoint is intact")
+            else:
+                doomed = _publish(pub, merge_records(pub.partial, records))
         except CheckpointError as e:  # storage not shared: refused on every rank, nothing published
             refusal[0] = (str(e.args[0]), e.hint)
         except OSError as e:  # disk full, a failed rename: the other ranks must not wait for dist_timeout_s
-            failure, refusal[0] = e, (f"rank 0 could not publish {final}: {e}", "see rank 0's log; the previous "
+            failure, refusal[0] = e, (f"rank 0 could not publish {pub.final}: {e}", "see rank 0's log; the previous "
                                       "checkpoint is intact")
-    dist.broadcast_object_list(refusal, src=0)  # nobody goes on (or exits) before the checkpoint is published
+    dist.broadcast_object_list(refusal, src=0, group=group)  # nobody goes on (or exits) before the tag is published
     if failure is not None:
         raise failure
     if refusal[0] is not None:
         raise CheckpointError(*refusal[0])
     if doomed:
         _deletion.start(doomed)
-    if run.rank == 0:
-        run.log.info("saved checkpoint %s in %.1fs", final, time.perf_counter() - t0)
-    return final
 
 
 @contextlib.contextmanager
-def _recording_saves(checkpoint_engine, frozen_experts: bool = False) -> Iterator[tuple[list[str], dict[str, dict]]]:
+def _recording_saves(checkpoint_engine, writes: Writes, frozen_experts: bool = False) -> Iterator[None]:
     """The files DeepSpeed's checkpoint engine writes on this rank while the block runs (its save() is the one
-    place every model, optimizer and layer file goes through): ([paths], {path: record}). DeepSpeed's own torch
-    engine is replaced by the same torch.save through integrity.HashedSaves, so its files (nearly all the bytes)
-    are checksummed as they are written (records without a re-read) and each is flushed while the next one is
-    serialized. Any other engine's files are read back. frozen_experts: AutoEP's expert files are written as
+    place every model, optimizer and layer file goes through), into `writes`. DeepSpeed's own torch engine is
+    replaced by the same torch.save through integrity.HashedSaves, so its files (nearly all the bytes) are
+    checksummed as they are written (records without a re-read) and each is flushed while the next one is
+    serialized; with writes.copies the state is copied to host memory (async_save.host_copy) and written later.
+    Any other engine's files are read back. frozen_experts: AutoEP's expert files are written as
     frozen_experts.py's markers."""
-    written: list[str] = []
-    hashed: dict[str, dict] = {}
-    saves = HashedSaves()
     original = checkpoint_engine.save
 
     def content(state_dict, path):
         return (marker_for(path) if frozen_experts else None) or state_dict
 
     if type(checkpoint_engine) is TorchCheckpointEngine:
+        kwargs = {"_use_new_zipfile_serialization": checkpoint_engine.zipfile_serialization}
+
         def save(state_dict, path):
-            saves.save(content(state_dict, path), path,
-                       _use_new_zipfile_serialization=checkpoint_engine.zipfile_serialization)
+            if writes.copies:
+                writes.queued.append((host_copy(content(state_dict, path)), str(path), kwargs))
+            elif writes.error is None:
+                try:
+                    writes.saves.save(content(state_dict, path), path, **kwargs)
+                except OSError as e:  # a full disk: every rank must still reach _complete's gather, or they hang
+                    writes.error = e
     else:
         def save(state_dict, path):
             original(content(state_dict, path), path)
-            written.append(str(path))
+            writes.others.append(str(path))
 
     checkpoint_engine.save = save
     try:
-        yield written, hashed
-        hashed.update(saves.records())
+        yield
+        if writes.copies:
+            copies_done()
+    except BaseException:
+        writes.saves.close()
+        raise
     finally:
-        saves.close()
         del checkpoint_engine.save  # the class's method again
 
 
-def _publish(run: TrainingRun, partial: str, final: str, files: dict, step: int, consumed_samples: int) -> list[str]:
+def _publish(pub: Publication, files: dict) -> list[str]:
     """Rank 0: checkpoint.json, rename, `latest`; returns the renamed-aside directories left to delete."""
-    ckpt_dir, tag = os.path.dirname(final), os.path.basename(final)
-    meta = redact(_meta(run, tag, step, consumed_samples))  # no credentials next to every checkpoint
+    ckpt_dir, tag = os.path.dirname(pub.final), os.path.basename(pub.final)
+    meta = dict(pub.meta)  # no credentials next to every checkpoint: redacted by save()
     meta[FILES] = files
-    write_json_atomic(Path(partial) / META, meta)
-    for d, _, _ in os.walk(partial):  # the files were flushed by their writers; their directory entries here
+    write_json_atomic(Path(pub.partial) / META, meta)
+    for d, _, _ in os.walk(pub.partial):  # the files were flushed by their writers; their directory entries here
         fsync_dir(d)
     doomed = []
-    if os.path.isdir(final):  # the same step saved again (a resumed run re-reaching it): replace it
-        doomed.append(_set_aside(final))
-    os.rename(partial, final)
+    if os.path.isdir(pub.final):  # the same step saved again (a resumed run re-reaching it): replace it
+        doomed.append(_set_aside(pub.final))
+    os.rename(pub.partial, pub.final)
     fsync_dir(ckpt_dir)
     write_bytes_atomic(Path(ckpt_dir) / LATEST, tag.encode())
-    return doomed + _prune(ckpt_dir, run.cfg.checkpoint.keep)
+    return doomed + _prune(ckpt_dir, pub.keep)
 
 
 def _meta(run: TrainingRun, tag: str, step: int, consumed_samples: int) -> dict:

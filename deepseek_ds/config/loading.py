@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from .schema import ConfigError, RunConfig
+from .schema import ConfigError, RunConfig, yaml_key
 
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 RECIPE_PATHS = (("deepspeed_config",), ("model", "path"), ("data", "path"), ("eval", "task"), ("preference", "reference"))
@@ -74,11 +74,12 @@ def _section_from_dict(cls, data: Any, where: str):
     if not isinstance(data, dict):
         raise ConfigError(f"'{where.rstrip('.')}' must be a mapping of keys to values, got {data!r}")
     types_ = _field_types(cls)
+    names = {yaml_key(f): f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for k, v in data.items():
-        if k not in types_:
-            raise _unknown_key(where, k, list(types_))
-        kwargs[k] = _coerce(f"{where}{k}", v, types_[k])
+        if k not in names:
+            raise _unknown_key(where, k, list(names))
+        kwargs[names[k]] = _coerce(f"{where}{k}", v, types_[names[k]])
     return cls(**kwargs)
 
 

@@ -20,6 +20,11 @@ OBJECTIVES = ("lm", "dpo")
 PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo")
 
 
+def yaml_key(f: dataclasses.Field) -> str:
+    """A field's key in the run YAML: its name, or its metadata "key" where that is a Python keyword (async)."""
+    return f.metadata.get("key", f.name)
+
+
 class ConfigError(UserError):
     """A configuration problem; the message names the field and the fix."""
 
@@ -251,6 +256,11 @@ class CheckpointSection:
     lock_stale_s: int = 300
     """A checkpoint.dir lock whose heartbeat is older than this is stale (its job died on another host) and is taken
     over with a warning; a holder on this host is checked by its pid instead."""
+    async_: bool = field(default=False, metadata={"key": "async"})
+    """Save in the background: the step that saves returns once the state is copied to host memory (pinned on a GPU);
+    a writer thread writes, checksums and fsyncs it, and the tag is published (and retention runs) only when every
+    rank's files are durable. One save at a time (the next waits, and says so in the log); the end of training and a
+    stop on a signal wait for it. A failed background save ends the job at the next step with one line."""
 
     def __post_init__(self):
         _refuse(_at_least("checkpoint", 1, keep=self.keep, lock_stale_s=self.lock_stale_s))
@@ -356,4 +366,10 @@ class RunConfig:
         return max(self.train.global_batch_size // (self.train.micro_batch_size * data_parallel), 1)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """As the run YAML spells it (yaml_key)."""
+        out = dataclasses.asdict(self)
+        for section in dataclasses.fields(self):
+            if dataclasses.is_dataclass(value := getattr(self, section.name)):
+                for f in dataclasses.fields(value):
+                    out[section.name][yaml_key(f)] = out[section.name].pop(f.name)
+        return out

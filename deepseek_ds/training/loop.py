@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..checkpoint.async_save import SAVE_FAILED
 from ..checkpoint.format import latest_tag, tag_for
 from ..checkpoint.lock import checkpoint_lock
 from ..checkpoint.resuming import resume
@@ -86,10 +87,11 @@ def mtp_record(parts: list[float]) -> dict[str, float]:
 
 
 def recorded_step(run: Run, batches, sampler: GlobalBatchSampler, meter: StepMeter, routers: RouterStats | None,
-                  step: int, lr: float, stop: StopOnSignal | None = None) -> tuple[dict, bool]:
+                  step: int, lr: float, stop: StopOnSignal | None = None) -> tuple[dict, float]:
     """The next global batch of `batches` (timed with the step), the step, and every per-step metric of
-    metrics.jsonl: one loop step, also what `bench overhead` times. Returns (the record, whether any rank asked to
-    stop: `stop`'s flag, reduced with the metrics; False without `stop`).
+    metrics.jsonl: one loop step, also what `bench overhead` times. Returns (the record, `stop`'s flag reduced over
+    the ranks with the metrics: 0, 1 when a rank asked to stop, SAVE_FAILED when a rank's background save failed;
+    0 without `stop`).
 
     On a GPU the step's only host-device sync of ours is the one read of every metric at its end: the loss, MTP
     parts, balance losses and expert loads go through one SUM all-reduce, the memory, the stop flag and the router
@@ -118,7 +120,7 @@ def recorded_step(run: Run, batches, sampler: GlobalBatchSampler, meter: StepMet
 
 
 def _reduced_metrics(run: Run, meter: StepMeter, routers: RouterStats | None, local: torch.Tensor, skipped: bool,
-                     stop: StopOnSignal | None) -> tuple[dict, bool]:
+                     stop: StopOnSignal | None) -> tuple[dict, float]:
     """loss, grad_norm, memory_gb (the largest over ranks), the MTP and balance losses and the expert-load
     statistics of the step, and the stop flag: one SUM and one MAX all-reduce (every rank calls it) and one read to
     the host. Bias statistics are taken after the balancer's update, so they go with the MAX (one rank reports each
@@ -140,7 +142,8 @@ def _reduced_metrics(run: Run, meter: StepMeter, routers: RouterStats | None, lo
         dist.all_reduce(summed)
     if balancer:  # the router biases move from the step's summed load, on the device, before the bias statistics
         balancer.apply_load(routers.own_rows(summed[summed.numel() - routers.load_size:]), skipped)
-    maxed = _cat([meter.memory(), stop.flag() if stop else None, routers.local_bias() if routers else None], device)
+    flag = stop.flag(run.saver is not None and run.saver.failed.is_set()) if stop else None
+    maxed = _cat([meter.memory(), flag, routers.local_bias() if routers else None], device)
     if dist.is_initialized():
         dist.all_reduce(maxed, op=dist.ReduceOp.MAX)
     grad_norm = engine.get_global_grad_norm()  # ZeRO 1/2: a device tensor; else a float or None
@@ -163,7 +166,7 @@ def _reduced_metrics(run: Run, meter: StepMeter, routers: RouterStats | None, lo
         summed = summed[n_metrics:]
     out["grad_norm"] = kept[0] if norm_on_device else (float(grad_norm) if grad_norm is not None else None)
     out["memory_gb"] = maxed[0]
-    stop_asked = stop is not None and maxed[1] > 0
+    stop_asked = maxed[1] if stop is not None else 0.0  # async_save.SAVE_FAILED outranks a signal's 1
     mtp = mtp_record([p / gas_dp for p in summed[:1 + depth]]) if depth else {}
     summed = summed[1 + depth:] if depth else summed
     if aux is not None:
@@ -235,7 +238,9 @@ def _train(run: Run, stop: StopOnSignal, on_accepted=None) -> dict:
     metrics = MetricsWriter(os.path.join(cfg.train.output_dir, "metrics.jsonl"), start_step) if is_rank0 else None
     last_saved, step = _steps(run, sampler, metrics, stop, start_step)
     if step > start_step and (last_saved is None or not last_saved.endswith(tag_for(step))):
-        last_saved = save(run, step, sampler.consumed_samples)
+        last_saved = save(run, step, sampler.consumed_samples)  # waits for a background save first
+    elif run.saver is not None:
+        run.saver.wait()  # the last step's background save, published before the job ends
     if not is_rank0:
         return {}
     if stop.stopping:  # saved: tells `deepseek-ds train` (launcher/supervise.py) that the job stopped cleanly
@@ -279,6 +284,8 @@ def _steps(run: Run, sampler: GlobalBatchSampler, metrics: MetricsWriter | None,
         lr = engine.get_lr()[0]
         try:
             record, stop_asked = recorded_step(run, batches, sampler, meter, routers, step, lr, stop)
+            if stop_asked >= SAVE_FAILED:  # on every rank at this step: the flags went through one MAX
+                raise run.saver.error()
         except Exception as e:
             if not nan_policy.at_min_loss_scale(e):
                 raise
@@ -315,7 +322,7 @@ def _steps(run: Run, sampler: GlobalBatchSampler, metrics: MetricsWriter | None,
             raise nan_policy.NonFiniteLoss(nan_policy.skips_message(step, skips.count, saved, lr))
         if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
             with stop.busy():
-                last_saved = save(run, step, sampler.consumed_samples)
+                last_saved = save(run, step, sampler.consumed_samples, background=run.saver is not None)
         if stop.requested(stop_asked):
             log.info("stop requested (%s): saving step %d and exiting", stop.received or "signal on another rank", step)
             break

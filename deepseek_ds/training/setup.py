@@ -19,6 +19,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from torch.distributed import ProcessGroup, distributed_c10d
 from transformers import PretrainedConfig
 
+from ..checkpoint.async_save import AsyncSaver
 from ..config import RunConfig, zero_stage
 from ..data import (
     BlendedDataset,
@@ -75,6 +76,7 @@ class Run:
     reference: object = None         # dpo: the training split's reference log-probabilities (training/preference.py)
     valid_reference: object = None   # dpo with eval.interval: the validation split's
     base_buffers: list | None = None  # dpo with LoRA: the base's starting buffers (router biases), its reference's
+    saver: AsyncSaver | None = None  # checkpoint.async: the background writer (checkpoint/async_save.py)
 
     @property
     def dp_rank(self) -> int:
@@ -254,7 +256,8 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
                dataset_dir=dataset_dir, rank=rank, world=world, layout=layout,
                pipeline=cfg.parallel.pipeline_stages > 1,
                grad_accum=cfg.grad_accum_steps(layout.data_size), log=log,
-               balancer=_balancer(cfg, mcfg, engine, layout))
+               balancer=_balancer(cfg, mcfg, engine, layout),
+               saver=AsyncSaver(log if rank == 0 else None) if cfg.checkpoint.async_ else None)
 
 
 def _balancer(cfg: RunConfig, mcfg: PretrainedConfig, engine: DeepSpeedEngine, layout: Layout) -> LoadBalancer | None:

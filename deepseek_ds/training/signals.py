@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from ..checkpoint.async_save import SAVE_FAILED
 from .setup import log_failure_to_file
 
 # Signals this close to the first are the same request: the deepspeed runner sends SIGINT then SIGTERM, launch.py's
@@ -93,10 +94,12 @@ class StopOnSignal:
     def _handle(self, signum, _frame) -> None:
         self.received = signal.Signals(signum).name
 
-    def flag(self) -> torch.Tensor:
+    def flag(self, save_failed: bool = False) -> torch.Tensor:
         """This rank's request as a one-element float64 device tensor, for a MAX over ranks (the training loop's
-        step metrics): made on the device, so no host-to-device copy (a blocking one syncs a GPU)."""
-        return torch.full((1,), 1.0 if self.received else 0.0, dtype=torch.float64, device=self.device)
+        step metrics): made on the device, so no host-to-device copy (a blocking one syncs a GPU). 1: a signal;
+        SAVE_FAILED (which outranks it) with `save_failed`: this rank's background save failed."""
+        value = SAVE_FAILED if save_failed else 1.0 if self.received else 0.0
+        return torch.full((1,), value, dtype=torch.float64, device=self.device)
 
     def requested(self, reduced: bool | None = None) -> bool:
         """At a step boundary: did any rank get a signal? `reduced`: flag() maxed over ranks and read already (the

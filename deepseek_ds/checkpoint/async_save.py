@@ -1,0 +1,144 @@
+"""checkpoint.async: a save's state copied to host memory during the step, then written, checksummed, flushed and
+published by a background thread (saving._complete) while training goes on.
+
+Our own writer, not DeepSpeed's decoupled checkpoint engine (checkpoint.writer.decoupled, which validate refuses):
+that engine's save() silently drops the state when its writer process has died, its commit() (called inside
+save_checkpoint) blocks the step until every file is written, and its FastPersist writer needs the async_io op.
+
+The copy keeps torch.save's storage sharing (each storage copied once, every tensor a view of its copy at the same
+offset and strides), so the files hold what a synchronous save writes. A GPU's storages go to pinned host buffers,
+kept from one save to the next (one set of a rank's shards, reused), with one synchronize at the end of the copies.
+The writer's collectives run over a gloo process group of their own, created once on every rank: they never
+interleave with the training step's on the default group.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from .format import CheckpointError
+
+SAVE_FAILED = 2.0  # the value of a rank's stop flag (training/signals.py) once its background save failed
+
+
+class _PinnedBuffers:
+    """Pinned host buffers by size, reused by the next save: allocating pinned memory costs far more than a copy."""
+
+    def __init__(self):
+        self._free: dict[int, list[torch.UntypedStorage]] = {}
+        self._used: list[torch.UntypedStorage] = []
+
+    def take(self, nbytes: int) -> torch.UntypedStorage:
+        free = self._free.get(nbytes)
+        buffer = free.pop() if free else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage()
+        self._used.append(buffer)
+        return buffer
+
+    def recycle(self) -> None:
+        for buffer in self._used:
+            self._free.setdefault(buffer.nbytes(), []).append(buffer)
+        self._used = []
+
+
+_PINNED = _PinnedBuffers()  # one set per process: a rank's saves run one at a time (AsyncSaver)
+
+
+def host_copy(obj, storages: dict | None = None):
+    """A copy of a state dict in host memory: tensors (by storage, see the module doc), and the containers and small
+    objects around them (copied too: DeepSpeed's dicts of scheduler and optimizer settings change as training goes
+    on)."""
+    storages = {} if storages is None else storages
+    if isinstance(obj, torch.Tensor):
+        source = obj.untyped_storage()
+        key = (source.data_ptr(), source.nbytes(), source.device)
+        if key not in storages:
+            storages[key] = (source.clone() if source.device.type == "cpu" else
+                             _PINNED.take(source.nbytes()).copy_(source, non_blocking=True))
+        view = torch.empty(0, dtype=obj.dtype).set_(storages[key], obj.storage_offset(), obj.size(), obj.stride())
+        if isinstance(obj, torch.nn.Parameter):  # as torch.save would have written it
+            return torch.nn.Parameter(view, requires_grad=obj.requires_grad)
+        return view
+    if isinstance(obj, dict):
+        out = copy.copy(obj)  # the same class: OrderedDict, defaultdict
+        for k, v in obj.items():
+            out[k] = host_copy(v, storages)
+        return out
+    if type(obj) in (list, tuple):
+        return type(obj)(host_copy(v, storages) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def copies_done() -> None:
+    """After a save's last host_copy: its device-to-host copies have landed (one synchronize for all of them)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+class AsyncSaver:
+    """One background save at a time on this rank. start() runs a save's completion (its writes, the gather, the
+    publication) in a thread over the saver's own process group; wait() joins it and raises its failure;
+    `failed` is set by a failure, for the training loop's stop flag (every rank then stops at the same step).
+    `log`: rank 0's, which says when each save was published; None elsewhere."""
+
+    def __init__(self, log: logging.Logger | None = None):
+        self.group = dist.new_group(backend="gloo")  # every rank, at the same point of the start-up
+        self.log = log
+        self.failed = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: CheckpointError | None = None
+        self._step = 0
+        self.blocked_s = 0.0  # the last save's time in the step, and its time to published from its start
+        self.durable_s: float | None = None
+
+    def start(self, step: int, complete: Callable[[object], None], blocked_s: float) -> None:
+        self._step, self.blocked_s, self.durable_s = step, blocked_s, None
+        start = time.perf_counter() - blocked_s
+
+        def run() -> None:
+            try:
+                complete(self.group)
+                self.durable_s = time.perf_counter() - start
+                if self.log:
+                    self.log.info("saved checkpoint step %d in the background: the step was blocked %.2fs, the files "
+                                  "durable and published after %.2fs", step, blocked_s, self.durable_s)
+            except Exception as e:  # every failure of the writer becomes the job's one line
+                self._error = e if isinstance(e, CheckpointError) else CheckpointError(
+                    f"the background save of step {step} failed: {type(e).__name__}: {e}",
+                    "the previous checkpoint is intact; see this rank's log")
+                self.failed.set()
+            finally:
+                _PINNED.recycle()
+
+        # A daemon: a rank that fails elsewhere must exit without waiting for a writer blocked in a collective with
+        # a dead peer; a kill at any moment of the publication leaves the previous tag (saving.py).
+        self._thread = threading.Thread(target=run, name="checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def wait(self, step: int | None = None) -> None:
+        """Block until the save in flight is published (or raise its failure); the log says how long the save of
+        `step` waited for it."""
+        if self._thread is None:
+            return
+        waited = time.perf_counter()
+        self._thread.join()
+        waited = time.perf_counter() - waited
+        self._thread = None
+        if self._error is not None:
+            raise self._error
+        if self.log and step is not None and waited > 0.01:
+            self.log.info("the save of step %d waited %.2fs for the background save of step %d", step, waited,
+                          self._step)
+
+    def error(self) -> CheckpointError:
+        """The failure to raise on every rank once the stop flags said that some rank's save failed."""
+        if self._thread is not None:
+            self._thread.join()  # this rank's writer has the broadcast outcome, or is about to
+        return self._error or CheckpointError(f"the background save of step {self._step} failed on another rank",
+                                              "its log says why; the previous checkpoint is intact")
