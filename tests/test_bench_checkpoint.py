@@ -71,48 +71,65 @@ def test_a_checkpoint_recorded_with_crc32_still_verifies(tmp_path):
     assert "checksum differs" in check_tag(str(tmp_path)).problem
 
 
-def test_vs_raw_is_the_median_of_each_rounds_raw_time_over_ours(tmp_path, monkeypatch):
-    """Three rounds with known times (a fake clock): the ratio is taken per round, so one slow round (the second
-    save) moves the median of the ratios, not the save's median against the raw one's."""
-    monkeypatch.setattr(checkpoint_bench, "single_process_env", lambda: None)
-    monkeypatch.setattr(checkpoint_bench, "load_and_validate", lambda *a, **k: (None, None))
-    monkeypatch.setattr(checkpoint_bench, "build_run", lambda cfg, ds: None)
-    monkeypatch.setattr(checkpoint_bench.dist, "destroy_process_group", lambda: None)
-    tag = tmp_path / "tag"
-    tag.mkdir()
-    (tag / "f.pt").write_bytes(b"x" * 1000)
-    durations = {"save": [1.0, 4.0, 1.0], "load": [2.0, 2.0, 2.0], "write": [0.5, 1.0, 0.8], "read": [0.25, 0.5, 0.4]}
+def test_each_ratio_is_the_median_of_the_rounds_ratios(tmp_path, monkeypatch):
+    """Three rounds with known times (a fake clock): each ratio is taken per round, so one slow round (the second
+    synchronous save) moves the median of the ratios, not the save's median against the raw one's."""
+    durations = {"save": [1.0, 4.0, 1.0], "blocked": [0.1, 0.1, 0.3], "durable": [1.2, 1.5, 1.1],
+                 "load": [2.0, 2.0, 2.0], "write": [0.5, 1.0, 0.8], "read": [0.25, 0.5, 0.4]}
     calls = {k: iter(v) for k, v in durations.items()}
     now = [0.0]
 
     def spend(kind):
         now[0] += next(calls[kind])
 
+    class Saver:
+        durable_s = None
+
+        def wait(self):
+            self.durable_s = next(calls["durable"])
+
+    tag = tmp_path / "tag"
+    tag.mkdir()
+    (tag / "f.pt").write_bytes(b"x" * 1000)
+    monkeypatch.setattr(checkpoint_bench, "single_process_env", lambda: None)
+    monkeypatch.setattr(checkpoint_bench, "load_and_validate", lambda *a, **k: (None, None))
+    monkeypatch.setattr(checkpoint_bench, "build_run", lambda cfg, ds: argparse.Namespace(saver=Saver()))
+    monkeypatch.setattr(checkpoint_bench.dist, "destroy_process_group", lambda: None)
     monkeypatch.setattr(checkpoint_bench.time, "perf_counter", lambda: now[0])
-    monkeypatch.setattr(checkpoint_bench, "save", lambda run, i, c: (spend("save"), str(tag))[1])
+    monkeypatch.setattr(checkpoint_bench, "_settle", lambda: None)
+    monkeypatch.setattr(checkpoint_bench, "save", lambda run, i, c, background=False: (
+        spend("blocked" if background else "save"), str(tag))[1])
     monkeypatch.setattr(checkpoint_bench, "resume", lambda run: spend("load"))
     monkeypatch.setattr(checkpoint_bench, "_raw_write", lambda blobs, d: (os.makedirs(d, exist_ok=True),
                                                                          next(calls["write"]))[1])
     monkeypatch.setattr(checkpoint_bench, "_raw_read", lambda paths: next(calls["read"]))
     rows = checkpoint_bench.run_checkpoint_bench("cfg", [], None, 3, str(tmp_path))
-    save, write, load, read = rows
+    save, blocked, durable, write, load, read = rows
     assert save["seconds"] == 1.0 and save["GB"] == 1e-6
-    assert save["vs raw"] == statistics.median([0.5 / 1.0, 1.0 / 4.0, 0.8 / 1.0])  # 0.5, not 0.8 / 1.0
-    assert load["vs raw"] == statistics.median([0.25 / 2, 0.5 / 2, 0.4 / 2])
-    assert write["vs raw"] == read["vs raw"] == 1.0
+    assert save["vs"] == statistics.median([0.5 / 1.0, 1.0 / 4.0, 0.8 / 1.0])  # 0.5, not 0.8 / 1.0
+    assert blocked["vs"] == pytest.approx(statistics.median([0.1 / 1.0, 0.1 / 4.0, 0.3 / 1.0]))  # of a save
+    assert durable["vs"] == statistics.median([0.5 / 1.2, 1.0 / 1.5, 0.8 / 1.1])
+    assert load["vs"] == statistics.median([0.25 / 2, 0.5 / 2, 0.4 / 2])
+    assert write["vs"] is None and read["vs"] is None
     table = checkpoint_bench.format_table(rows).splitlines()
-    assert [line.split()[-1] for line in table[2:]] == ["0.50x", "1.00x", "0.20x", "1.00x"]
+    assert [line.split("  ")[0] for line in table[2:]] == [r["operation"] for r in rows]
+    assert "0.50x raw write" in table[2] and "0.10x sync save (time)" in table[3] and "0.20x raw read" in table[6]
 
 
 def test_out_writes_the_printed_table_with_where_it_was_measured(tmp_path, monkeypatch, capsys):
-    rows = [{"operation": op, "GB": 0.137, "seconds": s, "GB/s": 0.137 / s, "vs raw": v}
-            for op, s, v in (("checkpoint save", 0.4, 0.57), ("raw write", 0.22, 1.0))]
+    rows = [{"operation": op, "GB": 0.137, "seconds": s, "GB/s": 0.137 / s, "vs": v, "against": "raw write",
+             "peak_bytes": 0} for op, s, v in (("checkpoint save", 0.4, 0.57), ("a", 0.1, 0.2), ("b", 0.3, 0.6),
+                                               ("raw write", 0.22, None), ("load", 0.2, 0.5), ("raw read", 0.1, None))]
     monkeypatch.setattr(checkpoint_bench, "run_checkpoint_bench", lambda *a: rows)
+    v3 = {"params": 684e9, "total": 9.57e12, "weights": 1.37e12, "optimizer": 8.2e12, "fullest": 9.4e9,
+          "fullest_rank": 0, "per_rank_mean": 4.67e9, "world": 2048, "layout": "pp=16"}
+    monkeypatch.setattr(checkpoint_bench, "v3_checkpoint", lambda: v3)
     args = argparse.Namespace(work_dir=str(tmp_path), config="c", set=[], deepspeed_config=None, repeats=7,
                               out=str(tmp_path / "reports"))
     assert checkpoint_bench._bench(args) == 0
     text = (tmp_path / "reports" / "checkpoint.md").read_text()
     table = checkpoint_bench.format_table(rows)
     assert table in capsys.readouterr().out and table in text
-    assert "saves and resumes the run's model and optimizer 7 times" in text
+    assert "then resumes from the latter, 7 times" in text
+    assert "DeepSeek-V3 (684B parameters with its MTP module) on 2048 GPUs" in text
     assert "**git commit**" in text and "**host CPU**" in text

@@ -54,6 +54,14 @@ def _truncate(path: Path) -> None:
         f.truncate(os.path.getsize(path) // 2)
 
 
+def _flip_middle_byte(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
 def _dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()  # reaped: the pid names no process now
@@ -380,8 +388,10 @@ def test_damaged_newest_falls_back_and_a_second_job_is_refused(tmp_path, data_di
     out = tmp_path / "run"
     _launch(out, data_dir, 3)
     ckpt = out / "checkpoints"
-    damaged = sorted((ckpt / tag_for(3)).glob("*model_states.pt"))[0]
-    _truncate(damaged)
+    # One byte flipped in the middle of a file's tensor data: the sizes hold, so resume chooses the tag and its load
+    # (torch.load reads the flipped weight without complaint) finds the checksum wrong as it reads (verified_load.py).
+    damaged = sorted((ckpt / tag_for(3)).glob("*optim_states.pt"))[0]
+    _flip_middle_byte(damaged)
     assert cli(["checkpoint", "verify", str(ckpt)]) == 1
 
     # A second job while a live process (this one) holds the lock: refused at start (before any engine is built),
@@ -402,7 +412,7 @@ def test_damaged_newest_falls_back_and_a_second_job_is_refused(tmp_path, data_di
     resumed = _launch(out, data_dir, 5)
     log = resumed.stdout + resumed.stderr
     assert engine_built in log
-    assert f"{tag_for(3)} is damaged: {damaged.name}" in log
+    assert f"{tag_for(3)} is damaged: {damaged.name} (checksum differs from the one written)" in log
     assert f"resumed from {tag_for(2)} at step 2" in log
     assert losses(read_metrics(str(out))) == straight  # bitwise, every step 1-5 (dropout: the RNG too)
     assert cli(["checkpoint", "verify", str(ckpt)]) == 0  # step 3 saved again, intact

@@ -1,12 +1,13 @@
 """`deepseek-ds bench checkpoint`: checkpoint save and load throughput next to a raw sequential write and read
 of the same bytes on the same disk, as a printed table.
 
-One process (world size 1) builds the real run from a run YAML, saves and resumes through deepseek_ds.checkpoint
-(DeepSpeed's files, RNG, buffers, fsync, atomic publish), then writes and reads the very same bytes with plain
-os.write/os.read. Page-cache pages of the files are dropped (posix_fadvise) before every read, and every write is
-fsynced (each file, then its directory: the durability a save has), so both sides hit the disk. The shared machine
-is noisy, so "vs raw" is the median over rounds of each round's raw time over ours, measured one right after the
-other.
+One process (world size 1) builds the real run from a run YAML, saves (synchronously, then with checkpoint.async:
+the time the step is blocked and the time until the files are durable and published) and resumes through
+deepseek_ds.checkpoint (DeepSpeed's files, RNG, buffers, fsync, atomic publish), then writes and reads the very same
+bytes with plain os.write/os.read. Page-cache pages of the files are dropped (posix_fadvise) before every read, and
+every write is fsynced (each file, then its directory: the durability a save has), so both sides hit the disk; each
+timed write starts after the same flush and pause (_settle). The shared machine is noisy, so each ratio is the median over rounds of a ratio of two times of the same round. Peak
+resident memory is sampled during each operation; a projection for DeepSeek-V3 (checkpoint_projection.py) follows.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
+import psutil
 import torch.distributed as dist
 
 from ..checkpoint.resuming import resume
@@ -30,6 +33,7 @@ from ..utils.errors import run_command
 from ..utils.fmt import text_table
 from ..utils.fs import fsync_dir
 from ..utils.net import free_port
+from .checkpoint_projection import projection_text, v3_checkpoint
 from .report import write_process_report
 
 _CHUNK = 16 * 2**20
@@ -86,65 +90,134 @@ def single_process_env() -> None:
                        "MASTER_PORT": str(free_port())})
 
 
+SETTLE_S = 1.0
+
+
+def _settle() -> None:
+    """Before each timed write: the earlier writes flushed, then a pause. A cloud disk writes a burst faster after
+    an idle moment than under sustained writing; every write row starts from the same state."""
+    os.sync()
+    time.sleep(SETTLE_S)
+
+
+class PeakRss:
+    """The peak resident memory of this process over its value at entry, sampled every POLL_S in a thread."""
+
+    POLL_S = 0.002
+
+    def __enter__(self) -> PeakRss:
+        self._proc = psutil.Process()
+        self.start = self.peak = self._proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.POLL_S):
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    def __exit__(self, *_exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.start
+
+
 def run_checkpoint_bench(config: str, sets: list[str], deepspeed_config: str | None, repeats: int,
                          work_dir: str) -> list[dict]:
-    """Rows of (operation, GB, seconds (median of `repeats`), GB/s, vs raw (median of the rounds' raw time over
-    this row's; 1 on the raw rows))."""
+    """Rows of (operation, GB, seconds (median of `repeats`), GB/s, vs (the median over the rounds of a ratio in the
+    same round: raw time over ours, or the async save's blocked time over the synchronous one's; None on the raw
+    rows), against (what `vs` compares with), peak_bytes (the largest resident memory over its start))."""
     single_process_env()
     sets = list(sets) + [f"train.output_dir={work_dir}/run", f"checkpoint.dir={work_dir}/ckpt",
-                         f"checkpoint.keep={repeats + 1}"]
+                         f"checkpoint.keep={2 * repeats + 1}", "checkpoint.async=true"]
     cfg, ds = load_and_validate(config, deepspeed_config, sets, world_size=1)
     run = build_run(cfg, ds)
+    times: dict[str, list[float]] = {k: [] for k in ("save", "blocked", "durable", "write", "load", "read")}
+    peaks: dict[str, int] = dict.fromkeys(times, 0)
     try:
-        saves, loads, raw_writes, raw_reads = [], [], [], []
         for i in range(1, repeats + 1):
-            start = time.perf_counter()
-            tag_dir = save(run, i, 0)
-            saves.append(time.perf_counter() - start)
-            paths = _files(tag_dir)
+            _settle()
+            with PeakRss() as rss:
+                start = time.perf_counter()
+                save(run, 2 * i - 1, 0)
+                times["save"].append(time.perf_counter() - start)
+            peaks["save"] = max(peaks["save"], rss.extra)
+            _settle()
+            with PeakRss() as rss:
+                start = time.perf_counter()
+                tag_dir = save(run, 2 * i, 0, background=True)
+                times["blocked"].append(time.perf_counter() - start)
+                run.saver.wait()
+                times["durable"].append(run.saver.durable_s)
+            peaks["blocked"] = peaks["durable"] = max(peaks["durable"], rss.extra)
+            paths = _files(tag_dir)  # the tag resume loads: the newest
             _evict(paths)
-            start = time.perf_counter()
-            resume(run)
-            loads.append(time.perf_counter() - start)
+            with PeakRss() as rss:
+                start = time.perf_counter()
+                resume(run)  # the newest tag: the background save's
+                times["load"].append(time.perf_counter() - start)
+            peaks["load"] = max(peaks["load"], rss.extra)
             blobs = [Path(p).read_bytes() for p in paths]
             raw_dir = os.path.join(work_dir, f"raw{i}")
-            raw_writes.append(_raw_write(blobs, raw_dir))
-            raw_reads.append(_raw_read(_files(raw_dir)))
+            _settle()
+            times["write"].append(_raw_write(blobs, raw_dir))
+            times["read"].append(_raw_read(_files(raw_dir)))
         gb = sum(len(b) for b in blobs) / 1e9
+        del blobs
     finally:
         dist.destroy_process_group()
-    rows = [("checkpoint save (DeepSpeed + RNG + fsync + publish)", saves),
-            ("raw sequential write + fsync", raw_writes),
-            ("checkpoint load (resume)", loads),
-            ("raw sequential read (cache dropped)", raw_reads)]
-    out = []
-    for i, (name, times) in enumerate(rows):
-        raw = rows[i + 1][1] if i % 2 == 0 else times  # each checkpoint row is followed by its raw counterpart
-        out.append({"operation": name, "GB": gb, "seconds": statistics.median(times),
-                    "GB/s": gb / statistics.median(times),
-                    "vs raw": statistics.median(r / t for r, t in zip(raw, times))})
-    return out
+
+    def ratios(ours: str, theirs: str, inverse: bool = False) -> float:
+        pairs = zip(times[ours], times[theirs])
+        return statistics.median((o / t) if inverse else (t / o) for o, t in pairs)
+
+    rows = [("checkpoint save, synchronous (DeepSpeed + RNG + fsync + publish)", "save", ratios("save", "write"),
+             "raw write"),
+            ("checkpoint save, checkpoint.async: the step blocked", "blocked",
+             ratios("blocked", "save", inverse=True), "sync save (time)"),
+            ("checkpoint save, checkpoint.async: durable and published", "durable", ratios("durable", "write"),
+             "raw write"),
+            ("raw sequential write + fsync", "write", None, ""),
+            ("checkpoint load (resume)", "load", ratios("load", "read"), "raw read"),
+            ("raw sequential read (cache dropped)", "read", None, "")]
+    return [{"operation": name, "GB": gb, "seconds": statistics.median(times[key]),
+             "GB/s": gb / statistics.median(times[key]), "vs": vs, "against": against, "peak_bytes": peaks[key]}
+            for name, key, vs, against in rows]
 
 
 def format_table(rows: list[dict]) -> str:
-    cells = [[r["operation"], f"{r['GB']:.3f}", f"{r['seconds']:.3f}", f"{r['GB/s']:.2f}", f"{r['vs raw']:.2f}x"]
-             for r in rows]
-    return text_table(cells, ["operation", "GB", "seconds", "GB/s", "vs raw"])
+    """`vs`: raw time over ours (>= 1: faster than the raw I/O), or for the blocked step its time over the
+    synchronous save's (the share of a save the step still waits for); `peak memory`: the process's largest
+    resident size over its start during the operation (raw rows: not measured)."""
+    def vs(r):
+        return "-" if r["vs"] is None else f"{r['vs']:.2f}x {r['against']}"
+
+    cells = [[r["operation"], f"{r['GB']:.3f}", f"{r['seconds']:.3f}", f"{r['GB/s']:.2f}", vs(r),
+              f"{r['peak_bytes'] / 2**20:,.0f} MiB" if r["peak_bytes"] else "-"] for r in rows]
+    return text_table(cells, ["operation", "GB", "seconds", "GB/s", "vs", "peak memory"])
 
 
 def _bench(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(dir=args.work_dir) as tmp:
         rows = run_checkpoint_bench(args.config, args.set, args.deepspeed_config, args.repeats, tmp)
-    table = format_table(rows)
-    print(table)
+    save_vs, resume_vs = rows[0]["vs"], rows[4]["vs"]  # the synchronous save's and the resume's against raw I/O
+    text = "\n".join([format_table(rows), "", projection_text(v3_checkpoint(), save_vs, resume_vs)])
+    print(text)
     if args.out:
         path = os.path.join(args.out, "checkpoint.md")
         write_process_report(path, "Checkpoint save and load vs raw disk I/O", (
-            f"One process saves and resumes the run's model and optimizer {args.repeats} times (median; `vs raw` is "
-            "the median over the rounds of the raw time over this one's). Raw: the same files' bytes written "
-            "sequentially with fsync of each file and its directory (a save's durability), and read back with the "
-            "page cache dropped first (posix_fadvise), on the same disk, back to back in each round."),
-            ["```\n" + table + "\n```"])
+            f"One process saves the run's model and optimizer synchronously, then with checkpoint.async, then resumes "
+            f"from the latter, {args.repeats} times (median; each `vs` is the median over the rounds of a ratio in "
+            "the same round). Raw: the same files' bytes written sequentially with fsync of each file and its "
+            "directory (a save's durability), and read back with the page cache dropped first (posix_fadvise), on "
+            "the same disk, back to back in each round. `peak memory`: the resident size above the operation's "
+            "start (the async save holds a copy of the state until it is written). Then the arithmetic of a "
+            "DeepSeek-V3 checkpoint at stated bandwidths."), ["```\n" + text + "\n```"])
         print(f"wrote {path}")
     return 0
 

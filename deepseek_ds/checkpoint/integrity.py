@@ -65,7 +65,7 @@ def checksum_of(path: str, name: str = CHECKSUM) -> int:
     return h.intdigest()
 
 
-def _recorded_checksum(rec: dict) -> str:
+def recorded_checksum(rec: dict) -> str:
     """The algorithm of a file's record (older checkpoints: crc32)."""
     return next(name for name in CHECKSUMS if name in rec)
 
@@ -86,8 +86,8 @@ class HashingFile:
         self._hash.update(view)
         done = 0
         try:
-            while done < len(view):
-                done += os.write(self._fd, view[done:])
+            while done < len(view):  # in pieces: a tensor's whole storage in one write() went slower to the disk
+                done += os.write(self._fd, view[done:done + _CHUNK])
         except OSError as e:
             self.error = e
             raise
@@ -250,7 +250,7 @@ def check_tag(tag_dir: str, sizes_only: bool = False, part: tuple[int, int] = (0
     if not sizes_only:
         k, n = part
         for rel, rec in list(files.items())[k::n]:
-            name = _recorded_checksum(rec)
+            name = recorded_checksum(rec)
             if checksum_of(os.path.join(tag_dir, rel), name) != rec[name]:
                 return TagCheck(tag_dir, len(files), total, f"{rel} (checksum differs from the one written)")
     return TagCheck(tag_dir, len(files), total, None)

@@ -4,6 +4,7 @@ or a layout change DeepSpeed cannot make."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -30,17 +31,22 @@ from .run import TrainingRun
 from .safe_load import trusted_types_only
 from .state import replay_cpu_adam_steps, restore_buffers, restore_expert_adapters, restore_rng
 from .universal import convert_on_rank0
+from .verified_load import VerifiedLoads
 
 
-def resume(run: TrainingRun) -> dict | None:
+def resume(run: TrainingRun, below: str | None = None) -> dict | None:
     """Every rank calls this before training. Loads the newest complete checkpoint of checkpoint.dir that verifies
     (resharding it when the layout changed) and returns {"step", "consumed_samples", "schedule_steps"} (the length
-    of the checkpoint's LR schedule), "tag"; None for a fresh run."""
+    of the checkpoint's LR schedule), "tag"; None for a fresh run. `below`: only tags older than this one (the
+    fallback from a damaged one), each verified in full before it is loaded.
+
+    The newest tag is chosen on its files' sizes; a native load checksums its files as it reads them
+    (verified_load.py), a resharding one verifies them first. A damaged tag is loaded over by the next older one."""
     ckpt_dir = run.cfg.checkpoint_dir
-    tag, refusal = _choose(run)
+    tag, refusal = _choose(run, sizes_only=below is None, below=below)
     if refusal:
         raise CheckpointError(refusal)
-    if run.rank == 0:
+    if run.rank == 0 and below is None:
         _remove_partials(ckpt_dir, run.log)
     if tag is None:
         return None
@@ -49,15 +55,24 @@ def resume(run: TrainingRun) -> dict | None:
     check_compatible(tag_dir, meta, run.model_config, dataset_info(run.dataset_dir)["tokenizer_hash"])
     check_lora_compatible(tag_dir, meta, run.cfg.lora)
     saved, now = saved_layout(meta), current_layout(run)
+    engine = run.engine
     with trusted_types_only():
         if _loads_natively(saved, now):
+            verified = (VerifiedLoads(tag_dir) if below is None and VerifiedLoads.applies(engine.checkpoint_engine)
+                        else None)
             # A LoRA checkpoint's model states lack the frozen base, which build_run loaded from model.path.
-            with experts_from_module(run.engine.checkpoint_engine, run.engine.module):
-                path, _ = run.engine.load_checkpoint(ckpt_dir, tag=tag, load_module_strict=run.cfg.lora.r == 0)
+            with verified.hook(engine.checkpoint_engine) if verified else contextlib.nullcontext(), \
+                    experts_from_module(engine.checkpoint_engine, engine.module):
+                path, _ = engine.load_checkpoint(ckpt_dir, tag=tag, load_module_strict=run.cfg.lora.r == 0)
             if path is None:
                 raise CheckpointError(f"DeepSpeed found no model states in {tag_dir}; resume from another step")
+            problem = verified.problem(run.rank, run.world) if verified else None
+            if problem:
+                return _damaged(run, tag_dir, problem)
             restore_expert_adapters(run, tag_dir)
         else:
+            if below is None and (problem := _tag_problem(run, tag_dir, sizes_only=False)):
+                return _damaged(run, tag_dir, problem)  # before a conversion reads the whole tag
             _check_reshardable(tag_dir, saved, now, run.cfg.lora.r)
             if run.rank == 0:
                 run.log.info("layout changed (%s -> %s): resuming %s through a universal checkpoint",
@@ -71,19 +86,24 @@ def resume(run: TrainingRun) -> dict | None:
             "schedule_steps": sched.get("total_num_steps"), "tag": tag}
 
 
-def _choose(run: TrainingRun) -> tuple[str | None, str | None]:
-    """(the tag to resume from, None) or (None, why not), the same on every rank: the newest complete tag that
-    verifies on every rank, skipping damaged ones with a warning naming the bad file. Every rank checks the sizes
-    and checksums its share of the files (integrity.py), so a large tag costs each rank 1/world of its bytes inside
-    these collectives, not rank 0 all of them. Checkpoints that are all damaged are refused rather than silently
-    replaced by a fresh run."""
+def _damaged(run: TrainingRun, tag_dir: str, problem: str) -> dict | None:
+    """A tag found damaged as it was loaded: warn, then resume from an older one (its load replaces all this one's
+    state: weights, optimizer, schedule, RNG)."""
+    if run.rank == 0:
+        run.log.warning(damaged_warning(tag_dir, problem))
+    return resume(run, below=os.path.basename(tag_dir))
+
+
+def _choose(run: TrainingRun, sizes_only: bool, below: str | None) -> tuple[str | None, str | None]:
+    """(the tag to resume from, None) or (None, why not), the same on every rank: the newest complete tag (older than
+    `below`) that verifies on every rank, its sizes only or its checksums too, skipping damaged ones with a warning
+    naming the bad file. Checkpoints that are all damaged are refused rather than silently replaced by a fresh run."""
     ckpt_dir = run.cfg.checkpoint_dir
     listed = [complete_tags(ckpt_dir) if run.rank == 0 else None]  # one list, whatever each host's cache shows
     dist.broadcast_object_list(listed, src=0)
-    for tag in reversed(listed[0]):
-        problems = [None] * run.world
-        dist.all_gather_object(problems, check_tag(os.path.join(ckpt_dir, tag), part=(run.rank, run.world)).problem)
-        problem = next((p for p in problems if p), None)
+    older = [t for t in listed[0] if below is None or t < below]  # step tags: zero-padded, so in step order
+    for tag in reversed(older):
+        problem = _tag_problem(run, os.path.join(ckpt_dir, tag), sizes_only)
         if problem is None:
             return tag, None
         if run.rank == 0:
@@ -92,6 +112,14 @@ def _choose(run: TrainingRun) -> tuple[str | None, str | None]:
         return None, (f"no checkpoint in {ckpt_dir} verifies (`deepseek-ds checkpoint verify {ckpt_dir}` lists what "
                       "is damaged); restore one from a copy, or move the directory away to start a fresh run")
     return None, None
+
+
+def _tag_problem(run: TrainingRun, tag_dir: str, sizes_only: bool) -> str | None:
+    """The first problem any rank finds in the tag: every rank checks the sizes and checksums its share of the files
+    (integrity.py), so a large tag costs each rank 1/world of its bytes, not rank 0 all of them."""
+    problems = [None] * run.world
+    dist.all_gather_object(problems, check_tag(tag_dir, sizes_only=sizes_only, part=(run.rank, run.world)).problem)
+    return next((p for p in problems if p), None)
 
 
 def _loads_natively(saved: Layout, now: Layout) -> bool:
