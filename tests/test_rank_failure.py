@@ -270,7 +270,8 @@ def test_sigterm_of_the_job_saves_the_current_step_and_exits_0(tmp_path, data_di
 @pytest.mark.launch
 def test_a_second_sigterm_ends_a_rank_stuck_in_a_collective(tmp_path, data_dir, job_cleanup):
     """Rank 1 is SIGSTOPped, so rank 0 cannot reach the step boundary after the launcher's SIGTERM; a second SIGTERM
-    3 s later ends rank 0 at once with one line. The stopped rank still costs launch.py's 30 s before its SIGKILL."""
+    3 s later ends rank 0 at once with one line. The stopped rank is then SIGKILLed here: launch.py would kill it 30 s
+    after its SIGTERM, DeepSpeed's wait, not ours."""
     job = Job(tmp_path, data_dir)
     job_cleanup(job)
     job.wait_for_steps()
@@ -286,6 +287,7 @@ def test_a_second_sigterm_ends_a_rank_stuck_in_a_collective(tmp_path, data_dir, 
     # What ended rank 0 is read from the line it left: the second SIGTERM, not the watcher's stop deadline (20 s after
     # the first) nor launch.py's SIGKILL (30 s after it, no line). The waits only bound a hang.
     rank0.wait(timeout=120)
+    rank1.send_signal(signal.SIGKILL)
     rc, took = job.wait(timeout=300)
     print(f"second SIGTERM {gap:.1f} s after the first: the job ended {took:.1f} s later")
     assert rc != 0

@@ -57,14 +57,15 @@ def run_loop(monkeypatch, step_outcome, max_consecutive_skips: int, saved: list[
                           loss_fn=SimpleNamespace(mtp_depth=0), balancer=None, pipeline=False, dp_size=1,
                           layout=Layout(Degrees(), world=1, rank=0, data_rank=0, data_size=1),
                           grad_accum=1, dataset=[np.zeros(9, np.int64)] * 4,
-                          log=logging.getLogger("test_skipped_steps"),
+                          log=logging.getLogger("test_skipped_steps"), saver=None,
                           ds={"fp16": {"enabled": True, "initial_scale_power": 16, "min_loss_scale": 1}})
     steps = iter(range(1, STEPS + 1))
     monkeypatch.setattr(loop, "_local_step", lambda run, batch: torch.tensor(step_outcome(next(steps), engine),
                                                                         dtype=torch.float64))
-    monkeypatch.setattr(loop, "save", lambda run, step, consumed: saved.append(step) or f"ckpt/step{step}")
+    monkeypatch.setattr(loop, "save",
+                        lambda run, step, consumed, background=False: saved.append(step) or f"ckpt/step{step}")
     sampler = GlobalBatchSampler(4, 1, 1, 0, 1, seed=0)
-    stop = SimpleNamespace(requested=lambda asked: asked, flag=lambda: torch.zeros(1, dtype=torch.float64))
+    stop = SimpleNamespace(requested=lambda asked: asked, flag=lambda save_failed: torch.zeros(1, dtype=torch.float64))
     loop._steps(run, sampler, None, stop, 0)
 
 
