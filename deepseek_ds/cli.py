@@ -11,7 +11,16 @@ import os
 import sys
 import time
 
-from .bench import checkpoint_bench, data_bench, lora_bench, overhead, pipeline_bench, sequence_bench, zero_bench
+from .bench import (
+    checkpoint_bench,
+    data_bench,
+    failure_bench,
+    lora_bench,
+    overhead,
+    pipeline_bench,
+    sequence_bench,
+    zero_bench,
+)
 from .checkpoint import cli as checkpoint_cli
 from .checkpoint.existing import check_existing_checkpoint
 from .config import RunConfig, filled_sections, load_and_validate, load_ds_config, load_run_config
@@ -169,7 +178,8 @@ def _register_modules(sub) -> None:
         module.register(sub)
     bench = sub.add_parser("bench", help="benchmarks that print tables and write reports").add_subparsers(
         dest="bench_command", metavar="SUBCOMMAND", required=True)
-    for module in (data_bench, checkpoint_bench, zero_bench, pipeline_bench, overhead, lora_bench, sequence_bench):
+    for module in (data_bench, checkpoint_bench, zero_bench, pipeline_bench, overhead, lora_bench, sequence_bench,
+                   failure_bench):
         module.register(bench)
 
 

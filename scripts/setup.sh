@@ -41,7 +41,13 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
   python -m pip install -q -c "$lock" -e ".[test]"
   echo "$want" > "$stamp"
 fi
-# Compile the ops DeepSpeed JIT-builds on first use, so the first launch is not slowed by ~1 minute of C++.
+# Compile the ops DeepSpeed JIT-builds on first use, so the first launch is not slowed by ~1 minute of C++. Skipped
+# when this set-up (this checkout, this install) already did it in the calling environment: a demo sourcing it
+# again under test.sh or another demo would spend ~7 s importing DeepSpeed for nothing.
+done_here="$root:$want"
+if [[ ${DEEPSEEK_DS_SET_UP:-} == "$done_here" && -d $TORCH_EXTENSIONS_DIR ]]; then
+  return 0 2>/dev/null || exit 0
+fi
 python - <<'PY'
 import deepseek_ds  # noqa: F401  (tells DeepSpeed the accelerator before it guesses and warns)
 import torch
@@ -56,3 +62,4 @@ for name in names:
     if builder is not None and builder.is_compatible():
         builder.load(verbose=False)
 PY
+export DEEPSEEK_DS_SET_UP=$done_here

@@ -12,22 +12,19 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from datetime import timedelta
-from pathlib import Path
 
-import psutil
 import pytest
 import torch
 import torch.distributed as dist
 
 from deepseek_ds import checkpoint
+from deepseek_ds.bench import failure_bench
 from deepseek_ds.training import main as training_main
 from deepseek_ds.training import signals
 from deepseek_ds.training.setup import apply_timeout_to_all_groups
 from deepseek_ds.training.signals import StopOnSignal
-from deepseek_ds.utils.net import free_port
-from helpers import BIN, ROOT, launch_env, read_metrics
+from helpers import ROOT, read_metrics
 
 
 # ----------------------------------------------------------------------------------------------- in-process
@@ -136,189 +133,82 @@ def test_a_stuck_stop_or_a_second_signal_ends_the_rank_at_once(case, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------- launched
-class Job:
-    """recipes/tiny-v3.yaml on 2 ranks under the real launcher, far from its last step; its output directory (unique
-    per test) is in every process's argv, so what is left of the job can be found."""
-
-    def __init__(self, tmp_path: Path, data_dir: str, *sets: str, script: str = "train.py", cli: bool = False):
-        self.out = tmp_path / "run"
-        self.log = tmp_path / "launcher.log"
-        # cli: `deepseek-ds train` (which runs the deepspeed launcher under it), else `deepspeed script`
-        launcher = [os.path.join(BIN, "deepseek-ds"), "train"] if cli else [os.path.join(BIN, "deepspeed")]
-        cmd = [*launcher, "--num_gpus", "2", "--master_port", str(free_port()), *([] if cli else [script]),
-               "--config", "recipes/tiny-v3.yaml", "--set", f"train.output_dir={self.out}"]
-        for s in (f"data.path={data_dir}", "train.steps=100000", "checkpoint.interval=0", "eval.interval=0", *sets):
-            cmd += ["--set", s]
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=log, stderr=subprocess.STDOUT)
-        self.started = time.monotonic()
-
-    def processes(self) -> list[psutil.Process]:
-        found = []
-        for p in psutil.process_iter(["cmdline", "status"]):
-            if str(self.out) in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        return found
-
-    def launcher(self) -> psutil.Process:
-        """The per-node launcher (deepspeed.launcher.launch), which the runner starts and the ranks' parent."""
-        return next(p for p in self.processes() if "deepspeed.launcher.launch" in " ".join(p.cmdline()))
-
-    def ranks(self) -> list[psutil.Process]:
-        return sorted(self.launcher().children(), key=lambda p: int(p.environ()["RANK"]))
-
-    def wait_for_steps(self, n: int = 2) -> None:
-        metrics = self.out / "metrics.jsonl"
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= n):
-            assert self.proc.poll() is None, self.text()[-3000:]
-            assert time.monotonic() - self.started < 300, "no steps in 300 s"
-            time.sleep(0.1)
-
-    def wait(self, timeout: float) -> tuple[int, float]:
-        """The launcher's exit status and when it ended (s since `timeout` was given); kills the job on timeout."""
-        start = time.monotonic()
-        try:
-            rc = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"the job still ran {timeout} s later\n{self.text()[-3000:]}") from None
-        return rc, time.monotonic() - start
-
-    def kill(self) -> None:
-        for p in self.processes():
-            p.kill()
-        self.proc.wait()
-
-    def text(self) -> str:
-        return self.log.read_text()
-
-    def rank_log(self, rank: int) -> str:
-        return (self.out / "logs" / f"rank{rank}.log").read_text()
-
-
-@pytest.fixture
-def job_cleanup():
-    jobs = []
-    yield jobs.append
-    for job in jobs:  # whatever a failed assert left running (a SIGSTOPped rank above all)
-        job.kill()
+@pytest.mark.launch
+def test_a_killed_rank_ends_the_job_and_leaves_no_process(tmp_path, data_dir):
+    # bench failures' own case: a bound on its wait only (rank 0 alone would wait out train.dist_timeout_s)
+    out = failure_bench.killed_rank(tmp_path, data_dir)
+    print(f"kill -9 of rank 1: job ended in {out.seconds:.1f} s")
+    assert out.status != 0
+    assert out.left == 0
+    assert out.ended_by == "exits with return code = -9"
+    assert "Timed out waiting" not in out.job.rank_log(0)
 
 
 @pytest.mark.launch
-def test_a_killed_rank_ends_the_job_and_leaves_no_process(tmp_path, data_dir, job_cleanup):
-    job = Job(tmp_path, data_dir)
-    job_cleanup(job)
-    job.wait_for_steps()
-    job.ranks()[1].send_signal(signal.SIGKILL)
-    # Ended by the launcher, which sees the dead rank: rank 0 alone would wait out train.dist_timeout_s (1800 s),
-    # far past this wait (several times what it takes on a loaded machine).
-    rc, took = job.wait(timeout=120)
-    print(f"kill -9 of rank 1: job ended in {took:.1f} s")
-    assert rc != 0
-    assert job.processes() == []
-    assert "Timed out waiting" not in job.rank_log(0)
-
-
-@pytest.mark.launch
-def test_a_hung_rank_ends_the_job_after_the_dist_timeout(tmp_path, data_dir, job_cleanup):
-    """Rank 1 is SIGSTOPped: rank 0's next collective times out after train.dist_timeout_s, then the launcher
-    SIGTERMs the stopped rank and SIGKILLs it 30 s later (DeepSpeed's launch.py). Every process group, DeepSpeed's
-    included, has the configured timeout."""
+def test_a_hung_rank_ends_the_job_after_the_dist_timeout(tmp_path, data_dir):
+    """Rank 1 is SIGSTOPped: rank 0's next collective times out after train.dist_timeout_s, and the job ends (the
+    stopped rank SIGKILLed once rank 0 is gone: launch.py would wait 30 s after its SIGTERM, DeepSpeed's wait; bench
+    failures times it). Every process group, DeepSpeed's included, has the configured timeout."""
     timeout_s = 20
-    job = Job(tmp_path, data_dir, f"train.dist_timeout_s={timeout_s}")
-    job_cleanup(job)
-    job.wait_for_steps()
-    job.ranks()[1].send_signal(signal.SIGSTOP)
-    # The rest: the step in flight, the ranks' and launchers' exits (seconds each on this shared CPU), launch.py's
-    # 30 s before its SIGKILL (59 s in all measured): the wait allows ten times that; the logs say what ended it.
-    rc, took = job.wait(timeout=10 * (timeout_s + 40))
-    print(f"SIGSTOP of rank 1, train.dist_timeout_s={timeout_s}: job ended in {took:.1f} s")
-    assert rc != 0 and took >= timeout_s  # not before the configured timeout
-    assert job.processes() == []
-    assert f"Timed out waiting {timeout_s * 1000}ms" in job.rank_log(0)  # gloo's own timeout ended rank 0
+    # The wait allows ten times the timeout and more; the logs say what ended it.
+    out = failure_bench.hung_rank(tmp_path, data_dir, timeout_s, kill_stopped=True)
+    print(f"SIGSTOP of rank 1, train.dist_timeout_s={timeout_s}: job ended in {out.seconds:.1f} s")
+    assert out.status != 0 and out.seconds >= timeout_s  # not before the configured timeout
+    assert out.left == 0
+    assert out.ended_by == f"Timed out waiting {timeout_s * 1000}ms"  # gloo's own timeout ended rank 0
     for rank in (0, 1):  # DeepSpeed's ZeRO group (a copy of the world group) among them
-        count, timeouts = re.search(r"(\d+) process groups, each with a (\S+) s timeout", job.rank_log(rank)).groups()
+        count, timeouts = re.search(r"(\d+) process groups, each with a (\S+) s timeout",
+                                    out.job.rank_log(rank)).groups()
         assert int(count) >= 2 and timeouts == str(timeout_s)
 
 
 @pytest.mark.launch
-def test_sigterm_of_the_job_saves_the_current_step_and_exits_0(tmp_path, data_dir, job_cleanup):
+def test_sigterm_of_the_job_saves_the_current_step_and_exits_0(tmp_path, data_dir):
     """A scheduler's SIGTERM to `deepseek-ds train`: passed on to launch.py (DeepSpeed's single-host runner would die
     of it and orphan the ranks), which passes it to the ranks; they save the step and end, and the job exits 0 although
     launch.py exits 1 after any signal (DeepSpeed's choice): the ranks' stop record says the stop was clean."""
-    job = Job(tmp_path, data_dir, cli=True)
-    job_cleanup(job)
-    job.wait_for_steps()
-    job.proc.send_signal(signal.SIGTERM)
-    rc, took = job.wait(timeout=120)
-    print(f"SIGTERM of deepseek-ds train: job ended in {took:.1f} s")
+    out = failure_bench.sigterm(tmp_path, data_dir)
+    job = out.job
+    print(f"SIGTERM of deepseek-ds train: job ended in {out.seconds:.1f} s")
     # Status 0: every rank saved and ended by itself, before launch.py's SIGKILL 30 s after its SIGTERM (the job
     # would fail then), and before the watcher's stop deadline (it would end the rank with one line, status 1).
-    assert rc == 0, job.text()[-3000:]
-    assert job.processes() == []
+    assert out.status == 0, job.text()[-3000:]
+    assert out.left == 0
     assert "exits at once" not in job.text()
     ckpt = str(job.out / "checkpoints")
     last = max(r["step"] for r in read_metrics(str(job.out)))
     assert checkpoint.latest_tag(ckpt) == checkpoint.tag_for(last)
     assert checkpoint.read_meta(os.path.join(ckpt, checkpoint.tag_for(last)))["step"] == last
-    assert f"stopped on SIGTERM: step {last} saved to {ckpt}/{checkpoint.tag_for(last)}" in job.text()
+    assert out.ended_by.startswith(f"stopped on SIGTERM: step {last} saved to {ckpt}/{checkpoint.tag_for(last)}")
     for rank in (0, 1):
         log = job.rank_log(rank)
         assert f"saving step {last} and exiting" in log and "this rank failed" not in log
 
 
 @pytest.mark.launch
-def test_a_second_sigterm_ends_a_rank_stuck_in_a_collective(tmp_path, data_dir, job_cleanup):
+def test_a_second_sigterm_ends_a_rank_stuck_in_a_collective(tmp_path, data_dir):
     """Rank 1 is SIGSTOPped, so rank 0 cannot reach the step boundary after the launcher's SIGTERM; a second SIGTERM
-    3 s later ends rank 0 at once with one line. The stopped rank is then SIGKILLed here: launch.py would kill it 30 s
-    after its SIGTERM, DeepSpeed's wait, not ours."""
-    job = Job(tmp_path, data_dir)
-    job_cleanup(job)
-    job.wait_for_steps()
-    rank0, rank1 = job.ranks()
-    rank1.send_signal(signal.SIGSTOP)
-    launcher = job.launcher()
-    launcher.send_signal(signal.SIGTERM)
-    first = time.monotonic()
-    time.sleep(3)
-    assert rank0.is_running()  # one SIGTERM: waiting for the step boundary that the stopped rank 1 holds up
-    launcher.send_signal(signal.SIGTERM)
-    gap = time.monotonic() - first
+    3 s later ends rank 0 at once with one line (bench failures' case, which then SIGKILLs the stopped rank)."""
+    out = failure_bench.second_sigterm(tmp_path, data_dir)
+    gap = out.extra["gap"]
+    print(f"second SIGTERM {gap:.1f} s after the first: rank 0 ended {out.seconds:.1f} s later")
+    assert out.extra["waited_for_the_boundary"]  # one SIGTERM: waiting for the boundary the stopped rank 1 holds up
+    assert out.status != 0
+    assert out.left == 0
     # What ended rank 0 is read from the line it left: the second SIGTERM, not the watcher's stop deadline (20 s after
     # the first) nor launch.py's SIGKILL (30 s after it, no line). The waits only bound a hang.
-    rank0.wait(timeout=120)
-    rank1.send_signal(signal.SIGKILL)
-    rc, took = job.wait(timeout=300)
-    print(f"second SIGTERM {gap:.1f} s after the first: the job ended {took:.1f} s later")
-    assert rc != 0
-    assert job.processes() == []
     line = r"deepseek-ds: rank 0 exits at once, without saving: SIGTERM (\d+) s after SIGTERM\n"
-    for text in (job.text(), job.rank_log(0)):
+    for text in (out.job.text(), out.job.rank_log(0)):
         after = int(re.search(line, text).group(1))
         assert signals.REPEAT_GRACE_S < after and round(gap) - 1 <= after <= round(gap) + 1
 
 
-# Only rank 1 is given a data.path that does not exist (as on a host that lacks the dataset).
-ONE_BAD_HOST = """
-import os, sys
-from deepseek_ds.training.main import main
-if os.environ["RANK"] == "1":
-    sys.argv += ["--set", "data.path=/nonexistent/dataset"]
-sys.exit(main())
-"""
-
-
 @pytest.mark.launch
-def test_a_rank_that_fails_at_start_up_ends_the_job(tmp_path, data_dir, job_cleanup):
-    script = tmp_path / "one_bad_host.py"
-    script.write_text(ONE_BAD_HOST)
-    job = Job(tmp_path, data_dir, script=str(script))
-    job_cleanup(job)
-    # Rank 0 would otherwise wait at the rendezvous for train.dist_timeout_s (1800 s), far past this wait.
-    rc, took = job.wait(timeout=300)
-    print(f"rank 1 refused at start-up: job ended {took:.1f} s after the launch")
-    assert rc == 2
-    assert job.processes() == []
-    text = job.text()
+def test_a_rank_that_fails_at_start_up_ends_the_job(tmp_path, data_dir):
+    out = failure_bench.bad_start(tmp_path, data_dir)
+    print(f"rank 1 refused at start-up: job ended {out.seconds:.1f} s after the launch")
+    assert out.status == 2
+    assert out.left == 0
+    text = out.job.text()
     assert text.count("deepseek-ds: error: invalid configuration:\n  - data.path '/nonexistent/dataset' does not "
                       "exist") == 1, text[-3000:]
