@@ -179,7 +179,8 @@ def test_sigterm_of_the_job_saves_the_current_step_and_exits_0(tmp_path, data_di
     last = max(r["step"] for r in read_metrics(str(job.out)))
     assert checkpoint.latest_tag(ckpt) == checkpoint.tag_for(last)
     assert checkpoint.read_meta(os.path.join(ckpt, checkpoint.tag_for(last)))["step"] == last
-    assert out.ended_by.startswith(f"stopped on SIGTERM: step {last} saved to {ckpt}/{checkpoint.tag_for(last)}")
+    assert out.ended_by == f"stopped on SIGTERM: step {last} saved"
+    assert f"stopped on SIGTERM: step {last} saved to {ckpt}/{checkpoint.tag_for(last)}" in job.text()
     for rank in (0, 1):
         log = job.rank_log(rank)
         assert f"saving step {last} and exiting" in log and "this rank failed" not in log

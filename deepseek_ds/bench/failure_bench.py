@@ -181,7 +181,7 @@ def sigterm(work: Path, data_dir: str) -> Outcome:
         job.proc.send_signal(signal.SIGTERM)
         rc, took = job.wait(timeout=300)
         return Outcome("SIGTERM of deepseek-ds train (the step saved)", job, rc, took,
-                       _first_line(job.text(), r"stopped on SIGTERM[^\n]*"))
+                       _first_line(job.text(), r"stopped on SIGTERM: step \d+ saved"))
     finally:
         job.kill()
 
