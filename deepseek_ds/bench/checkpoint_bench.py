@@ -1,13 +1,15 @@
 """`deepseek-ds bench checkpoint`: checkpoint save and load throughput next to a raw sequential write and read
 of the same bytes on the same disk, as a printed table.
 
-One process (world size 1) builds the real run from a run YAML, saves (synchronously, then with checkpoint.async:
-the time the step is blocked and the time until the files are durable and published) and resumes through
-deepseek_ds.checkpoint (DeepSpeed's files, RNG, buffers, fsync, atomic publish), then writes and reads the very same
+One process (world size 1) builds the real run from a run YAML, saves (synchronously, and with checkpoint.async: the
+time the step is blocked and the time until the files are durable and published) and resumes through
+deepseek_ds.checkpoint (DeepSpeed's files, RNG, buffers, fsync, atomic publish), and writes and reads the very same
 bytes with plain os.write/os.read. Page-cache pages of the files are dropped (posix_fadvise) before every read, and
 every write is fsynced (each file, then its directory: the durability a save has), so both sides hit the disk; each
-timed write starts after the same flush and pause (_settle). The shared machine is noisy, so each ratio is the median over rounds of a ratio of two times of the same round. Peak
-resident memory is sampled during each operation; a projection for DeepSeek-V3 (checkpoint_projection.py) follows.
+timed write starts after the same flush and pause (_settle). The three writes take turns in each round's first slot
+(after the previous round's reads, where a save after training steps is too): on this cloud disk a write right after
+another runs several times slower, so each write row is the median of its first-slot rounds. Peak resident memory is
+sampled during each operation; a projection for DeepSeek-V3 (checkpoint_projection.py) follows.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from ..checkpoint.resuming import resume
 from ..checkpoint.saving import save
 from ..config import load_and_validate
 from ..training.setup import build_run
-from ..utils.cli_args import add_run_args, spellings
+from ..utils.cli_args import add_run_args, positive_int, spellings
 from ..utils.errors import run_command
 from ..utils.fmt import text_table
 from ..utils.fs import fsync_dir
@@ -129,65 +131,87 @@ class PeakRss:
 
 def run_checkpoint_bench(config: str, sets: list[str], deepspeed_config: str | None, repeats: int,
                          work_dir: str) -> list[dict]:
-    """Rows of (operation, GB, seconds (median of `repeats`), GB/s, vs (the median over the rounds of a ratio in the
-    same round: raw time over ours, or the async save's blocked time over the synchronous one's; None on the raw
-    rows), against (what `vs` compares with), peak_bytes (the largest resident memory over its start))."""
+    """Rows of (operation, GB, seconds (median: a write's over its first-slot rounds), GB/s, vs (the raw write's
+    median over ours; the blocked step's over the synchronous save's; the median of the rounds' raw read over resume
+    ratios; None on the raw rows), against (what `vs` compares with), peak_bytes (the largest resident memory over
+    its start))."""
     single_process_env()
     sets = list(sets) + [f"train.output_dir={work_dir}/run", f"checkpoint.dir={work_dir}/ckpt",
-                         f"checkpoint.keep={2 * repeats + 1}", "checkpoint.async=true"]
+                         f"checkpoint.keep={2 * repeats + 2}", "checkpoint.async=true"]
     cfg, ds = load_and_validate(config, deepspeed_config, sets, world_size=1)
     run = build_run(cfg, ds)
     times: dict[str, list[float]] = {k: [] for k in ("save", "blocked", "durable", "write", "load", "read")}
+    first: dict[str, list[float]] = {k: [] for k in ("save", "durable", "write")}  # times in the first slot
     peaks: dict[str, int] = dict.fromkeys(times, 0)
+    blobs: list[bytes] = []  # the bytes of a checkpoint, for the raw rows
+
+    def sync_save(step: int, raw_dir: str) -> tuple[str, float]:
+        with PeakRss() as rss:
+            start = time.perf_counter()
+            tag_dir = save(run, step, 0)
+            times["save"].append(time.perf_counter() - start)
+        peaks["save"] = max(peaks["save"], rss.extra)
+        return tag_dir, times["save"][-1]
+
+    def async_save(step: int, raw_dir: str) -> tuple[str, float]:
+        with PeakRss() as rss:
+            start = time.perf_counter()
+            tag_dir = save(run, step, 0, background=True)
+            times["blocked"].append(time.perf_counter() - start)
+            run.saver.wait()
+            times["durable"].append(run.saver.durable_s)
+        peaks["blocked"] = peaks["durable"] = max(peaks["durable"], rss.extra)
+        return tag_dir, times["durable"][-1]
+
+    def raw_write(step: int, raw_dir: str) -> tuple[None, float]:
+        times["write"].append(_raw_write(blobs, raw_dir))
+        return None, times["write"][-1]
+
     try:
-        for i in range(1, repeats + 1):
-            _settle()
+        step = 1  # an untimed first save: its files are the bytes the raw rows write and read
+        newest = save(run, step, 0)
+        blobs += [Path(p).read_bytes() for p in _files(newest)]
+        writes = [("save", sync_save), ("write", raw_write), ("durable", async_save)]
+        for i in range(repeats):
+            raw_dir = os.path.join(work_dir, f"raw{i}")
+            # The writes take turns in the first slot, the one after the previous round's reads: on this cloud disk
+            # a write that follows reads runs several times faster than one that follows a write, and a save after
+            # training steps follows no write either. The write rows compare their first-slot rounds.
+            for slot, (key, write) in enumerate(writes[i % 3:] + writes[:i % 3]):
+                _settle()
+                step += 1
+                tag_dir, seconds = write(step, raw_dir)
+                newest = tag_dir or newest
+                if slot == 0:
+                    first[key].append(seconds)
+            _evict(_files(newest))  # the tag resume loads
             with PeakRss() as rss:
                 start = time.perf_counter()
-                save(run, 2 * i - 1, 0)
-                times["save"].append(time.perf_counter() - start)
-            peaks["save"] = max(peaks["save"], rss.extra)
-            _settle()
-            with PeakRss() as rss:
-                start = time.perf_counter()
-                tag_dir = save(run, 2 * i, 0, background=True)
-                times["blocked"].append(time.perf_counter() - start)
-                run.saver.wait()
-                times["durable"].append(run.saver.durable_s)
-            peaks["blocked"] = peaks["durable"] = max(peaks["durable"], rss.extra)
-            paths = _files(tag_dir)  # the tag resume loads: the newest
-            _evict(paths)
-            with PeakRss() as rss:
-                start = time.perf_counter()
-                resume(run)  # the newest tag: the background save's
+                resume(run)
                 times["load"].append(time.perf_counter() - start)
             peaks["load"] = max(peaks["load"], rss.extra)
-            blobs = [Path(p).read_bytes() for p in paths]
-            raw_dir = os.path.join(work_dir, f"raw{i}")
-            _settle()
-            times["write"].append(_raw_write(blobs, raw_dir))
             times["read"].append(_raw_read(_files(raw_dir)))
         gb = sum(len(b) for b in blobs) / 1e9
-        del blobs
+        blobs.clear()
     finally:
         dist.destroy_process_group()
 
-    def ratios(ours: str, theirs: str, inverse: bool = False) -> float:
-        pairs = zip(times[ours], times[theirs])
-        return statistics.median((o / t) if inverse else (t / o) for o, t in pairs)
-
-    rows = [("checkpoint save, synchronous (DeepSpeed + RNG + fsync + publish)", "save", ratios("save", "write"),
-             "raw write"),
-            ("checkpoint save, checkpoint.async: the step blocked", "blocked",
-             ratios("blocked", "save", inverse=True), "sync save (time)"),
-            ("checkpoint save, checkpoint.async: durable and published", "durable", ratios("durable", "write"),
-             "raw write"),
+    if repeats < len(first):
+        print(f"--repeats {repeats}: not every write had a first-slot round; its row takes all of its rounds")
+    median = {k: statistics.median(v) for k, v in times.items()} | {
+        k: statistics.median(v) for k, v in first.items() if v}
+    resume_vs = statistics.median(r / o for o, r in zip(times["load"], times["read"]))  # the same round's
+    rows = [("checkpoint save, synchronous (DeepSpeed + RNG + fsync + publish)", "save",
+             median["write"] / median["save"], "raw write"),
+            ("checkpoint save, checkpoint.async: the step blocked", "blocked", median["blocked"] / median["save"],
+             "sync save (time)"),
+            ("checkpoint save, checkpoint.async: durable and published", "durable",
+             median["write"] / median["durable"], "raw write"),
             ("raw sequential write + fsync", "write", None, ""),
-            ("checkpoint load (resume)", "load", ratios("load", "read"), "raw read"),
+            ("checkpoint load (resume)", "load", resume_vs, "raw read"),
             ("raw sequential read (cache dropped)", "read", None, "")]
-    return [{"operation": name, "GB": gb, "seconds": statistics.median(times[key]),
-             "GB/s": gb / statistics.median(times[key]), "vs": vs, "against": against, "peak_bytes": peaks[key]}
-            for name, key, vs, against in rows]
+    return [{"operation": name, "GB": gb, "seconds": median[key], "GB/s": gb / median[key], "vs": vs,
+             "against": against, "peak_bytes": peaks[key]} for name, key, vs, against in rows]
 
 
 def format_table(rows: list[dict]) -> str:
@@ -211,11 +235,14 @@ def _bench(args: argparse.Namespace) -> int:
     if args.out:
         path = os.path.join(args.out, "checkpoint.md")
         write_process_report(path, "Checkpoint save and load vs raw disk I/O", (
-            f"One process saves the run's model and optimizer synchronously, then with checkpoint.async, then resumes "
-            f"from the latter, {args.repeats} times (median; each `vs` is the median over the rounds of a ratio in "
-            "the same round). Raw: the same files' bytes written sequentially with fsync of each file and its "
-            "directory (a save's durability), and read back with the page cache dropped first (posix_fadvise), on "
-            "the same disk, back to back in each round. `peak memory`: the resident size above the operation's "
+            f"One process saves the run's model and optimizer synchronously and with checkpoint.async, writes the same "
+            f"bytes raw, then resumes from the newest tag and reads the raw files back, {args.repeats} rounds. Raw: "
+            "the files' bytes written sequentially with fsync of each file and its directory (a save's durability), "
+            "read back with the page cache dropped first (posix_fadvise), on the same disk. The three writes take "
+            "turns in each round's first slot, after the previous round's reads (as a save after training steps "
+            "follows no write): on this disk a write right after another ran several times slower. A write row is the "
+            "median of its first-slot rounds, `vs` the raw write's over it; the blocked step is over the synchronous "
+            "save's; the resume's `vs` is the median of the rounds' own ratios. `peak memory`: the resident size above the operation's "
             "start (the async save holds a copy of the state until it is written). Then the arithmetic of a "
             "DeepSeek-V3 checkpoint at stated bandwidths."), ["```\n" + text + "\n```"])
         print(f"wrote {path}")
@@ -227,7 +254,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                  config_help="run YAML whose model is checkpointed (default: recipes/tiny-v3.yaml)",
                  set_help="run YAML override, e.g. --set model.overrides.hidden_size=1024 for a bigger checkpoint")
     p.set_defaults(config="recipes/tiny-v3.yaml")
-    p.add_argument("--repeats", type=int, default=3, help="timed rounds; the median is reported (default 3)")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="timed rounds, the writes taking turns in the first slot (3 or more: each once); the median "
+                   "is reported (default 3)")
     p.add_argument(*spellings("--work-dir"), default=None,
                    help="directory on the disk to measure (default: the temp dir)")
     p.add_argument("--out", default=None, help="write the report OUT/checkpoint.md (default: print only)")
