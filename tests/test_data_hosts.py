@@ -15,7 +15,7 @@ import pytest
 
 from deepseek_ds.data import DataError
 from deepseek_ds.data.hosts import SHARES_DIR, deal, finish_shares, run_share, write_shares
-from deepseek_ds.data.prepare import planned
+from deepseek_ds.data.prepare import finish, planned, run_tasks
 from deepseek_ds.launcher.per_host import HostJob, check_hosts
 from deepseek_ds.utils.errors import UserError
 
@@ -51,6 +51,27 @@ def test_shares_are_balanced_and_cover_every_shard_once(tmp_path):
         assert names == sorted(sizes)
         loads = [sum(sizes[t.name] for t in share) for share in shares]
         assert max(loads) - min(loads) <= max(sizes.values()), loads  # within one shard of each other
+
+
+def test_a_dead_writers_temporaries_go_when_the_shards_are_done(tmp_path):
+    """A host killed mid-file leaves `.{shard file}.{random}.tmp` (utils.fs's atomic write); the re-run's finish
+    removes it, so the output is a one-host prepare's files, and keeps a temporary younger than its plan (a racing
+    run's) and anything that is no shard file's."""
+    out = tmp_path / "out"
+    with planned(corpus(tmp_path), str(out), **OPTIONS) as (prep, pool):
+        run_tasks(prep.tasks, pool, False)
+    reference = tree(out)
+    name = prep.tasks[0].name
+    dead, racing, other = out / f".{name}.bin.k3x9q2_a.tmp", out / f".{name}.idx.ab12cd34.tmp", out / ".notes.x.tmp"
+    for path in (dead, racing, other):
+        path.write_bytes(b"partial")
+    for path in (dead, other):
+        os.utime(path, (prep.started - 60, prep.started - 60))
+    finish(prep)
+    assert not dead.exists() and racing.exists() and other.exists()
+    racing.unlink()
+    other.unlink()
+    assert {k: v for k, v in tree(out).items() if k != "meta.json"} == reference
 
 
 def test_a_host_without_the_shared_directory_and_a_launch_with_shards_missing_fail_in_one_line(tmp_path):

@@ -7,6 +7,7 @@ dataset that looks complete; a re-run rebuilds only missing or damaged shards.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import multiprocessing
@@ -37,7 +38,15 @@ from .layout import (
     read_json,
     shard_files,
 )
-from .shards import ShardTask, group_by_size, init_worker, is_done, shard_key, write_shard
+from .shards import (
+    ShardTask,
+    group_by_size,
+    init_worker,
+    is_done,
+    remove_dead_temporaries,
+    shard_key,
+    write_shard,
+)
 from .sources import (
     DEFAULT_EXTENSIONS,
     DocTable,
@@ -211,6 +220,7 @@ class Planned:
     extra: dict  # meta.json's keys beyond the shards' (skipped inputs, chat options, bad lines, ...)
     inputs: list[str]
     workers: int
+    started: float = dataclasses.field(default_factory=time.time)  # when the plan was made
 
 
 @contextlib.contextmanager
@@ -287,6 +297,7 @@ def finish(prep: Planned) -> str:
     if meta["splits"]["train"]["num_tokens"] == 0:
         raise DataError(f"inputs {prep.inputs} produced no training tokens (only empty or whitespace documents): "
                         f"pass inputs with text")
+    remove_dead_temporaries(prep.tasks, prep.started)
     write_json_atomic(prep.out / META, meta)
     return str(prep.out)
 

@@ -66,6 +66,17 @@ def written_record(task: ShardTask) -> dict | None:
     return record if record.get("key") == task.key else None
 
 
+def remove_dead_temporaries(tasks: list[ShardTask], before: float) -> None:
+    """A writer killed mid-file (a host that died, a killed run) leaves the temporary of a shard file beside it
+    (utils.fs: `.{file}.{random}.tmp`), and the shard has been written again since. Called once every shard is done:
+    the shard files' temporaries older than `before` (this run's plan) go; a racing run's lives for one write."""
+    for out in {Path(t.out_dir) for t in tasks}:
+        names = {p.name for t in tasks for p in (*shard_files(out, t.name), mask_file(out, t.name))}
+        for path in out.glob(".*.tmp"):
+            if path.name[1:].rsplit(".", 2)[0] in names and path.is_file() and path.stat().st_mtime < before:
+                path.unlink(missing_ok=True)
+
+
 def is_done(task: ShardTask) -> bool:
     """True when the shard was completely written for exactly this task and is intact on disk."""
     record = written_record(task)
