@@ -111,7 +111,7 @@ class Outcome:
     status: int
     seconds: float  # from the fault (or signal) until the launcher exited
     ended_by: str  # the first line that says what ended the job
-    left: int = 0  # the job's processes alive after it ended
+    left: int = dataclasses.field(init=False)  # the job's processes alive after it ended
     extra: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
