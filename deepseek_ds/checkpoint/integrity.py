@@ -4,8 +4,8 @@ names its algorithm, so both stay readable). Resume verifies the tag it chooses 
 that verifies; retention counts only intact tags; `deepseek-ds checkpoint verify` checks a whole directory.
 
 Saving: every rank flushes (fsync) and checksums the files it wrote itself, in parallel, before any collective:
-DeepSpeed's model and optimizer files are checksummed as torch.save writes them (HashingFile: no re-read), the
-small rest is read back (record_written); rank 0 merges those records (merge_records), checking that it sees every
+DeepSpeed's model and optimizer files and ours are checksummed as they are written (HashingFile: no re-read),
+another checkpoint engine's files are read back (record_written); rank 0 merges those records (merge_records), checking that it sees every
 rank's files with their sizes (a checkpoint.dir that is not one shared filesystem is refused there, before the tag
 is published) and checksumming only what no rank claimed (DeepSpeed's copied recovery scripts).
 
@@ -73,17 +73,22 @@ def recorded_checksum(rec: dict) -> str:
 class HashingFile:
     """A write-only file whose bytes are checksummed (CHECKSUM) on their way to the disk, for torch.save(obj, f):
     its record costs no second read of the file. close() flushes it to stable storage (fsync) first, as
-    record_written does: a rename publishes the tag later and must not reach the disk before the data."""
+    record_written does: a rename publishes the tag later and must not reach the disk before the data. `hasher`: a
+    thread that checksums a large write's bytes while they are written (xxhash lets go of the GIL)."""
 
-    def __init__(self, path: str):
-        self.path = str(path)
+    def __init__(self, path: str, hasher: concurrent.futures.Executor | None = None):
+        self.path, self._hasher = str(path), hasher
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # open()'s mode, as torch.save
         self._hash, self.size = _hasher(CHECKSUM), 0
         self.error: OSError | None = None  # torch.save reports a failed write as its own "unexpected pos" error
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
-        self._hash.update(view)
+        hashed = None
+        if self._hasher is not None and len(view) >= _CHUNK:
+            hashed = self._hasher.submit(self._hash.update, view)
+        else:
+            self._hash.update(view)
         done = 0
         try:
             while done < len(view):  # in pieces: a tensor's whole storage in one write() went slower to the disk
@@ -91,6 +96,9 @@ class HashingFile:
         except OSError as e:
             self.error = e
             raise
+        finally:
+            if hashed is not None:
+                hashed.result()
         self.size += len(view)
         return len(view)
 
@@ -114,35 +122,41 @@ class HashingFile:
 
 
 class HashedSaves:
-    """torch.save of a series of files through HashingFiles, torch's own zip CRC-32 off meanwhile (torch.load never
-    checks it, our checksum covers the same bytes, and it cost as much time as writing them); their fsyncs run in a
-    background thread: the disk flushes one file while the next is serialized. records() waits for every flush
-    ({path: {"size", CHECKSUM}}); call it (or close()) before anything publishes them."""
+    """torch.save (or ready bytes) of a series of files through HashingFiles, torch's own zip CRC-32 off meanwhile
+    (torch.load never checks it, our checksum covers the same bytes, and it cost as much time as writing them), each
+    file flushed (fsync) before the next is written: on this project's cloud disk a flush running in a thread while
+    the next file was written made a save 3x slower than writing and flushing one file after the other (0.31 s vs
+    0.10 s for 137 MB). records(): {path: {"size", CHECKSUM}} of the files written."""
 
     def __init__(self):
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-fsync")
-        self._pending: dict[str, concurrent.futures.Future] = {}
+        self._records: dict[str, dict] = {}
+        self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash")
 
     def save(self, obj, path: str, **kwargs) -> None:
-        f = HashingFile(path)
-        try:
+        def serialize(f: HashingFile) -> None:
             with _without_zip_crc32():
                 torch.save(obj, f, **kwargs)
+
+        self._write(path, serialize)
+
+    def write(self, data: bytes, path: str) -> None:
+        """A file of ready bytes, checksummed and flushed as save()'s are."""
+        self._write(path, lambda f: f.write(data))
+
+    def _write(self, path: str, fill) -> None:
+        f = HashingFile(path, self._hasher)
+        try:
+            fill(f)
         except BaseException as e:
             f.close()
             if f.error is not None and f.error is not e:  # the disk's own error (ENOSPC, EFBIG), not torch's echo
                 raise f.error from e
             raise
-        self._pending[str(path)] = self._pool.submit(f.close)
+        self._records[str(path)] = f.close()
 
     def records(self) -> dict[str, dict]:
-        try:
-            return {path: future.result() for path, future in self._pending.items()}
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)  # no file left open, nor half-flushed, behind a failed save
+        self._hasher.shutdown()  # idle: every write waited for its checksum
+        return dict(self._records)
 
 
 def _without_zip_crc32():

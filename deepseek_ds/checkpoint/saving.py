@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import filecmp
 import os
 import shutil
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import deepspeed
@@ -27,7 +28,7 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchChe
 from ..data import dataset_info
 from ..utils.fs import fsync_dir, write_bytes_atomic, write_json_atomic
 from ..utils.redact import redact
-from .async_save import copies_done, host_copy
+from .async_save import PinnedBuffers, copying_after, device_point, host_copy
 from .format import (
     FORMAT_VERSION,
     LATEST,
@@ -42,7 +43,7 @@ from .format import (
 from .frozen_experts import holds_frozen_experts, marker_for
 from .integrity import FILES, HashedSaves, intact_tags, merge_records, record_written
 from .run import TrainingRun
-from .state import save_buffers, save_expert_adapters, save_rng
+from .state import buffers_file, expert_adapters, rng_path, rng_state
 
 
 def save(run: TrainingRun, step: int, consumed_samples: int, *, background: bool = False) -> str:
@@ -50,9 +51,10 @@ def save(run: TrainingRun, step: int, consumed_samples: int, *, background: bool
     and pointing `latest` at it; a kill at any moment leaves at worst a `.partial` that resume ignores. Every rank
     flushes and checksums its own files before the collectives, so rank 0's work inside them is metadata only.
 
-    background (checkpoint.async; run.saver): returns once the state is copied to host memory; run.saver's thread
-    writes, checksums, flushes and publishes it as above, over a process group of its own. Otherwise any save still
-    in the background is waited for first."""
+    background (checkpoint.async; run.saver): returns once DeepSpeed's state dicts are built and ours captured;
+    run.saver's thread copies the state to host memory (the engine's next update waits for that copy,
+    async_save.py), then writes, checksums, flushes and publishes it as above, over a process group of its own.
+    Otherwise any save still in the background is waited for first."""
     cfg, engine = run.cfg, run.engine
     ckpt_dir, tag = cfg.checkpoint_dir, tag_for(step)
     partial, final = os.path.join(ckpt_dir, f".{tag}.partial"), os.path.join(ckpt_dir, tag)
@@ -70,23 +72,25 @@ def save(run: TrainingRun, step: int, consumed_samples: int, *, background: bool
         # save path writes this key itself and refuses it from the client, and AutoTP's module carries its own
         # (which TP dimension each tensor was split on), which this would replace.
         client_state[UNIVERSAL_CHECKPOINT_INFO] = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
-    writes = Writes(copies=background)
-    with _recording_saves(engine.checkpoint_engine, writes, holds_frozen_experts(engine.module)):
+    writes = Writes(deferred=background)
+    with _recording_saves(engine.checkpoint_engine, writes, holds_frozen_experts(engine.module)), \
+            _recovery_scripts_kept(engine):
         # LoRA: the frozen base stays out (resume reads it from model.path), so the checkpoint holds what changes.
         engine.save_checkpoint(ckpt_dir, tag=os.path.basename(partial), client_state=client_state, save_latest=False,
                                exclude_frozen_parameters=cfg.lora.r > 0)
-    writes.small.append(save_rng(partial, run.rank))
-    if (adapters := save_expert_adapters(partial, run)) is not None:
-        writes.small.append(adapters)
+    writes.save(rng_state(), rng_path(partial, run.rank))
+    if (adapters := expert_adapters(partial, run)) is not None:
+        writes.save(*adapters)
     if run.layout.writes_replica_files:
-        writes.small.append(save_buffers(partial, run))
+        writes.write(*buffers_file(partial, run))
     if run.rank == 0:
-        writes.small.append(os.path.join(partial, MODEL_CONFIG))
-        run.model_config.to_json_file(writes.small[-1])
-    publication = Publication(run.rank, run.world, partial, final, cfg.checkpoint.keep,
-                              redact(_meta(run, tag, step, consumed_samples)) if run.rank == 0 else None)
+        writes.write(os.path.join(partial, MODEL_CONFIG), lambda: run.model_config.to_json_string().encode())
+    meta = (lambda: redact(_meta(run, tag, step, consumed_samples))) if run.rank == 0 else None
+    publication = Publication(run.rank, run.world, partial, final, cfg.checkpoint.keep, meta)
     if background:
-        run.saver.start(step, lambda group: _complete(writes, publication, group), time.perf_counter() - t0)
+        point = device_point()
+        run.saver.start(step, engine, lambda: writes.copy(point, run.saver.pinned),
+                        lambda group: _complete(writes, publication, group), time.perf_counter() - t0)
         return final
     _complete(writes, publication, None)
     if run.rank == 0:
@@ -96,27 +100,60 @@ def save(run: TrainingRun, step: int, consumed_samples: int, *, background: bool
 
 @dataclasses.dataclass
 class Writes:
-    """A save's files on this rank: `queued` (DeepSpeed's model and optimizer files: written now through HashedSaves,
-    or with `copies` their state copied now and written later), `small` (ours, written now, flushed and checksummed
-    by record_written)."""
-    copies: bool = False
+    """A save's files on this rank: DeepSpeed's model and optimizer files and ours (save(): torch.save; write():
+    bytes), checksummed as they are written (HashedSaves). Written at once, or `deferred` (checkpoint.async): kept
+    as references, copied to host memory by copy() and written by records(), both in the writer thread."""
+    deferred: bool = False
     saves: HashedSaves = dataclasses.field(default_factory=HashedSaves)
-    queued: list[tuple[object, str, dict]] = dataclasses.field(default_factory=list)
-    small: list[str] = dataclasses.field(default_factory=list)
+    queued: list[tuple[object, str, dict]] = dataclasses.field(default_factory=list)  # torch.save's, deferred
+    blobs: list[tuple[str, Callable[[], bytes] | bytes]] = dataclasses.field(default_factory=list)  # write's, deferred
     others: list[str] = dataclasses.field(default_factory=list)  # another engine's files, read back
-    error: OSError | None = None  # a write that failed inside DeepSpeed's save_checkpoint, raised by records()
+    error: Exception | None = None  # a write (or copy) that failed, raised by records()
+
+    def save(self, state, path: str, **kwargs) -> None:
+        if self.deferred:
+            self.queued.append((state, str(path), kwargs))
+        else:
+            self._now(lambda: self.saves.save(state, path, **kwargs), path)
+
+    def write(self, path: str, data: Callable[[], bytes]) -> None:
+        """A file of bytes; `data` is called when they are written, or copied when deferred."""
+        if self.deferred:
+            self.blobs.append((path, data))
+        else:
+            self._now(lambda: self.saves.write(data(), path), path)
+
+    def _now(self, write, path: str) -> None:
+        if self.error is not None:
+            return
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)  # ours: rng/, buffers/, expert_adapters/
+            write()
+        except OSError as e:  # a full disk: every rank must still reach _complete's gather, or they hang
+            self.error = e
+
+    def copy(self, point, pinned: PinnedBuffers) -> None:
+        """The writer thread, before the engine's next update: the deferred state into host memory (a failure is
+        kept for records(), which every rank reaches)."""
+        try:
+            with copying_after(point):
+                self.queued = [(host_copy(state, pinned), path, kwargs) for state, path, kwargs in self.queued]
+                self.blobs = [(path, data()) for path, data in self.blobs]
+        except Exception as e:  # out of host memory: reported on every rank by _complete, nothing published
+            self.error = e
 
     def records(self, tag_dir: str) -> dict[str, dict]:
-        """Write what is queued, then every file's record (record_written), all flushed."""
-        try:
-            if self.error is not None:
-                raise self.error
-            for state, path, kwargs in self.queued:
-                self.saves.save(state, path, **kwargs)
-            self.queued.clear()  # the copies go as soon as they are written
-            return record_written(tag_dir, self.small + self.others, self.saves.records())
-        finally:
-            self.saves.close()
+        """Write what is deferred, then every file's record, all flushed."""
+        if self.error is not None:
+            raise self.error
+        for state, path, kwargs in self.queued:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self.saves.save(state, path, **kwargs)
+        self.queued.clear()  # the copies go as soon as they are written
+        for path, data in self.blobs:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self.saves.write(data, path)
+        return record_written(tag_dir, self.others, self.saves.records())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +163,7 @@ class Publication:
     partial: str
     final: str
     keep: int
-    meta: dict | None  # rank 0's checkpoint.json, less its "files"
+    meta: Callable[[], dict] | None  # rank 0's checkpoint.json, less its "files"
 
 
 def _complete(writes: Writes, pub: Publication, group) -> None:
@@ -166,11 +203,10 @@ def _complete(writes: Writes, pub: Publication, group) -> None:
 def _recording_saves(checkpoint_engine, writes: Writes, frozen_experts: bool = False) -> Iterator[None]:
     """The files DeepSpeed's checkpoint engine writes on this rank while the block runs (its save() is the one
     place every model, optimizer and layer file goes through), into `writes`. DeepSpeed's own torch engine is
-    replaced by the same torch.save through integrity.HashedSaves, so its files (nearly all the bytes) are
-    checksummed as they are written (records without a re-read) and each is flushed while the next one is
-    serialized; with writes.copies the state is copied to host memory (async_save.host_copy) and written later.
-    Any other engine's files are read back. frozen_experts: AutoEP's expert files are written as
-    frozen_experts.py's markers."""
+    replaced by the same torch.save through `writes` (integrity.HashedSaves), so its files (nearly all the bytes)
+    are checksummed as they are written (records without a re-read), or with writes.deferred kept for the writer
+    thread. Any other engine's files are read back.
+    frozen_experts: AutoEP's expert files are written as frozen_experts.py's markers."""
     original = checkpoint_engine.save
 
     def content(state_dict, path):
@@ -180,13 +216,7 @@ def _recording_saves(checkpoint_engine, writes: Writes, frozen_experts: bool = F
         kwargs = {"_use_new_zipfile_serialization": checkpoint_engine.zipfile_serialization}
 
         def save(state_dict, path):
-            if writes.copies:
-                writes.queued.append((host_copy(content(state_dict, path)), str(path), kwargs))
-            elif writes.error is None:
-                try:
-                    writes.saves.save(content(state_dict, path), path, **kwargs)
-                except OSError as e:  # a full disk: every rank must still reach _complete's gather, or they hang
-                    writes.error = e
+            writes.save(content(state_dict, path), str(path), **kwargs)
     else:
         def save(state_dict, path):
             original(content(state_dict, path), path)
@@ -195,19 +225,37 @@ def _recording_saves(checkpoint_engine, writes: Writes, frozen_experts: bool = F
     checkpoint_engine.save = save
     try:
         yield
-        if writes.copies:
-            copies_done()
-    except BaseException:
-        writes.saves.close()
-        raise
     finally:
         del checkpoint_engine.save  # the class's method again
+
+
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # what DeepSpeed's _copy_recovery_script copies
+
+
+@contextlib.contextmanager
+def _recovery_scripts_kept(engine) -> Iterator[None]:
+    """DeepSpeed copies its recovery scripts into checkpoint.dir at every save; rewriting a file that holds them
+    already truncates it, which waits for the filesystem's journal (about 24 ms of a 137 MB save here). In the
+    block they are copied only when missing or different."""
+    original = engine._copy_recovery_script
+    sources = os.path.join(os.path.dirname(deepspeed.__file__), "utils")
+
+    def copy_when_changed(save_path):
+        if not all(os.path.isfile(os.path.join(save_path, name)) and filecmp.cmp(
+                os.path.join(sources, name), os.path.join(save_path, name), shallow=False) for name in RECOVERY_SCRIPTS):
+            original(save_path)
+
+    engine._copy_recovery_script = copy_when_changed
+    try:
+        yield
+    finally:
+        del engine._copy_recovery_script  # the class's method again
 
 
 def _publish(pub: Publication, files: dict) -> list[str]:
     """Rank 0: checkpoint.json, rename, `latest`; returns the renamed-aside directories left to delete."""
     ckpt_dir, tag = os.path.dirname(pub.final), os.path.basename(pub.final)
-    meta = dict(pub.meta)  # no credentials next to every checkpoint: redacted by save()
+    meta = pub.meta()  # no credentials next to every checkpoint: redacted by save()
     meta[FILES] = files
     write_json_atomic(Path(pub.partial) / META, meta)
     for d, _, _ in os.walk(pub.partial):  # the files were flushed by their writers; their directory entries here

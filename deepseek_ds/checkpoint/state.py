@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import os
 import random
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -15,7 +16,8 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from deepspeed.ops.adam.fused_adam import multi_tensor_applier
 from deepspeed.utils import groups
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 
 from ..models.pipeline import local_layers
 from ..parallel import expert_lora
@@ -25,8 +27,8 @@ from .tensor_names import layout_names
 
 
 # ----------------------------------------------------------------------------------------------- RNG
-def save_rng(tag_dir: str, rank: int) -> str:
-    """Write this rank's RNG states; returns the file's path."""
+def rng_state() -> dict:
+    """This rank's RNG states, as saved in rng_path."""
     name, keys, pos, gauss, cached = np.random.get_state()
     state = {"python": random.getstate(), "torch": torch.get_rng_state(),
              # as tensors and numbers: the weights-only unpickler that reads it back rejects numpy arrays
@@ -34,15 +36,16 @@ def save_rng(tag_dir: str, rank: int) -> str:
     acc = get_accelerator()
     if acc.device_name() != "cpu":
         state["accelerator"] = acc.get_rng_state()
-    path = os.path.join(tag_dir, "rng", f"rank_{rank:05d}.pt")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    torch.save(state, path)
-    return path
+    return state
+
+
+def rng_path(tag_dir: str, rank: int) -> str:
+    return os.path.join(tag_dir, "rng", f"rank_{rank:05d}.pt")
 
 
 def restore_rng(tag_dir: str, rank: int) -> bool:
     """Restore this rank's RNG states; False when the checkpoint has none for it (its layout had fewer ranks)."""
-    path = os.path.join(tag_dir, "rng", f"rank_{rank:05d}.pt")
+    path = rng_path(tag_dir, rank)
     if not os.path.isfile(path):
         return False
     state = torch.load(path, weights_only=True)
@@ -91,15 +94,13 @@ def _hf_names(run: TrainingRun) -> dict[str, str]:
     return _names(_Same(run.model_config), layout.scheme, layout.autoep)
 
 
-def save_buffers(tag_dir: str, run: TrainingRun) -> str:
-    """Write this pipeline stage's persistent buffers; returns the file's path."""
+def buffers_file(tag_dir: str, run: TrainingRun) -> tuple[str, Callable[[], bytes]]:
+    """This pipeline stage's persistent buffers: (the file's path, its bytes when called)."""
     names = _hf_names(run)
-    tensors = {names[k]: v.detach().cpu().contiguous() for k, v in _local_buffers(run).items() if k in names}
+    local = {names[k]: v for k, v in _local_buffers(run).items() if k in names}
     stage = run.engine.stage_id if run.pipeline else 0
-    path = os.path.join(tag_dir, "buffers", f"stage_{stage:02d}.safetensors")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    save_file(tensors, path)
-    return path
+    return (os.path.join(tag_dir, "buffers", f"stage_{stage:02d}.safetensors"),
+            lambda: safetensors_bytes({k: v.detach().cpu().contiguous() for k, v in local.items()}))
 
 
 def read_buffers(tag_dir: str) -> dict[str, torch.Tensor]:
@@ -129,18 +130,15 @@ def restore_buffers(run: TrainingRun, tag_dir: str) -> None:
 EXPERT_ADAPTERS = "expert_adapters"
 
 
-def save_expert_adapters(tag_dir: str, run: TrainingRun) -> str | None:
+def expert_adapters(tag_dir: str, run: TrainingRun) -> tuple[dict, str] | None:
     """Every rank calls this (the fp32 rows are gathered within each expert-data-parallel group); the first rank of
-    each group writes its expert-parallel rank's rows; returns the file's path there, None elsewhere or without
-    adapted AutoEP experts."""
+    each group gets its expert-parallel rank's (rows, file path) to save; None elsewhere or without adapted AutoEP
+    experts."""
     rows = expert_lora.adapter_rows(local_layers(run.engine.module))
     group = _ep_group_name(run)
     if not rows or groups._get_expert_data_parallel_rank(group) != 0:
         return None
-    path = _expert_adapters_file(tag_dir, run)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    torch.save(rows, path)
-    return path
+    return rows, _expert_adapters_file(tag_dir, run)
 
 
 def restore_expert_adapters(run: TrainingRun, tag_dir: str) -> None:
