@@ -71,13 +71,14 @@ def test_a_checkpoint_recorded_with_crc32_still_verifies(tmp_path):
     assert "checksum differs" in check_tag(str(tmp_path)).problem
 
 
-def test_the_writes_take_turns_first_and_compare_their_first_slot_rounds(tmp_path, monkeypatch):
-    """Three rounds with known times (a fake clock) in the order the bench spends them: the synchronous save first in
-    round 1 (after an untimed save), the raw write first in round 2, the async save first in round 3; the write rows
-    are the medians of their first-slot rounds (the later slots' times, slower on this disk, left out), the resume's
-    ratio the median of the rounds' own ratios."""
-    durations = {"save": [9.0, 1.0, 4.0, 2.0], "blocked": [0.1, 0.1, 0.3], "durable": [1.2, 1.5, 1.1],
-                 "load": [2.0, 2.0, 2.0], "write": [0.5, 1.0, 0.8], "read": [0.25, 0.5, 0.4]}
+def test_rows_are_the_medians_of_the_rounds_and_the_step_blocked_counts_the_updates_wait(tmp_path, monkeypatch):
+    """Three rounds with known times (a fake clock) in the order the bench spends them (after an untimed step, save
+    and raw write): each row is the median of its rounds; the async save's step blocked is the save's own time plus its
+    next update's wait for the copy, over a synchronous save; the resume's ratio is the median of the rounds' own
+    ratios, as every ratio is; the step with the save in flight is compared with the step alone."""
+    durations = {"save": [9.0, 1.0, 4.0, 2.0], "blocked": [0.05, 0.1, 0.2], "durable": [1.2, 1.5, 1.1],
+                 "load": [2.0, 2.0, 2.0], "write": [9.9, 0.5, 1.0, 0.8], "read": [0.25, 0.5, 0.4],
+                 "step": [9.0, 3.0, 2.0, 3.5, 2.0, 3.0, 2.5], "waited": [0.05, 0.0, 0.1]}
     calls = {k: iter(v) for k, v in durations.items()}
     now = [0.0]
 
@@ -87,18 +88,27 @@ def test_the_writes_take_turns_first_and_compare_their_first_slot_rounds(tmp_pat
     class Saver:
         durable_s = None
 
+        @property
+        def update_wait_s(self):
+            return next(calls["waited"])
+
         def wait(self):
             self.durable_s = next(calls["durable"])
 
     tag = tmp_path / "tag"
     tag.mkdir()
     (tag / "f.pt").write_bytes(b"x" * 1000)
+    cleared = []
     monkeypatch.setattr(checkpoint_bench, "single_process_env", lambda: None)
-    monkeypatch.setattr(checkpoint_bench, "load_and_validate", lambda *a, **k: (None, None))
+    monkeypatch.setattr(checkpoint_bench, "load_and_validate", lambda *a, **k: (
+        argparse.Namespace(checkpoint_dir=str(tmp_path / "ckpt")), None))
     monkeypatch.setattr(checkpoint_bench, "build_run", lambda cfg, ds: argparse.Namespace(saver=Saver()))
     monkeypatch.setattr(checkpoint_bench.dist, "destroy_process_group", lambda: None)
     monkeypatch.setattr(checkpoint_bench.time, "perf_counter", lambda: now[0])
     monkeypatch.setattr(checkpoint_bench, "_settle", lambda: None)
+    monkeypatch.setattr(checkpoint_bench, "_clear", lambda ckpt, kept, raw: cleared.append(kept))
+    # Each round's async save is followed by a step (its update waiting), and its reads by a step alone.
+    monkeypatch.setattr(checkpoint_bench, "training_steps", lambda run: lambda: spend("step"))
     monkeypatch.setattr(checkpoint_bench, "save", lambda run, i, c, background=False: (
         spend("blocked" if background else "save"), str(tag))[1])
     monkeypatch.setattr(checkpoint_bench, "resume", lambda run: spend("load"))
@@ -106,15 +116,19 @@ def test_the_writes_take_turns_first_and_compare_their_first_slot_rounds(tmp_pat
                                                                          next(calls["write"]))[1])
     monkeypatch.setattr(checkpoint_bench, "_raw_read", lambda paths: next(calls["read"]))
     rows = checkpoint_bench.run_checkpoint_bench("cfg", [], None, 3, str(tmp_path))
-    save, blocked, durable, write, load, read = rows
-    assert save["seconds"] == 1.0 and write["seconds"] == 1.0 and durable["seconds"] == 1.1 and save["GB"] == 1e-6
-    assert save["vs"] == 1.0 / 1.0 and durable["vs"] == 1.0 / 1.1  # raw's first-slot round over ours
-    assert blocked["seconds"] == pytest.approx(0.1) and blocked["vs"] == pytest.approx(0.1 / 1.0)  # over a sync save
+    assert cleared == [str(tag)] * 12  # before each of the 9 timed writes, and before each round's reads
+    save, blocked, durable, write, load, read, step_saving, step = rows
+    assert step_saving["seconds"] == 3.0 and step["seconds"] == 2.0 and step_saving["vs"] == 2.0 / 3.0  # medians
+    assert save["seconds"] == 2.0 and write["seconds"] == 0.8 and durable["seconds"] == 1.2 and save["GB"] == 1e-6
+    # The rounds' own ratios, raw over ours: 0.5/1, 1/4, 0.8/2 and 0.5/1.2, 1/1.5, 0.8/1.1.
+    assert save["vs"] == 0.8 / 2.0 and durable["vs"] == pytest.approx(1.0 / 1.5)
+    # The save's own time plus its update's wait: 0.1, 0.1, 0.3; over the sync save's 1, 4, 2.
+    assert blocked["seconds"] == pytest.approx(0.1) and blocked["vs"] == pytest.approx(0.1 / 1.0)
     assert load["vs"] == statistics.median([0.25 / 2, 0.5 / 2, 0.4 / 2])
-    assert write["vs"] is None and read["vs"] is None
+    assert write["vs"] is None and read["vs"] is None and step["vs"] is None
     table = checkpoint_bench.format_table(rows).splitlines()
     assert [line.split("  ")[0] for line in table[2:]] == [r["operation"] for r in rows]
-    assert "1.00x raw write" in table[2] and "0.10x sync save (time)" in table[3] and "0.20x raw read" in table[6]
+    assert "0.40x raw write" in table[2] and "0.10x sync save (time)" in table[3] and "0.20x raw read" in table[6]
 
 
 def test_out_writes_the_printed_table_with_where_it_was_measured(tmp_path, monkeypatch, capsys):
@@ -131,6 +145,6 @@ def test_out_writes_the_printed_table_with_where_it_was_measured(tmp_path, monke
     text = (tmp_path / "reports" / "checkpoint.md").read_text()
     table = checkpoint_bench.format_table(rows)
     assert table in capsys.readouterr().out and table in text
-    assert "then resumes from the newest tag and reads the raw files back, 7 rounds" in text
+    assert "then resumes and reads the raw files back, 7 rounds" in text
     assert "DeepSeek-V3 (684B parameters with its MTP module) on 2048 GPUs" in text
     assert "**git commit**" in text and "**host CPU**" in text

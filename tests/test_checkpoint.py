@@ -249,11 +249,12 @@ def test_checkpoint_bench_prints_save_load_and_raw_rows(data_dir, tmp_path):
                            "--repeats", "1", "--work-dir", str(tmp_path)], cwd=ROOT, env=launch_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [line for line in proc.stdout.splitlines() if line.startswith(("checkpoint ", "raw "))]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(("checkpoint ", "raw ", "training step"))]
     assert [r.split("  ")[0] for r in rows] == [
         "checkpoint save, synchronous (DeepSpeed + RNG + fsync + publish)",
         "checkpoint save, checkpoint.async: the step blocked", "checkpoint save, checkpoint.async: durable and published",
-        "raw sequential write + fsync", "checkpoint load (resume)", "raw sequential read (cache dropped)"]
+        "raw sequential write + fsync", "checkpoint load (resume)", "raw sequential read (cache dropped)",
+        "training step, an async save in flight", "training step alone"]
     cells = [[c.strip() for c in r.split("  ") if c.strip()] for r in rows]
     assert len({c[1] for c in cells}) == 1 and float(cells[0][1]) > 0.001  # the same GB on every row
     assert all(float(c[2]) > 0 for c in cells)
