@@ -1,7 +1,7 @@
 """One rank (started by tests/test_async_save.py with a one-rank launch's environment) that checks what a background
 save (checkpoint.async) holds when the training step after it runs while its state is still being copied: the copy
 is slowed down (Writes.copy sleeps first), so the step's update reaches the state before the copy ends unless the
-saver holds it. Saves on the real engine (build_run), steps through training.loop.recorded_step:
+saver holds it. Saves on the real engine (build_run), steps through training.loop.train_step:
 
   step 1, sync save of step 1 (the reference), background save of step 2, step 2 -> held: the tags' tensors equal
   step 2 done, sync save of step 3 (its reference), background save of step 4 with the hold off, step 3 -> differ
@@ -16,13 +16,11 @@ import time
 
 import torch
 
+from deepseek_ds.bench.checkpoint_bench import training_steps
 from deepseek_ds.checkpoint import async_save, saving
 from deepseek_ds.checkpoint.integrity import check_tag
 from deepseek_ds.config import load_and_validate
-from deepseek_ds.data import GlobalBatchSampler, micro_batches
-from deepseek_ds.training.loop import recorded_step, router_stats, step_meter
 from deepseek_ds.training.main import parse_args
-from deepseek_ds.training.schedule import start_lr_schedule
 from deepseek_ds.training.setup import build_run
 
 COPY_DELAY_S = 1.0
@@ -59,13 +57,7 @@ def main(argv: list[str]) -> int:
     result, args = argv[0], parse_args(argv[1:])
     cfg, ds = load_and_validate(args.config, args.deepspeed_config, args.set, 1)
     run = build_run(cfg, ds)
-    start_lr_schedule(run.engine)
-    sampler = GlobalBatchSampler(len(run.dataset), cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                                 run.dp_rank, run.dp_size, cfg.train.seed, shuffle=cfg.train.shuffle)
-    batches, meter, routers = micro_batches(run.dataset, sampler), step_meter(run), router_stats(run)
-
-    def step(n: int) -> None:
-        recorded_step(run, batches, sampler, meter, routers, n, run.engine.get_lr()[0])
+    step = training_steps(run)  # the loop's own train_step on the run's batches in order
 
     copy = saving.Writes.copy
 
@@ -76,10 +68,10 @@ def main(argv: list[str]) -> int:
     saving.Writes.copy = slow_copy
     tag = lambda s: os.path.join(cfg.checkpoint_dir, f"step{s:08d}")  # noqa: E731
     out = {}
-    step(1)
+    step()
     saving.save(run, 1, 0)
     saving.save(run, 2, 0, background=True)
-    step(2)
+    step()
     out["update_wait_s"] = run.saver.update_wait_s
     run.saver.wait()
     out["held_equal"] = same(tag(1), tag(2))
@@ -87,7 +79,7 @@ def main(argv: list[str]) -> int:
     out["step_changed_state"] = not same(tag(1), tag(3))
     async_save.AsyncSaver._hold_next_update = lambda self, engine: None  # the hold off: the copy races the update
     saving.save(run, 4, 0, background=True)
-    step(3)
+    step()
     run.saver.wait()
     out["unheld_equal"] = same(tag(3), tag(4))
     out["tags_verify"] = all(check_tag(tag(s)).ok for s in (1, 2, 3, 4))
