@@ -5,9 +5,10 @@ that verifies; retention counts only intact tags; `deepseek-ds checkpoint verify
 
 Saving: every rank flushes (fsync) and checksums the files it wrote itself, in parallel, before any collective:
 DeepSpeed's model and optimizer files and ours are checksummed as they are written (HashingFile: no re-read),
-another checkpoint engine's files are read back (record_written); rank 0 merges those records (merge_records), checking that it sees every
-rank's files with their sizes (a checkpoint.dir that is not one shared filesystem is refused there, before the tag
-is published) and checksumming only what no rank claimed (DeepSpeed's copied recovery scripts).
+another checkpoint engine's files are read back (record_written); rank 0 merges those records (merge_records),
+checking that it sees every rank's files with their sizes (a checkpoint.dir that is not one shared filesystem is
+refused there, before the tag is published) and checksumming only what no rank claimed (a file DeepSpeed wrote past
+its checkpoint engine).
 
 Cost: xxh3_64 runs at 3-10 GB/s on one core (zlib.crc32 at 0.7-2.3 GB/s; both measured on this busy 2-core
 machine). Hashing while writing costs a save less than torch.save's own zip CRC-32 did, which HashedSaves turns off
