@@ -9,9 +9,8 @@ bytes with plain os.write/os.read. Page-cache pages of the files are dropped (po
 every write is fsynced (each file, then its directory: the durability a save has), so both sides hit the disk; each
 timed write starts with every earlier timed write's files deleted (_clear: this disk writes freed blocks several times
 faster than others) and after the same flush and pause (_settle); the three writes take turns first in a round; each
-row is the median of its rounds, a ratio the median of the rounds' own ratios. Every resume loads the first (untimed) save's tag, every raw read its raw copy.
-Peak resident memory is
-sampled during each operation. The training step that overlaps the async save is timed against the same step without
+row is the median of its rounds, a ratio the median of the rounds' own ratios. Every resume loads the first (untimed)
+save's tag, every raw read its raw copy. Peak resident memory is sampled during each operation. The training step that overlaps the async save is timed against the same step without
 a save (on this machine's 2 cores the copy and the writer share the CPU with the step). A projection for DeepSeek-V3
 (checkpoint_projection.py) follows.
 """
@@ -164,10 +163,10 @@ def training_steps(run) -> Callable[[], None]:
 
 def run_checkpoint_bench(config: str, sets: list[str], deepspeed_config: str | None, repeats: int,
                          work_dir: str) -> list[dict]:
-    """Rows of (operation, GB, seconds (the median of the rounds), GB/s, vs (the raw write's
-    median over ours; the blocked step's over the synchronous save's; the median of the rounds' raw read over resume
-    ratios; a step alone's over a step during the async save; None on the raw rows and the step alone), against (what `vs` compares with), peak_bytes (the largest resident memory over
-    its start))."""
+    """Rows of (operation, GB, seconds (the median of the rounds), GB/s, vs (the median of the rounds' ratios: the raw
+    write's time over a save's; the blocked step's over the synchronous save's; the raw read's over the resume's; a
+    step alone's over a step during the async save; None on the raw rows and the step alone), against (what `vs`
+    compares with), peak_bytes (the largest resident memory over its start))."""
     single_process_env()
     sets = list(sets) + [f"train.output_dir={work_dir}/run", f"checkpoint.dir={work_dir}/ckpt",
                          f"checkpoint.keep={2 * repeats + 2}", "checkpoint.async=true"]
