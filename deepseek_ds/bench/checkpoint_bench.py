@@ -35,7 +35,7 @@ from ..checkpoint.format import TAG
 from ..checkpoint.resuming import resume
 from ..checkpoint.saving import save
 from ..config import load_and_validate
-from ..data import GlobalBatchSampler, micro_batches, sample_count
+from ..data import micro_batches
 from ..training.loop import train_step
 from ..training.schedule import start_lr_schedule
 from ..training.setup import build_run
@@ -45,6 +45,7 @@ from ..utils.fmt import text_table
 from ..utils.fs import fsync_dir
 from ..utils.net import free_port
 from .checkpoint_projection import projection_text, v3_checkpoint
+from .overhead_worker import run_sampler
 from .report import write_process_report
 
 _CHUNK = 16 * 2**20
@@ -153,11 +154,8 @@ class PeakRss:
 
 def training_steps(run) -> Callable[[], None]:
     """A call: one optimizer step of the training loop's own (training.loop.train_step) on the run's next batch."""
-    cfg = run.cfg
     start_lr_schedule(run.engine)
-    sampler = GlobalBatchSampler(sample_count(run.dataset), cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                                 run.dp_rank, run.dp_size, cfg.train.seed, shuffle=cfg.train.shuffle)
-    batches = micro_batches(run.dataset, sampler)
+    batches = micro_batches(run.dataset, run_sampler(run))
     return lambda: train_step(run, next(batches))
 
 
