@@ -1,7 +1,7 @@
 """One rank (started by tests/test_async_save.py with a one-rank launch's environment) that checks what a background
 save (checkpoint.async) holds when the training step after it runs while its state is still being copied: the copy
-is slowed down (Writes.copy sleeps first), so the step's update reaches the state before the copy ends unless the
-saver holds it. Saves on the real engine (build_run), steps through training.loop.train_step:
+is slowed down (Writes.copy starts 1 s after the step's last backward), so the step's update reaches the state
+before the copy ends unless the saver holds it. Saves on the real engine (build_run), steps through training.loop.train_step:
 
   step 1, sync save of step 1 (the reference), background save of step 2, step 2 -> held: the tags' tensors equal
   step 2 done, sync save of step 3 (its reference), background save of step 4 with the hold off, step 3 -> differ
@@ -12,6 +12,7 @@ argv is train.py's."""
 import json
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -59,17 +60,30 @@ def main(argv: list[str]) -> int:
     run = build_run(cfg, ds)
     step = training_steps(run)  # the loop's own train_step on the run's batches in order
 
-    copy = saving.Writes.copy
+    copy, backward = saving.Writes.copy, run.engine.backward
+    backward_done = threading.Event()  # the step's last backward is done: its update comes next
+
+    def backward_then_signal(*a, **k):
+        out = backward(*a, **k)
+        if run.engine.is_gradient_accumulation_boundary():
+            backward_done.set()
+        return out
 
     def slow_copy(self, *a, **k):
+        # From the step's last backward on, so that the update comes first unless the saver holds it, however long
+        # the forward and backward take on a busy machine.
+        backward_done.wait(timeout=600)
         time.sleep(COPY_DELAY_S)
         return copy(self, *a, **k)
+
+    run.engine.backward = backward_then_signal
 
     saving.Writes.copy = slow_copy
     tag = lambda s: os.path.join(cfg.checkpoint_dir, f"step{s:08d}")  # noqa: E731
     out = {}
     step()
     saving.save(run, 1, 0)
+    backward_done.clear()
     saving.save(run, 2, 0, background=True)
     step()
     out["update_wait_s"] = run.saver.update_wait_s
@@ -78,6 +92,7 @@ def main(argv: list[str]) -> int:
     saving.save(run, 3, 0)
     out["step_changed_state"] = not same(tag(1), tag(3))
     async_save.AsyncSaver._hold_next_update = lambda self, engine: None  # the hold off: the copy races the update
+    backward_done.clear()
     saving.save(run, 4, 0, background=True)
     step()
     run.saver.wait()
