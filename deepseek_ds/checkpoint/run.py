@@ -27,4 +27,5 @@ class TrainingRun(Protocol):
     dp_size: int
     pipeline: bool
     log: logging.Logger
+    hf_names: dict[str, str]         # DeepSpeed module name -> HF name, of this layout's parameters and buffers
     saver: object | None             # checkpoint.async: async_save.AsyncSaver (which imports this module's users)

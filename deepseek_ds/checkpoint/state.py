@@ -5,7 +5,6 @@ powers (rebuilt by replaying the steps)."""
 
 from __future__ import annotations
 
-import functools
 import os
 import random
 from collections.abc import Callable
@@ -21,9 +20,8 @@ from safetensors.torch import save as safetensors_bytes
 
 from ..models.pipeline import local_layers
 from ..parallel import expert_lora
-from .format import CheckpointError, current_layout
+from .format import CheckpointError
 from .run import TrainingRun
-from .tensor_names import layout_names
 
 
 # ----------------------------------------------------------------------------------------------- RNG
@@ -70,33 +68,9 @@ def _local_buffers(run: TrainingRun) -> dict[str, torch.Tensor]:
     return out
 
 
-class _Same:
-    """A key that is equal only to itself: the run's model config (not hashable) in _names' cache."""
-
-    def __init__(self, obj):
-        self.obj = obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, _Same) and other.obj is self.obj
-
-
-@functools.lru_cache(maxsize=4)
-def _names(config: _Same, scheme: str, autoep: bool) -> dict[str, str]:
-    return layout_names(config.obj, scheme, autoep)
-
-
-def _hf_names(run: TrainingRun) -> dict[str, str]:
-    """Built once per run (its layers on the meta device: 20 ms for tiny-v3, paid by every save otherwise)."""
-    layout = current_layout(run)
-    return _names(_Same(run.model_config), layout.scheme, layout.autoep)
-
-
 def buffers_file(tag_dir: str, run: TrainingRun) -> tuple[str, Callable[[], bytes]]:
     """This pipeline stage's persistent buffers: (the file's path, its bytes when called)."""
-    names = _hf_names(run)
+    names = run.hf_names
     local = {names[k]: v for k, v in _local_buffers(run).items() if k in names}
     stage = run.engine.stage_id if run.pipeline else 0
     return (os.path.join(tag_dir, "buffers", f"stage_{stage:02d}.safetensors"),
@@ -113,7 +87,7 @@ def read_buffers(tag_dir: str) -> dict[str, torch.Tensor]:
 
 
 def restore_buffers(run: TrainingRun, tag_dir: str) -> None:
-    names = _hf_names(run)
+    names = run.hf_names
     saved = read_buffers(tag_dir)
     with torch.no_grad():
         for key, buf in _local_buffers(run).items():
