@@ -30,20 +30,21 @@ import torch
 import torch.nn.functional as F
 
 from deepseek_ds.config import ConfigError, validate
+from deepseek_ds.utils import system
 from deepseek_ds.utils.net import free_port
 from reference_data import StreamSamples, step_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.dirname(sys.executable)
+BIN = system.bin_dir()
 IGNORE_INDEX = -100  # the label transformers' and our losses skip
 
 
 # ----------------------------------------------------------------------------------------------- launching
 def launch_env() -> dict:
-    env = dict(os.environ)
-    env["PATH"] = BIN + os.pathsep + env.get("PATH", "")
+    """The product's launch environment, with the JIT ops' cache set up by scripts/setup.sh (a test run started
+    without sourcing it still finds the built ops)."""
+    env = system.launch_env()
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".cache", "torch_extensions"))
-    env["PYTHONUNBUFFERED"] = "1"
     return env
 
 
