@@ -79,6 +79,22 @@ def _git_commit() -> str:
     return head.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else "")
 
 
+def command_line() -> str:
+    """This process's command as it would be typed again: `python -m MODULE ...` for a module run (its argv[0] is
+    only the module's file), `python PATH ...` for a script (PATH from the repository root where it is inside), the
+    name of an installed command (`deepseek-ds ...`) otherwise."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name:
+        prog = f"python -m {spec.name.removesuffix('.__main__')}"
+    elif sys.argv[0].endswith(".py"):
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        path = os.path.abspath(sys.argv[0])
+        prog = f"python {os.path.relpath(path, root) if path.startswith(root + os.sep) else path}"
+    else:
+        prog = os.path.basename(sys.argv[0])
+    return " ".join([prog] + sys.argv[1:])
+
+
 def environment(ranks: list[dict]) -> dict[str, str]:
     """Where the numbers come from. `ranks` are the worker's per-rank reports: their devices (the GPUs may be
     on other hosts than the one writing the report) and torch threads."""
@@ -92,6 +108,7 @@ def environment(ranks: list[dict]) -> dict[str, str]:
         "OpenMP environment": " ".join(f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")
                                        if k in os.environ) or "not set (the launch sets OMP_NUM_THREADS)",
         "host CPU": f"{cpu_model()}, {usable_cpus()} usable cores of {os.cpu_count()}",
+        "host GPUs": ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) or "none",
         "host memory": f"{psutil.virtual_memory().total / 2**30:.1f} GiB",
         # A shared host's other work slows the numbers down: say how busy it was.
         "host load average (1, 5, 15 min) when the report was written": ", ".join(f"{x:.1f}" for x in os.getloadavg()),
@@ -101,7 +118,7 @@ def environment(ranks: list[dict]) -> dict[str, str]:
         "deepspeed": deepspeed.__version__,
         "transformers": transformers.__version__,
         "git commit": _git_commit(),
-        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        "command": command_line(),
     }
 
 
