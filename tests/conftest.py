@@ -19,11 +19,17 @@ from helpers import (
     snapshot,
     train,
 )
+from suite_report import SuiteReport
 
 # Each kind's limit on one test, fixtures included (pytest-timeout: the test fails with every thread's stack and the
 # session goes on; run_ranks ends the ranks it started). A launch test's first use of a shared fixture may train
 # several layouts; the limits are ~3x the slowest of each kind measured on 2 loaded cores.
 KINDS = {"unit": 300, "launch": 1200, "multihost": 1200}
+
+
+def pytest_configure(config) -> None:
+    if os.environ.get("SUITE_REPORT"):  # the suite's own report (tests/suite_report.py)
+        config.pluginmanager.register(SuiteReport(os.environ["SUITE_REPORT"]), "suite_report")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
