@@ -158,3 +158,55 @@ def test_documented_outputs_are_what_the_commands_print(monkeypatch):
         assert status in (0, 1), (where, command, printed.getvalue())
         assert printed.getvalue().rstrip("\n").splitlines() == expected.splitlines(), \
             f"{where}: `{command}` prints something else now: update the page with its output"
+
+
+_V3_LORA = ("deepseek-ds plan --config recipes/deepseek-v3.yaml --set lora.r=16 --set model.overrides.num_nextn_predict_layers=0"
+            " --set lora.routed_experts=")
+_V2_LITE_128K = ("deepseek-ds plan --config recipes/sft-deepseek-v2-lite-128k.yaml --set model.path=null "
+                 "--set model.preset=deepseek-v2-lite --gpus 8 --gpu h100")
+# Plan figures quoted outside a `$ deepseek-ds plan` block: (page, the text quoted, the plan that prints its figures).
+QUOTED_PLANS = [
+    ("README.md", "78.94 GiB (99%)",
+     _V3_LORA + "true --deepspeed_config ds_configs/zero1_bf16.json --gpus 32 --gpu h100 --layout pp=1,ep=32,zero=1"),
+    ("README.md", "119.30 GiB (85%)",
+     _V3_LORA + "true --deepspeed_config ds_configs/zero1_bf16.json --gpus 16 --gpu h200 --layout pp=1,ep=16,zero=1"),
+    ("README.md", "64.54 GiB (81%)",
+     _V3_LORA + "true --deepspeed_config ds_configs/zero3_bf16.json --gpus 24 --gpu h100 --layout pp=1,ep=1,zero=3"),
+    ("docs/guides/plan.md", "EP=16 on 32 GPUs needs 117.57 GiB",
+     _V3_LORA + "true --deepspeed_config ds_configs/zero1_bf16.json --gpus 32 --gpu h100 --layout pp=1,ep=16,zero=1"),
+    ("docs/guides/plan.md", "64 GPUs with EP=64: 58.76 GiB, 73%",
+     _V3_LORA + "true --deepspeed_config ds_configs/zero1_bf16.json --gpus 64 --gpu h100 --layout pp=1,ep=64,zero=1"),
+    ("docs/guides/plan.md", "EP=8 needs 196.56 GiB",
+     _V3_LORA + "true --deepspeed_config ds_configs/zero1_bf16.json --gpus 16 --gpu h200 --layout pp=1,ep=8,zero=1"),
+    ("docs/guides/plan.md", "76.67 GiB on 32 H100s",
+     _V3_LORA + "false --deepspeed_config ds_configs/zero1_bf16.json --gpus 32 --gpu h100 --layout pp=1,ep=32,zero=1"),
+    ("docs/guides/plan.md", "114.77 GiB on 16 H200s",
+     _V3_LORA + "false --deepspeed_config ds_configs/zero1_bf16.json --gpus 16 --gpu h200 --layout pp=1,ep=16,zero=1"),
+    ("docs/guides/long-context.md", "needs 144.45 GiB per GPU, 115.01 GiB of it activations",
+     _V2_LITE_128K + " --layout sp=1"),
+]
+PLAN_FIGURE = re.compile(r"\d+\.\d\d GiB|\d+%")
+
+
+def test_plan_figures_quoted_in_prose_are_what_plan_prints(monkeypatch):
+    """Outside the re-run blocks: every GiB figure with two decimals in the prose of the pages that quote plans, and
+    every row of the README's LoRA table, is one of QUOTED_PLANS, whose plan must print each of its figures."""
+    from deepseek_ds import cli
+
+    monkeypatch.chdir(ROOT)
+    pages = {page: " ".join(FENCE.sub("", (ROOT_PATH / page).read_text()).split()) for page, _, _ in QUOTED_PLANS}
+    quoted = {(page, figure) for page, text, _ in QUOTED_PLANS for figure in PLAN_FIGURE.findall(text)}
+    for page in ("docs/guides/plan.md", "docs/guides/long-context.md"):
+        for figure in re.findall(r"\d+\.\d\d GiB", pages[page]):
+            assert (page, figure) in quoted, f"{page} quotes {figure} of no plan: add it to QUOTED_PLANS"
+    table_rows = re.findall(r"^\|[^|\n]*\| EP=[^|\n]*\| ([0-9.]+ GiB \(\d+%\)) \|$", (ROOT_PATH / "README.md").read_text(),
+                            re.M)
+    assert table_rows and all(("README.md", row.split(" (")[0]) in quoted for row in table_rows), table_rows
+    for page, text, command in QUOTED_PLANS:
+        assert text in pages[page], f"{page} no longer says {text!r}: update QUOTED_PLANS"
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+            status = cli.main(shlex.split(command)[1:])
+        assert status in (0, 1), (command, printed.getvalue())
+        for figure in PLAN_FIGURE.findall(text):
+            assert figure in printed.getvalue(), f"{page}: {text!r}, but `{command}` prints\n{printed.getvalue()}"
