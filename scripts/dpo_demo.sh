@@ -15,7 +15,8 @@
 # Deterministic (every step seeded). Environment: DPO_DIR (runs/dpo-demo) holds everything; DPO_SFT_STEPS (300) SFT
 # steps; DPO_N (4000) training pairs; DPO_STEPS (300) DPO steps; DPO_INTERVAL (100) eval.interval of the DPO run;
 # SFT_N, SFT_HELDOUT as in sft_demo.sh; DPO_SFT_ARGS extra arguments of the SFT run (word-split, e.g. --master_port
-# N); DPO_REPORT (docs/bench/dpo-demo.md) the report written at the end. Arguments go to the DPO run.
+# N); DPO_SFT_REPORT the SFT run's report (none by default); DPO_REPORT (docs/bench/dpo-demo.md) the report written at
+# the end. Arguments go to the DPO run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/setup.sh
@@ -32,7 +33,7 @@ start=$SECONDS
 rm -rf "$dir"
 mkdir -p "$dir"
 # shellcheck disable=SC2086  # DPO_SFT_ARGS is a list of words
-SFT_REPORT= SFT_DIR=$dir/sft SFT_STEPS=$sft_steps SFT_HELDOUT=$heldout bash scripts/sft_demo.sh \
+SFT_REPORT=${DPO_SFT_REPORT:-} SFT_DIR=$dir/sft SFT_STEPS=$sft_steps SFT_HELDOUT=$heldout bash scripts/sft_demo.sh \
   --set "checkpoint.interval=$sft_steps" --set "eval.interval=$sft_steps" ${DPO_SFT_ARGS:-}
 sft_s=$((SECONDS - start))
 # fp32: the DPO start and its reference are exactly the SFT model.

@@ -1,17 +1,13 @@
-"""scripts/sft_demo.sh, shortened (few items, few steps): the synthetic task, chat preparation, the starting HF
-model, the task scores before and after 2-rank fine-tuning, all through the real commands; and the synthetic task's
-generator itself."""
+"""The synthetic tasks' generator (data synth-task). scripts/sft_demo.sh itself runs, shortened, as the first stage of
+tests/test_dpo_demo.py's launch, which checks it as its own launch once did."""
 
 import json
-import os
 import re
-import subprocess
 
 import pytest
 
 from deepseek_ds.data.errors import DataError
 from deepseek_ds.data.synthetic import HELDOUT_FILE, TRAIN_FILE, write_task
-from helpers import ROOT, cli, launch_env, read_metrics
 
 
 def _lines(path) -> list[dict]:
@@ -54,45 +50,3 @@ def test_copy_task_draws_the_reversal_words_and_shares_its_tokenizer(tmp_path):
     assert (copy / "tokenizer/tokenizer.json").read_bytes() == (reverse / "tokenizer/tokenizer.json").read_bytes()
     with pytest.raises(DataError, match="--kind 'sort'"):
         write_task(str(tmp_path / "s"), 300, 50, seed=3, kind="sort")
-
-
-@pytest.mark.launch
-def test_sft_demo_script_connects_its_pieces(tmp_path):
-    out = tmp_path / "sft"
-    report = tmp_path / "report.md"
-    env = {**launch_env(), "SFT_DIR": str(out), "SFT_N": "400", "SFT_HELDOUT": "16", "SFT_STEPS": "6",
-           "SFT_REPORT": str(report)}
-    proc = subprocess.run(["bash", "scripts/sft_demo.sh", "--set", "eval.interval=3", "--set", "checkpoint.interval=6"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    before, after = (json.loads((out / f"{name}.json").read_text()) for name in ("before", "after"))
-    # The start is a random initialisation: it answers nothing (README: 0.000 before fine-tuning).
-    assert before["exact_match"] == 0.0 and before["n"] == after["n"] == 16
-    assert f"before {before['exact_match']:.3f}, after {after['exact_match']:.3f}" in proc.stdout
-    # The report holds the printed line, each evaluation's exact match, and where it ran.
-    text = report.read_text()
-    assert f"before {before['exact_match']:.3f}, after {after['exact_match']:.3f}" in text and "git commit" in text
-    # Six steps answer no held-out word yet (README: 0.025 after 250 steps), so learning shows in the losses: measured
-    # 5.56 -> 4.77 training, 4.99 -> 4.67 validation (steps 3 -> 6), and in answers that are no longer the start's.
-    metrics = read_metrics(str(out / "train"))
-    train_loss = {m["step"]: m["loss"] for m in metrics}
-    val_loss = {m["step"]: m["eval_loss"] for m in metrics if "eval_loss" in m}
-    assert sorted(train_loss) == [1, 2, 3, 4, 5, 6] and sorted(val_loss) == [3, 6]
-    for m in metrics:
-        if "task_exact_match" in m:
-            assert f"| {m['step']} | {m['loss']:.3f} | {m['eval_loss']:.3f} | {m['task_exact_match']:.3f} |" in text
-    assert train_loss[6] < 0.9 * train_loss[1], train_loss
-    assert val_loss[6] < val_loss[3], val_loss
-    # The score training logged at its last step (2 ranks, the engine's weights) is the saved checkpoint's.
-    last = metrics[-1]
-    assert last["step"] == 6 and last["task_n"] == 16 and last["task_exact_match"] == after["exact_match"]
-    preds = _lines(out / "after-preds.jsonl")
-    assert [p["prediction"] for p in preds] != [p["prediction"] for p in _lines(out / "before-preds.jsonl")]
-    assert [p["reference"] for p in preds] == [item["response"] for item in _lines(out / "task" / HELDOUT_FILE)]
-    assert sum(p["prediction"] == p["reference"] for p in preds) / len(preds) == after["exact_match"]
-    # Scoring the final checkpoint again, separately, predicts the same answers.
-    again = tmp_path / "again.jsonl"
-    assert cli(["eval", "--task", str(out / "task" / HELDOUT_FILE), "--checkpoint", str(out / "train" / "checkpoints"),
-                "--predictions", str(again), "--max-new-tokens", "8"]) == 0
-    assert again.read_text() == (out / "after-preds.jsonl").read_text()
-    assert os.path.isfile(out / "start-hf" / "config.json")
