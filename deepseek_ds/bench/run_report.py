@@ -8,13 +8,9 @@ the environment (report.write_process_report) when --out is given. scripts/demo.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
-
-def read_metrics(run_dir: str) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+from ..training.metrics import read_metrics
 
 
 def summary_lines(metrics: list[dict], seconds: int, ranks: int) -> list[str]:
@@ -55,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--command", required=True, help="the command that ran, as the report names it")
     p.add_argument("--out", default="", help="the report's path (none when empty)")
     args = p.parse_args(argv)
-    metrics = read_metrics(args.run_dir)
+    metrics = read_metrics(os.path.join(args.run_dir, "metrics.jsonl"))
     lines = summary_lines(metrics, args.seconds, args.ranks)
     print("\n".join(lines))
     if args.out:

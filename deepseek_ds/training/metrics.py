@@ -110,8 +110,7 @@ class MetricsWriter:
         self.path = path
         self.records: list[dict] = []
         if resume_step and os.path.exists(path):
-            with open(path) as f:
-                self.records = [r for r in _read_records(f, path) if r["step"] <= resume_step]
+            self.records = [r for r in read_metrics(path) if r["step"] <= resume_step]
         write_bytes_atomic(Path(path), "".join(json.dumps(r) + "\n" for r in self.records).encode())
         self._file = open(path, "a")
 
@@ -125,11 +124,12 @@ class MetricsWriter:
         self._file.close()
 
 
-def _read_records(lines, path: str) -> list[dict]:
+def read_metrics(path: str) -> list[dict]:
     """The records of a metrics.jsonl. A last line that does not parse was torn by a kill while it was written: it is
     dropped, and loses nothing, because a step's record is written before that step's checkpoint, so its step is
     after the one resumed from. A torn line anywhere else is damage, and an error."""
-    lines = [line for line in lines if line.strip()]
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
     records = []
     for i, line in enumerate(lines):
         try:
