@@ -4,6 +4,7 @@ environment header every benchmark report carries."""
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 import time
@@ -41,6 +42,8 @@ class SuiteReport:
             "Every collected test on this machine, the session's wall time from its start to its end (the set-up by "
             "scripts/setup.sh before it not counted), and the slowest tests, each its set-up, call and teardown "
             "(a shared fixture's first use is counted in the test that built it)."),
-            [f"**{counts} in {int(wall // 60)} min {wall % 60:.0f} s** (pytest exit status {int(exitstatus)})",
+            [f"**{counts} in {int(wall // 60)} min {wall % 60:.0f} s** (pytest exit status {int(exitstatus)}; "
+             f"CI={os.environ.get('CI') or 'unset'}: with CI=true, as .ci/run sets it, a multi-host test that cannot "
+             "build its namespace cluster fails instead of skipping)",
              f"The {len(slowest)} slowest:\n\n{table}"],
             command=f"SUITE_REPORT={self.path} python -m pytest {shlex.join(sys.argv[1:])}")

@@ -23,7 +23,7 @@ import transformers
 from ..utils.fmt import human_bytes
 from ..utils.fmt import markdown_table as _markdown_table
 from ..utils.fs import write_bytes_atomic
-from ..utils.system import cpu_model, usable_cpus
+from ..utils.system import cpu_model, cpu_threads_per_rank, usable_cpus
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,9 @@ def write_process_report(path: str, title: str, what: str, blocks: list[str], ra
     its title, what it measured, where (environment(): `ranks` ranks on this host's device, `command` the one that
     ran, default this process's) and its tables."""
     device = f"CUDA {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else f"CPU ({cpu_model()})"
-    env = environment([{"device": device, "threads": torch.get_num_threads()}] * ranks)
+    # The ranks' threads, not this process's: a demo's ranks ran with their share of the cores.
+    threads = torch.get_num_threads() if torch.cuda.is_available() else cpu_threads_per_rank(ranks)
+    env = environment([{"device": device, "threads": threads}] * ranks)
     if command:
         env["command"] = command
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

@@ -56,7 +56,7 @@ from ..parallel import expert_lora, sequence
 from ..parallel.layout import Layout
 from ..utils.jit_lock import announce, check_jit_locks
 from ..utils.redact import redact
-from ..utils.system import cache_cpu_probe, usable_cpus
+from ..utils.system import cache_cpu_probe, cpu_threads_per_rank
 
 
 @dataclass(kw_only=True)
@@ -154,7 +154,7 @@ def share_cpu_threads() -> int | None:
     ran many times slower. Returns the thread count it set, if any."""
     if "OMP_NUM_THREADS" in os.environ or get_accelerator().device_name() != "cpu":
         return None
-    threads = max(1, usable_cpus() // local_ranks())
+    threads = cpu_threads_per_rank(local_ranks())
     torch.set_num_threads(threads)
     return threads
 
