@@ -10,9 +10,9 @@ every write is fsynced (each file, then its directory: the durability a save has
 timed write starts with every earlier timed write's files deleted (_clear: this disk writes freed blocks several times
 faster than others) and after the same flush and pause (_settle); the three writes take turns first in a round; each
 row is the median of its rounds, a ratio the median of the rounds' own ratios. Every resume loads the first (untimed)
-save's tag, every raw read its raw copy. Peak resident memory is sampled during each operation. The training step that overlaps the async save is timed against the same step without
-a save (on this machine's 2 cores the copy and the writer share the CPU with the step). A projection for DeepSeek-V3
-(checkpoint_projection.py) follows.
+save's tag, every raw read its raw copy. Peak resident memory is sampled during each operation. The training step
+that overlaps the async save is timed against the same step without a save (on this machine's 2 cores the copy and
+the writer share the CPU with the step). A projection for DeepSeek-V3 (checkpoint_projection.py) follows.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ from ..utils.fmt import text_table
 from ..utils.fs import fsync_dir
 from ..utils.net import free_port
 from .checkpoint_projection import projection_text, v3_checkpoint
-from .overhead_worker import run_sampler
 from .report import write_process_report
 
 _CHUNK = 16 * 2**20
@@ -155,7 +154,7 @@ class PeakRss:
 def training_steps(run) -> Callable[[], None]:
     """A call: one optimizer step of the training loop's own (training.loop.train_step) on the run's next batch."""
     start_lr_schedule(run.engine)
-    batches = micro_batches(run.dataset, run_sampler(run))
+    batches = micro_batches(run.dataset, run.sampler())
     return lambda: train_step(run, next(batches))
 
 

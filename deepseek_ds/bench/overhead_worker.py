@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import load_and_validate
-from ..data import GlobalBatchSampler, micro_batches, sample_count
+from ..data import micro_batches
 from ..models.hf_io import to_hf_model
 from ..models.loss import IGNORE_INDEX
 from ..models.pipeline import local_layers
@@ -38,18 +38,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_sampler(run) -> GlobalBatchSampler:
-    """The run's own global-batch order on this rank, from its first sample (the overhead and checkpoint benches)."""
-    cfg = run.cfg
-    return GlobalBatchSampler(sample_count(run.dataset), cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                              run.dp_rank, run.dp_size, cfg.train.seed, shuffle=cfg.train.shuffle)
-
-
 class OurLoop:
     """The toolkit's loop step, metrics.jsonl included (rank 0)."""
 
     def __init__(self, run):
-        self.run, self.sampler = run, run_sampler(run)
+        self.run, self.sampler = run, run.sampler()
         self.batches = micro_batches(run.dataset, self.sampler)
         self.meter, self.routers = step_meter(run), router_stats(run)
         path = os.path.join(run.cfg.train.output_dir, "metrics.jsonl")
@@ -78,7 +71,7 @@ class BareLoop:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                            eps=cfg.eps, weight_decay=cfg.weight_decay)
         self.grad_clip = cfg.grad_clip
-        self.batches = micro_batches(run.dataset, run_sampler(run))
+        self.batches = micro_batches(run.dataset, run.sampler())
 
     def __call__(self, lr: float) -> tuple[float, float]:
         """(seconds, loss) of one step at learning rate `lr` (ours: the same schedule)."""
@@ -141,7 +134,7 @@ def against_trainer(args: argparse.Namespace, world: int, use_deepspeed: bool) -
     ours = OurLoop(run)
     cfg = run.cfg.train
     # This rank's samples of as many global batches (Trainer deals them to the ranks in its own order).
-    batches = micro_batches(run.dataset, run_sampler(run))
+    batches = micro_batches(run.dataset, run.sampler())
     samples = [s for _ in range(args.warmup + args.steps) for s in _samples(next(batches))] * world
 
     class Alternate(TrainerCallback):

@@ -26,7 +26,7 @@ from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ..config import load_and_validate, precision, zero_stage
-from ..data import GlobalBatchSampler, micro_batches, sample_count
+from ..data import micro_batches
 from ..training.loop import train_step
 from ..training.metrics import flops_per_token, peak_tflops
 from ..training.schedule import start_lr_schedule
@@ -263,9 +263,7 @@ def _measure(run, cfg, ds: dict, warmup: int, timed: int) -> dict:
     start_lr_schedule(engine)
     clock, probe = PhaseClock(engine.device), StateProbe(engine)
     instrument(engine, clock, probe)
-    sampler = GlobalBatchSampler(sample_count(run.dataset), cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                                 run.dp_rank, run.dp_size, cfg.train.seed, shuffle=cfg.train.shuffle)
-    batches = micro_batches(run.dataset, sampler)
+    batches = micro_batches(run.dataset, run.sampler())
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(engine.device)
     # On CPU peak RSS never shrinks: what the steps themselves add (their activations) is the peak over this.

@@ -14,7 +14,7 @@ from ..checkpoint.format import latest_tag, tag_for
 from ..checkpoint.lock import checkpoint_lock
 from ..checkpoint.resuming import resume
 from ..checkpoint.saving import save
-from ..data import GlobalBatchSampler, micro_batches, open_dataset, open_training_data, sample_count
+from ..data import GlobalBatchSampler, micro_batches, open_dataset, open_training_data
 from ..launcher.supervise import STOP_RECORD
 from ..models.loss import valid_token_counts
 from ..models.pipeline import split_micro_batch, to_device
@@ -232,9 +232,7 @@ def _train(run: Run, stop: StopOnSignal, on_accepted=None) -> dict:
     if start_step and is_rank0:
         log.info("resumed from %s at step %d (%d samples consumed)", state["tag"], start_step,
                  consumed)
-    sampler = GlobalBatchSampler(sample_count(run.dataset), cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                                 run.dp_rank, run.dp_size, cfg.train.seed, shuffle=cfg.train.shuffle,
-                                 consumed_samples=consumed)
+    sampler = run.sampler(consumed)
     metrics = MetricsWriter(os.path.join(cfg.train.output_dir, "metrics.jsonl"), start_step) if is_rank0 else None
     last_saved, step = _steps(run, sampler, metrics, stop, start_step)
     if step > start_step and (last_saved is None or not last_saved.endswith(tag_for(step))):

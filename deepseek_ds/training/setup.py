@@ -28,10 +28,12 @@ from ..data import (
     BlendedDataset,
     ChatDataset,
     DataError,
+    GlobalBatchSampler,
     PackedDataset,
     dataset_info,
     ensure_builtin_dataset,
     open_training_data,
+    sample_count,
 )
 from ..models.hf_io import has_weights, load_hf_weights, mtp_layers_absent
 from ..models.layers import mtp_depth
@@ -90,6 +92,12 @@ class Run:
     def dp_size(self) -> int:
         """Data-parallel replicas."""
         return self.layout.data_size
+
+    def sampler(self, consumed_samples: int = 0) -> GlobalBatchSampler:
+        """This rank's share of the run's global batches, in the training order, after `consumed_samples`."""
+        t = self.cfg.train
+        return GlobalBatchSampler(sample_count(self.dataset), t.global_batch_size, t.micro_batch_size, self.dp_rank,
+                                  self.dp_size, t.seed, shuffle=t.shuffle, consumed_samples=consumed_samples)
 
     @functools.cached_property
     def hf_names(self) -> dict[str, str]:
