@@ -39,22 +39,36 @@ def _newest_checkpoint(ckpt: Path) -> int:
     return max((int(t[4:]) for t in complete_tags(str(ckpt))), default=0)
 
 
+def _files_in(path: Path) -> int:
+    return sum(len(files) for _, _, files in os.walk(path))
+
+
 def _kill_while_saving(out: Path, data_dir: str, rng: random.Random, background: bool) -> None:
-    """Launch (resuming whatever is there), let it train past its resume point, then SIGKILL the launcher and every
-    rank at once (their process group) after a random delay."""
+    """Launch (resuming whatever is there), then SIGKILL the launcher and every rank at once (their process group) at
+    a seeded moment of the run's own progress: while step t's save is being written (its `.partial` directory holding
+    at least k files) or just after step t is published, t two to four steps past the resume point and only once a
+    newer checkpoint than the resume point is published (so every relaunch gets further, and none reaches the end).
+    A moment in the run's progress, not in seconds: a faster or slower host kills at the same place."""
     ckpt = out / "checkpoints"
     resumed_at = _newest_checkpoint(ckpt)
+    target = min(resumed_at + rng.randint(2, 4), STEPS - 1)
+    files = rng.choice([0, 1, 2, 4, None])  # None: once step `target` is published
+    partial = ckpt / f".step{target:08d}.partial"
+
+    def reached() -> bool:
+        newest = _newest_checkpoint(ckpt)
+        if newest >= target:
+            return True
+        return newest > resumed_at and files is not None and partial.is_dir() and _files_in(partial) >= files
+
     cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
     proc = subprocess.Popen(cmd + _args(out, data_dir, background), cwd=ROOT, env=launch_env(), start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
-    # Wait for this run's first checkpoint (so every relaunch gets further), then kill at a random moment of the
-    # steps and saves that follow.
-    while _newest_checkpoint(ckpt) <= resumed_at:
+    while not reached():
         assert proc.poll() is None, f"the job ended (status {proc.returncode}) before it could be killed"
-        assert time.monotonic() < deadline, "no training step within 300 s"
-        time.sleep(0.05)
-    time.sleep(rng.uniform(0.0, 1.5))
+        assert time.monotonic() < deadline, f"step {target} not saved within 300 s"
+        time.sleep(0.005)
     assert proc.poll() is None, "the job finished before the kill: raise STEPS"
     kill_job(proc)
 
