@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -14,7 +15,9 @@ import time
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from deepseek_ds.checkpoint import integrity
 from deepseek_ds.checkpoint.format import FORMAT_VERSION, META, CheckpointError, complete_tags, tag_for
@@ -27,6 +30,7 @@ from deepseek_ds.checkpoint.integrity import (
     record_written,
 )
 from deepseek_ds.checkpoint.lock import LOCK, acquire
+from deepseek_ds.checkpoint.state import restore_rng, rng_path, rng_state
 from deepseek_ds.config import load_ds_config, run_config_from_dict, validate
 from deepseek_ds.config.deepspeed_json import asynchronous_checkpoint_engines
 from deepseek_ds.utils.net import free_port
@@ -494,3 +498,22 @@ def test_checkpoint_async_is_spelled_async_in_the_yaml_and_round_trips():
     assert run_config_from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="unknown key 'checkpoint.async_' in the run config. Did you mean 'async'"):
         run_config_from_dict({"checkpoint": {"async_": True}})
+
+
+@pytest.mark.unit
+def test_saved_rng_states_of_random_numpy_and_torch_round_trip(tmp_path):
+    """Nothing in training draws from Python's or NumPy's RNG today, but user code (reward functions, data hooks)
+    will: a resume must hand it the same draws as the run that was never stopped."""
+    def draws():
+        return random.random(), float(np.random.rand()), np.random.normal(), torch.rand(3).tolist()
+
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    np.random.normal()  # leaves a cached Gaussian, part of NumPy's state
+    path = rng_path(str(tmp_path), rank=1)
+    os.makedirs(os.path.dirname(path))
+    torch.save(rng_state(), path)
+    expected = draws()
+    random.seed(7), np.random.seed(8), torch.manual_seed(9)
+    assert restore_rng(str(tmp_path), rank=1)
+    assert draws() == expected
+    assert not restore_rng(str(tmp_path), rank=0)  # no state saved for it: left as it is, and said so

@@ -49,19 +49,23 @@ def test_every_ds_config_resolves_and_passes_deepspeed_own_validation(path):
 
     raw = load_ds_config(path)
     pp = 2 if raw.get("pipeline") else 1
-    c = cfg(parallel={"pipeline_stages": pp}, train={"micro_batch_size": 2, "global_batch_size": 8})
+    c = cfg(parallel={"pipeline_stages": pp}, train={"micro_batch_size": 2, "global_batch_size": 8, "grad_clip": 0.7})
     validate(c, raw, world_size=4, cuda_available=True)
     resolved = resolve_ds_config(raw, c, world_size=4)
     assert "auto" not in json.dumps(resolved)
     assert resolved["train_batch_size"] == 8
     assert resolved["gradient_accumulation_steps"] * 2 * (4 // pp) == 8
     assert resolved["optimizer"]["params"]["lr"] == c.train.lr
+    # exactly, not approximately: a clip off by 1% is caught by the equivalence tests only when a step's norm exceeds it
+    assert resolved["gradient_clipping"] == c.train.grad_clip
     # DeepSpeed's own parser accepts the file as resolved (this process is a world of one rank).
-    single = resolve_ds_config(raw, cfg(train={"micro_batch_size": 2, "global_batch_size": 8}), world_size=1)
+    one = cfg(train={"micro_batch_size": 2, "global_batch_size": 8, "grad_clip": 0.7})
+    single = resolve_ds_config(raw, one, world_size=1)
     single.pop("pipeline", None)
     dsc = DeepSpeedConfig(single, mpu=None)
     assert dsc.train_batch_size == 8 and dsc.gradient_accumulation_steps == 4
     assert dsc.zero_optimization_stage == raw["zero_optimization"]["stage"]
+    assert dsc.gradient_clipping == c.train.grad_clip
 
 
 def test_recipes_load_and_validate(tmp_path):
