@@ -5,7 +5,8 @@ On one host DeepSpeed's runner (`deepspeed ...`) installs no signal handler: SIG
 a session of its own and passes TERM/INT/HUP on to what handles them: the runner's children (`launch.py`, which
 signals every rank and SIGKILLs the ones still alive 30 s later) on one host, the runner itself across hosts (it then
 stops the remote ranks through pdsh). The ranks finish their step, save it and write STOP_RECORD; launch.py still
-exits 1 after any signal, so a fresh STOP_RECORD is what says that the job stopped cleanly.
+exits 1 after any signal, so a fresh STOP_RECORD is what says that the job stopped cleanly. A CLI that cannot pass
+anything on (kill -9) still takes the job with it: launcher/lifeline.py.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import time
 
 import psutil
 
+from deepseek_ds.launcher.lifeline import runner_preexec, supervisor_env
+
 STOP_RECORD = "stopped.json"  # in train.output_dir: {"step", "signal", "checkpoint"}, written by rank 0 after the save
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -27,7 +30,8 @@ def run_launcher(argv: list[str], multi_host: bool) -> tuple[int, str | None]:
     """Run the deepspeed runner `argv` to its end; returns (its exit status as a shell reports it, 128 + N for a
     death by signal N; the first signal passed on or None). multi_host: DeepSpeed's multi-node mode (more than one
     host), where the runner itself handles signals."""
-    proc = subprocess.Popen(argv, start_new_session=True)  # a terminal's Ctrl-C reaches us only, once
+    proc = subprocess.Popen(argv, start_new_session=True,  # a terminal's Ctrl-C reaches us only, once
+                            env=supervisor_env(os.environ), preexec_fn=runner_preexec())
     received: list[str] = []
 
     def forward(signum, _frame) -> None:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from .. import config
 from ..checkpoint.existing import check_existing_checkpoint
 from ..config import write_resolved
+from ..launcher.lifeline import Lifeline
 from ..utils.cli_args import add_run_args
 from ..utils.errors import UserError, format_user_error
 from ..utils.jit_lock import announce, check_jit_locks
@@ -41,7 +42,18 @@ def report_failure(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def say_and_log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+    log_failure_to_file(line)
+
+
 def main(argv=None) -> int:
+    # Armed first: a rank still starting up also ends when `deepseek-ds train` or its launch.py is gone.
+    with Lifeline(say=say_and_log):
+        return _main(argv)
+
+
+def _main(argv) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
