@@ -273,17 +273,19 @@ def reference_losses(cfg: RunConfig, data_dir: str, moe_log: list | None = None,
 def lora_reference_losses(cfg: RunConfig, base_dir: str, data_dir: str, initial: dict[str, torch.Tensor],
                           grad_norms: list | None = None) -> list[float]:
     """transformers + peft + torch AdamW over the adapters in one process, from the same initial adapters (HF name
-    -> tensor) and the same global batches; transformers' own causal-LM loss plus the MoE balancing above.
-    grad_norms: each step's gradient norm (of the adapters) before clipping."""
+    -> tensor) and the same global batches; transformers' own causal-LM loss plus, for MoE models, the balancing
+    above. grad_norms: each step's gradient norm (of the adapters) before clipping."""
     from peft import LoraConfig, inject_adapter_in_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = prepare_config(AutoConfig.from_pretrained(base_dir))
     model = AutoModelForCausalLM.from_pretrained(base_dir, config=config, dtype=torch.float32)
-    # Written out, not models/lora.py's: r 4 and alpha 8 on the MLA projections (the DeepSeek default targets), and
-    # with lora.routed_experts on transformers' fused expert weights.
+    # Written out, not models/lora.py's: r 4 and alpha 8 on the family's default targets (DeepSeek: the MLA
+    # projections; Llama / Qwen2: attention and MLP), and with lora.routed_experts on transformers' fused experts.
     assert (cfg.lora.r, cfg.lora.alpha, cfg.lora.target_modules) == (4, 8, None)
-    targets = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+    moe = config.model_type in PUBLISHED
+    targets = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"] if moe else \
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if cfg.lora.routed_experts else None
     inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets,
                                        target_parameters=experts), model)
@@ -296,7 +298,7 @@ def lora_reference_losses(cfg: RunConfig, base_dir: str, data_dir: str, initial:
     model.train()
     t = cfg.train
     # MoE balancing as in training: the balance loss reaches the adapters, the router biases (buffers) move.
-    balancing = Balancing(model, cfg.moe, config, t.global_batch_size).attach()
+    balancing = Balancing(model, cfg.moe, config, t.global_batch_size).attach() if moe else None
     opt, sched = reference_optimizer([params[n] for n in sorted(trainable)], t)
     data = StreamSamples(data_dir, cfg.data.seq_len)
     out = []
@@ -304,12 +306,13 @@ def lora_reference_losses(cfg: RunConfig, base_dir: str, data_dir: str, initial:
         (input_ids, labels), = step_batch(data, step, t.global_batch_size, t.seed, t.shuffle)
         logits = model(input_ids=input_ids).logits
         loss = model.loss_function(logits=logits, labels=None, shift_labels=labels, vocab_size=config.vocab_size)
-        (loss + balancing.loss()).backward()
+        (loss + balancing.loss() if balancing else loss).backward()
         norm = torch.nn.utils.clip_grad_norm_([params[n] for n in trainable], t.grad_clip)
         if grad_norms is not None:
             grad_norms.append(norm.item())
         opt.step()
-        balancing.after_step()
+        if balancing:
+            balancing.after_step()
         sched.step()
         opt.zero_grad()
         out.append(loss.item())

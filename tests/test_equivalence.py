@@ -1,12 +1,17 @@
 """Distributed equivalence, the core promise: the same seed, data and global batch give the same losses
-under every parallel layout, and those equal a single-process transformers + torch AdamW reference."""
+under every parallel layout, and those equal a single-process transformers + torch AdamW reference (tiny-v3 in
+every layout; the R1-Distill-Qwen layout, tiny-qwen2, under ZeRO-3, PP=2 and LoRA, in the same 2-rank launch)."""
 
 import pytest
 import torch
 
 from deepseek_ds.config import load_run_config
+from deepseek_ds.models.hf_io import hf_state_dict
+from deepseek_ds.models.lora import apply_lora
+from deepseek_ds.models.pipeline import build_model, local_layers, prepare_config
+from deepseek_ds.models.presets import build_model_config
 from helpers import read_metrics, train, train_layouts
-from reference import reference_losses, reference_model
+from reference import lora_reference_losses, reference_losses, reference_model
 from reference_data import StreamSamples, step_batch
 
 STEPS = 3
@@ -16,10 +21,55 @@ SETS = [f"train.steps={STEPS}", "train.micro_batch_size=2", "train.global_batch_
         "train.warmup_steps=0", "checkpoint.interval=0", "train.eps=1e-5", "train.seed=7"]
 
 
+# DeepSeek-R1-Distill-Qwen's architecture (transformers' qwen2: q/k/v biases, grouped-query attention, untied head),
+# and LoRA on it (the family's default targets, attention and MLP; the biases frozen) from an HF directory.
+QWEN2 = ["model.preset=tiny-qwen2"]
+QWEN2_LORA = ["model.preset=null", "model.path={qwen2_base}", "lora.r=4", "lora.alpha=8"]
+
+
 @pytest.fixture(scope="module")
-def reference(data_dir):
-    cfg = load_run_config("recipes/tiny-v3.yaml", SETS + [f"data.path={data_dir}"])
-    return reference_losses(cfg, data_dir)
+def qwen2_base(tmp_path_factory, data_dir) -> str:
+    """QWEN2_LORA's model.path: tiny-qwen2's seeded weights with non-zero biases (they start at 0), so that the
+    frozen biases count in every loss."""
+    model, _ = reference_model(load_run_config("recipes/tiny-v3.yaml", SETS + QWEN2 + [f"data.path={data_dir}"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    out = tmp_path_factory.mktemp("qwen2_base")
+    model.save_pretrained(out)
+    return str(out)
+
+
+def initial_adapters(cfg) -> dict[str, torch.Tensor]:
+    """HF name -> tensor of the adapters a LoRA run of `cfg` starts from on any layout: models.lora draws each from
+    the run's seed and its module's HF name (an input of the reference, as the seeded base weights are)."""
+    mcfg = prepare_config(build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides))
+    layers = local_layers(build_model(mcfg, 1, seed=None))
+    apply_lora(torch.nn.ModuleList(layers), cfg.lora, mcfg, cfg.train.seed)
+    return {n: t.detach().clone() for n, t in hf_state_dict(layers).items() if ".lora_" in n}
+
+
+def _filled(extra: list[str], qwen2_base: str) -> list[str]:
+    return [s.format(qwen2_base=qwen2_base) for s in extra]
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir, qwen2_base):
+    """reference(extra): the single-process losses of the model a layout's overrides choose (model.preset,
+    model.path, model.overrides; tiny-v3 by default) and, with lora.r > 0, of transformers + peft, each computed
+    once."""
+    done: dict[tuple, list[float]] = {}
+
+    def losses(extra: list[str]) -> list[float]:
+        model = tuple(s for s in _filled(extra, qwen2_base)
+                      if s.startswith(("model.preset=", "model.path=", "model.overrides.", "lora.")))
+        if model not in done:
+            cfg = load_run_config("recipes/tiny-v3.yaml", SETS + [*model, f"data.path={data_dir}"])
+            done[model] = lora_reference_losses(cfg, cfg.model.path, data_dir, initial_adapters(cfg)) \
+                if cfg.lora.r else reference_losses(cfg, data_dir)
+        return done[model]
+    return losses
 
 
 LAYOUTS = [
@@ -35,18 +85,21 @@ LAYOUTS = [
                                                            "model.activation_checkpoint_interval=1"]),
     ("sp2-zero2", 2, "ds_configs/zero2.json", ["parallel.sequence_parallel=2"]),
     ("sp2xdp2-zero1", 4, "ds_configs/zero1.json", ["parallel.sequence_parallel=2"]),
+    ("qwen2-zero3", 2, "ds_configs/zero3.json", QWEN2),
+    ("qwen2-pp2-zero1", 2, "ds_configs/zero1_pp.json", [*QWEN2, "parallel.pipeline_stages=2"]),
+    ("qwen2-lora-zero3", 2, "ds_configs/zero3.json", QWEN2_LORA),
 ]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, data_dir):
+def runs(tmp_path_factory, data_dir, qwen2_base):
     """records(ranks, name): the metrics records of a layout. On first use of a rank count, all its layouts train in
     one launch of tests/layouts_worker.py (the real training loop, as train.py runs it), one start-up for all."""
     done: dict[int, dict] = {}
 
     def records(ranks: int, name: str) -> list[dict]:
         if ranks not in done:
-            mine = [(n, ds, extra) for n, r, ds, extra in LAYOUTS if r == ranks]
+            mine = [(n, ds, _filled(extra, qwen2_base)) for n, r, ds, extra in LAYOUTS if r == ranks]
             done[ranks] = train_layouts(ranks, tmp_path_factory.mktemp(f"ranks{ranks}"), mine,
                                         SETS + [f"data.path={data_dir}"])
         return read_metrics(str(done[ranks][name]))
@@ -57,6 +110,7 @@ def runs(tmp_path_factory, data_dir):
 @pytest.mark.parametrize("name,ranks,ds_config,extra", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
 def test_losses_equal_single_process_reference(name, ranks, ds_config, extra, reference, runs):
     records = runs(ranks, name)
+    reference = reference(extra)
     losses = [r["loss"] for r in records]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     # Step 1 checks the forward pass and loss; steps 2-3 check that gradients, clipping and AdamW agree.

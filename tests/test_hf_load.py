@@ -322,3 +322,31 @@ def test_published_config_files_load_unedited(fixture, preset, tmp_path):
     assert isinstance(model, SequentialLM)
     with torch.no_grad():
         assert torch.isfinite(model.eval()(torch.randint(0, 256, (1, 9)))).all()
+
+
+@pytest.mark.unit
+def test_published_r1_distill_qwen_config_loads_unedited(tmp_path):
+    """DeepSeek-R1-Distill-Qwen-1.5B's released config.json (model_type qwen2, rope_theta at the top level,
+    sliding_window 4096 with use_sliding_window false) gives our preset of it, and, shrunk with model.overrides, a
+    model with transformers' Qwen2 layers (q/k/v biases) that runs."""
+    from deepseek_ds.models.pipeline import build_model, prepare_config
+    from deepseek_ds.models.presets import PRESETS, build_model_config
+
+    shutil.copy(FIXTURES / "deepseek-r1-distill-qwen-1.5b-config.json", tmp_path / "config.json")
+    cfg = build_model_config(path=str(tmp_path))
+    want = build_model_config("deepseek-r1-distill-qwen-1.5b")
+    assert type(cfg) is type(want) and cfg.model_type == "qwen2"
+    for field in PRESETS["deepseek-r1-distill-qwen-1.5b"].fields:
+        got, expected = getattr(cfg, field), getattr(want, field)
+        if field == "rope_parameters":
+            got, expected = got["rope_theta"], expected["rope_theta"]
+        assert got == expected, field
+    assert cfg.rope_parameters["rope_theta"] == 10000 and set(cfg.layer_types) == {"full_attention"}
+    small = prepare_config(build_model_config(path=str(tmp_path), overrides=dict(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=256)))
+    model = build_model(small, 1, seed=0)
+    assert {n.rsplit(".", 2)[-2] for n, _ in model.named_parameters() if n.endswith(".bias")} == \
+        {"q_proj", "k_proj", "v_proj"}
+    with torch.no_grad():
+        assert torch.isfinite(model.eval()(torch.randint(0, 256, (1, 9)))).all()

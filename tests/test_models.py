@@ -23,7 +23,7 @@ from helpers import cli
 
 pytestmark = pytest.mark.unit
 
-TINY = ["tiny-v3", "tiny-v2", "tiny-dense"]
+TINY = ["tiny-v3", "tiny-v2", "tiny-dense", "tiny-qwen2"]
 
 
 def tiny(name, **overrides):
@@ -115,8 +115,11 @@ def test_initial_weights_do_not_depend_on_layout():
             assert ka == kb and torch.equal(ta, tb)
 
 
+# R1-Distill-Qwen: the model cards' 1.78B and 7.62B (Qwen2.5-Math-1.5B / 7B shapes, untied heads).
 @pytest.mark.parametrize("name,published", [("deepseek-v2", 236e9), ("deepseek-v2-lite", 15.7e9),
-                                            ("deepseek-llm-7b", 6.9e9), ("deepseek-coder-6.7b", 6.7e9)])
+                                            ("deepseek-llm-7b", 6.9e9), ("deepseek-coder-6.7b", 6.7e9),
+                                            ("deepseek-r1-distill-qwen-1.5b", 1.78e9),
+                                            ("deepseek-r1-distill-qwen-7b", 7.62e9)])
 def test_real_shapes_on_meta_device_match_published_sizes(name, published):
     cfg = prepare_config(build_model_config(name))
     total = sum(c.params for c in layer_costs(cfg))
@@ -185,9 +188,14 @@ def test_deepseek_v3_16_stage_balance():
     assert max(shares) <= 1.5 * (100 / 16)
 
 
-def test_hf_round_trip_is_bitwise(tmp_path):
-    cfg = tiny("tiny-v3")
+@pytest.mark.parametrize("name", ["tiny-v3", "tiny-qwen2"])
+def test_hf_round_trip_is_bitwise(name, tmp_path):
+    cfg = tiny(name)
     src = build_model(cfg, 1, seed=4)
+    with torch.no_grad():
+        for key, p in src.named_parameters():
+            if key.endswith(".bias"):  # Qwen2's q/k/v biases start at 0: give them values a lost bias would drop
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(key))))
     first = tmp_path / "first"
     to_hf_model(src.layers, cfg).save_pretrained(first, max_shard_size="1MB")
     loaded_cfg = prepare_config(build_model_config(path=str(first)))
@@ -243,11 +251,106 @@ def test_local_layers_of_sequential_model():
 
 
 def test_presets_registry_is_complete():
-    assert {"tiny-v3", "tiny-v2", "tiny-dense", "deepseek-v3", "deepseek-v2", "deepseek-v2-lite", "deepseek-llm-7b",
-            "deepseek-coder-6.7b"} <= set(PRESETS)
+    assert {"tiny-v3", "tiny-v2", "tiny-dense", "tiny-qwen2", "deepseek-v3", "deepseek-v2", "deepseek-v2-lite",
+            "deepseek-llm-7b", "deepseek-coder-6.7b", "deepseek-r1-distill-qwen-1.5b",
+            "deepseek-r1-distill-qwen-7b"} <= set(PRESETS)
 
 
 def test_partition_command_refuses_too_many_stages_in_one_line(capsys):
     assert cli(["models", "partition", "--preset", "tiny-v3", "--stages", "100"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("deepseek-ds: error: parallel.pipeline_stages (100) exceeds") and "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------------------------- qwen2 (R1-Distill-Qwen)
+def test_r1_distill_qwen_flops_are_the_dense_formula():
+    """6 x the parameters a token's matmuls touch (all but the embedding lookup) plus, per layer, every query head's
+    scores and values over half the causal square: 12 query heads of 128 (1536 / 12) share 2 K/V heads, which
+    changes the parameters, not the attention matmuls."""
+    from deepseek_ds.models.flops import per_token
+
+    cfg = tiny("deepseek-r1-distill-qwen-1.5b")
+    seq = 4096
+    total = sum(c.params for c in layer_costs(cfg))
+    matmuls = total - 151936 * 1536
+    attention = 28 * 6 * 12 * seq * (128 + 128) // 2
+    assert per_token(layer_costs(cfg), cfg, seq) == 6 * matmuls + attention
+
+
+def test_qwen2_qkv_biases_split_with_their_columns():
+    """AutoTP splits a column-parallel Linear's bias with its outputs (DeepSpeed's LinearLayer) and keeps a
+    row-parallel one's whole: the checkpoint gather, the split loader and plan's per-rank count read split_dim."""
+    from deepseek_ds.models.tensor_parallel import split_dim
+
+    cfg = tiny("tiny-qwen2")
+    names = [n for n, _ in build_model(cfg, 1, seed=None).named_parameters() if n.startswith("layers.1.")]
+    biases = {n.split(".")[-2] for n in names if n.endswith(".bias")}
+    assert biases == {"q_proj", "k_proj", "v_proj"}
+    for name in names:
+        proj = name.split(".")[-2]
+        expected = 0 if proj in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj") else \
+            1 if proj in ("o_proj", "down_proj") and name.endswith(".weight") else None
+        assert split_dim(name, "qwen2") == expected, name
+    assert split_dim("layers.1.layer.mlp.down_proj.bias", "qwen2") is None  # a row-parallel bias stays whole
+    # plan's count of one TP=2 rank: the whole model less half of every projection, biases included (the engine's
+    # own count, logged by a TP=2 launch of tiny-qwen2, was 919,168 of 1,312,896).
+    from deepseek_ds.plan.params import SpecParams, rank_params
+
+    model = build_model(cfg, 1, seed=None)
+    total = sum(p.numel() for p in model.parameters())
+    split = sum(p.numel() for n, p in model.named_parameters() if n.split(".")[-2].endswith("_proj"))
+    specs = SpecParams(cfg)
+    assert sum(p.numel for p in rank_params(specs, specs.bounds(1, "balanced", 64), 0, 1, 2)) == total - split // 2
+
+
+def test_qwen2_lora_matches_peft_on_transformers():
+    """LoRA on tiny-qwen2 with the family's default targets adapts the modules peft adapts on transformers'
+    Qwen2ForCausalLM (the q/k/v biases frozen, as the base weights), and with the same adapters gives its logits and
+    adapter gradients."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from transformers import Qwen2ForCausalLM
+
+    from deepseek_ds.config import load_run_config
+    from deepseek_ds.models.lora import apply_lora
+    from deepseek_ds.models.names import hf_state_dict
+
+    cfg = tiny("tiny-qwen2")
+    run = load_run_config("recipes/tiny-v3.yaml", ["model.preset=tiny-qwen2", "lora.r=4", "lora.alpha=8"])
+    ours = build_model(cfg, 1, seed=6)
+    base = {k: v.detach().clone() for k, v in hf_state_dict(ours.layers).items()}
+    apply_lora(ours, run.lora, cfg, seed=6)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if ".lora_B." in name:  # B starts at 0: non-zero adapters make the comparison mean something
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    theirs = Qwen2ForCausalLM(cfg)
+    theirs.load_state_dict(base, strict=True)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # written out here
+    inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=targets), theirs)
+    adapters = hf_state_dict(ours.layers)
+    mine = {n for n, p in adapters.items() if ".lora_" in n}
+    trainable = {n for n, p in theirs.named_parameters() if p.requires_grad}
+    assert trainable == mine and not any(n.endswith(".bias") for n in trainable)
+    assert all(".lora_" in n for n, p in ours.named_parameters() if p.requires_grad)  # biases frozen here too
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            p.copy_(adapters[name] if name in adapters else p)
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    a, b = ours.train()(ids), theirs.train()(input_ids=ids).logits
+    assert (a - b).abs().max().item() <= 1e-5
+    a.float().pow(2).mean().backward()
+    b.float().pow(2).mean().backward()
+    got = {n: p.grad for n, p in hf_state_dict(ours.layers, keep_vars=True).items() if ".lora_" in n}
+    want = {n: p.grad for n, p in theirs.named_parameters() if p.requires_grad}
+    assert all(torch.allclose(got[n], want[n], rtol=1e-4, atol=1e-7) for n in want)
+
+
+def test_qwen2_sliding_window_layers_are_refused_in_one_line():
+    """Qwen2's sliding-window layers would attend over the whole causal prefix here (document_attention builds full
+    masks): refused, naming the field; max_window_layers past the last layer leaves no sliding layer and passes."""
+    from deepseek_ds.models.presets import ModelConfigError
+
+    with pytest.raises(ModelConfigError, match=r"use_sliding_window true \(layers 2-3 .*set "
+                                               r"model.overrides.use_sliding_window: false"):
+        build_model_config("tiny-qwen2", overrides={"use_sliding_window": True, "max_window_layers": 2})
+    assert build_model_config("tiny-qwen2", overrides={"use_sliding_window": True, "max_window_layers": 4})

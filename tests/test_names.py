@@ -14,7 +14,7 @@ from deepseek_ds.models.presets import build_model_config
 pytestmark = pytest.mark.unit
 
 
-@pytest.mark.parametrize("preset", ["tiny-v3", "tiny-v2", "tiny-dense"])
+@pytest.mark.parametrize("preset", ["tiny-v3", "tiny-v2", "tiny-dense", "tiny-qwen2"])
 def test_every_layer_tensor_has_transformers_name(preset):
     config = prepare_config(build_model_config(preset))
     with torch.device("meta"):

@@ -29,7 +29,8 @@ def attention_flops(config, seq_len: int) -> int:
     if hasattr(config, "qk_nope_head_dim"):
         qk, v = config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
     else:
-        qk = v = config.hidden_size // config.num_attention_heads
+        # As Llama and Qwen2 attention size their heads (GQA shares K/V heads, but every query head scores).
+        qk = v = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 6 * config.num_attention_heads * seq_len * (qk + v) // 2
 
 

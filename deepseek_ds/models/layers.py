@@ -1,4 +1,4 @@
-"""Pipeline-stage layers built from transformers' own DeepSeek / Llama modules.
+"""Pipeline-stage layers built from transformers' own DeepSeek / Llama / Qwen2 modules.
 
 Only `(hidden_states, position_ids)` travels between stages (plus `input_ids` when the model has multi-token
 prediction modules, which embed future tokens on the last stage); every decoder layer rebuilds its rotary
@@ -17,6 +17,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
 from transformers.models.llama import modeling_llama as llama
+from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
 from .loss import Projection
 
@@ -33,6 +34,8 @@ FAMILIES = {
     "deepseek_v3": Family(v3.DeepseekV3ForCausalLM, v3.DeepseekV3DecoderLayer, v3.DeepseekV3RMSNorm, v3.DeepseekV3RotaryEmbedding),
     "deepseek_v2": Family(v2.DeepseekV2ForCausalLM, v2.DeepseekV2DecoderLayer, v2.DeepseekV2RMSNorm, v2.DeepseekV2RotaryEmbedding),
     "llama": Family(llama.LlamaForCausalLM, llama.LlamaDecoderLayer, llama.LlamaRMSNorm, llama.LlamaRotaryEmbedding),
+    # DeepSeek-R1-Distill-Qwen: Llama blocks with q/k/v biases (presets refuse its sliding-window layers).
+    "qwen2": Family(qwen2.Qwen2ForCausalLM, qwen2.Qwen2DecoderLayer, qwen2.Qwen2RMSNorm, qwen2.Qwen2RotaryEmbedding),
 }
 
 

@@ -25,10 +25,12 @@ ADAPTER = "default"  # peft's adapter name, in every adapter tensor's name
 # q_lora_rank, as V2-Lite); its MLP projections cannot be targets (see MLP_NAMES); the routed experts are adapted
 # through lora.routed_experts.
 _MLA_TARGETS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+_DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEFAULT_TARGETS = {
     "deepseek_v3": _MLA_TARGETS,
     "deepseek_v2": _MLA_TARGETS,
-    "llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    "llama": _DENSE_TARGETS,
+    "qwen2": _DENSE_TARGETS,  # its q/k/v biases stay frozen, as peft leaves a target's bias
 }
 # With transformers 5, peft (0.21) rewrites these target_modules of a DeepSeek model, on injection and so on every
 # PeftModel.from_pretrained, into the fused routed-expert parameters (transformers 4's expert names): the dense and

@@ -1,7 +1,9 @@
 """Model presets as transformers configs: tiny CPU-sized models and the published DeepSeek shapes.
 
 The real shapes are copied from the public config.json files of the released checkpoints; only the fields
-that differ from transformers' defaults for that config class are spelled out.
+that differ from transformers' defaults for that config class are spelled out. DeepSeek-R1-Distill-Qwen checkpoints
+are Qwen2.5(-Math) models (transformers' `qwen2`: Llama blocks with biases on q/k/v); the R1-Distill-Llama ones
+are `llama` and need no preset of their own (model.path).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from transformers import DeepseekV2Config, DeepseekV3Config, LlamaConfig, PretrainedConfig
+from transformers import DeepseekV2Config, DeepseekV3Config, LlamaConfig, PretrainedConfig, Qwen2Config
 
 from ..utils.errors import UserError
 from .fp8 import quantization_of
@@ -43,6 +45,11 @@ PRESETS: dict[str, Preset] = {
                                            num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
                                            bos_token_id=0, eos_token_id=0),
                          "DeepSeek LLM/Coder architecture (Llama layout), ~1.3M params"),
+    # Grouped-query attention (2 KV heads for 4 query heads) and untied head, as R1-Distill-Qwen has.
+    "tiny-qwen2": Preset(Qwen2Config, dict(vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                           tie_word_embeddings=False, bos_token_id=0, eos_token_id=0),
+                         "DeepSeek-R1-Distill-Qwen architecture (Qwen2: q/k/v biases, GQA), ~1.3M params"),
     "deepseek-v3": Preset(DeepseekV3Config, dict(
         vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
         num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5,
@@ -75,9 +82,22 @@ PRESETS: dict[str, Preset] = {
         num_key_value_heads=32, max_position_embeddings=16384, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "linear", "rope_theta": 100000.0, "factor": 4.0}, bos_token_id=32013,
         eos_token_id=32021), "DeepSeek-Coder 6.7B (dense, Llama layout)"),
+    "deepseek-r1-distill-qwen-1.5b": Preset(Qwen2Config, dict(
+        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+        num_key_value_heads=2, max_position_embeddings=131072, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, use_sliding_window=False, sliding_window=4096,
+        max_window_layers=21, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151643),
+        "DeepSeek-R1-Distill-Qwen 1.5B (dense, Qwen2 layout)"),
+    "deepseek-r1-distill-qwen-7b": Preset(Qwen2Config, dict(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, max_position_embeddings=131072, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, use_sliding_window=False, sliding_window=4096,
+        max_window_layers=28, tie_word_embeddings=False, bos_token_id=151646, eos_token_id=151643),
+        "DeepSeek-R1-Distill-Qwen 7B (dense, Qwen2 layout)"),
 }
 
-SUPPORTED_MODEL_TYPES = {"deepseek_v3": DeepseekV3Config, "deepseek_v2": DeepseekV2Config, "llama": LlamaConfig}
+SUPPORTED_MODEL_TYPES = {"deepseek_v3": DeepseekV3Config, "deepseek_v2": DeepseekV2Config, "llama": LlamaConfig,
+                         "qwen2": Qwen2Config}
 
 
 class ModelConfigError(UserError):
@@ -105,12 +125,23 @@ def build_model_config(preset: str | None = None, path: str | None = None,
         fields = {k: v for k, v in raw.items() if k not in dropped}
         _check_overrides(SUPPORTED_MODEL_TYPES[model_type], overrides)
         fields.update(overrides or {})
-        return SUPPORTED_MODEL_TYPES[model_type](**fields)
+        return _supported(SUPPORTED_MODEL_TYPES[model_type](**fields), cfg_file)
     if preset not in PRESETS:
         raise ModelConfigError(f"model.preset: unknown preset {preset!r}; choose one of {sorted(PRESETS)} or set model.path")
     p = PRESETS[preset]
     _check_overrides(p.config_cls, overrides)
-    return p.config_cls(**{**p.fields, **(overrides or {})})
+    return _supported(p.config_cls(**{**p.fields, **(overrides or {})}), f"preset {preset}")
+
+
+def _supported(config: PretrainedConfig, source: str) -> PretrainedConfig:
+    """Refuses what the layers cannot run exactly: Qwen2's sliding-window layers (use_sliding_window: true) would
+    need a windowed mask in every stage's document_attention, which builds full causal masks only."""
+    sliding = [i for i, kind in enumerate(getattr(config, "layer_types", None) or ()) if kind == "sliding_attention"]
+    if sliding:
+        raise ModelConfigError(f"model: {source} has use_sliding_window true (layers {sliding[0]}-{sliding[-1]} "
+                               "sliding-window attention), which deepseek-ds does not train; set "
+                               "model.overrides.use_sliding_window: false (DeepSeek-R1-Distill-Qwen ships false)")
+    return config
 
 
 @functools.cache

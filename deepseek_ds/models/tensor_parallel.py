@@ -9,7 +9,7 @@ transformers 5 stores the routed experts fused (3-D `gate_up_proj` / `down_proj`
 AutoTP then leaves alone; the specs below say that explicitly (routed experts replicated in the TP group).
 
 The split attention computes with num_heads / tp heads although it read num_heads from the config: transformers 5's
-MLA and Llama attention reshape the projections' outputs as (batch, seq, -1, head_dim), so the head count follows
+MLA, Llama and Qwen2 attention reshape the projections' outputs as (batch, seq, -1, head_dim), so the head count follows
 the shard (tested: the TP=2 losses equal the unsplit reference).
 """
 
@@ -27,11 +27,12 @@ from torch import nn
 # Column-parallel: the output features (whole heads, whole MLP channels) are split; row-parallel: the input features,
 # followed by an all-reduce of the output. Every other weight is replicated in the TP group.
 _MLP_SPECS = [
-    # Dense MLP (the dense first layers of V2/V3, every Llama layer) and DeepSeekMoE's shared experts.
+    # Dense MLP (the dense first layers of V2/V3, every Llama / Qwen2 layer) and DeepSeekMoE's shared experts.
     {"patterns": [r".*\.mlp\.(shared_experts\.)?(gate|up)_proj\.weight$"], "partition_type": "column"},
     {"patterns": [r".*\.mlp\.(shared_experts\.)?down_proj\.weight$"], "partition_type": "row"},
 ]
 _FAMILY_SPECS = {
+    # Llama and Qwen2 (whose q/k/v biases split with their weights: split_dim).
     "llama": [
         {"patterns": [r".*\.self_attn\.[qkv]_proj\.weight$"], "partition_type": "column"},
         {"patterns": [r".*\.self_attn\.o_proj\.weight$"], "partition_type": "row"},
@@ -71,10 +72,15 @@ def init_tensor_parallel_groups(tp: int):
 
 
 def split_dim(name: str, model_type: str) -> int | None:
-    """The dimension of weight `name` that AutoTP splits (0: column-parallel, 1: row-parallel), None: replicated."""
+    """The dimension of parameter `name` that AutoTP splits (0: column-parallel, 1: row-parallel), None: replicated.
+    The specs name weights; AutoTP splits a column-parallel layer's bias with its output features (Qwen2's q/k/v
+    biases) and keeps a row-parallel layer's whole (it is added after the all-reduce)."""
+    bias = name.endswith(".bias")
+    weight = name.removesuffix(".bias") + ".weight" if bias else name
     for spec in partition_config(model_type)["layer_specs"]:
-        if any(re.match(p, name) for p in spec["patterns"]):
-            return {"column": 0, "row": 1}.get(spec["partition_type"])
+        if any(re.match(p, weight) for p in spec["patterns"]):
+            dim = {"column": 0, "row": 1}.get(spec["partition_type"])
+            return None if bias and dim == 1 else dim
     return None
 
 

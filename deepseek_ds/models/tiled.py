@@ -26,11 +26,12 @@ from torch import nn
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2MLP
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MLP
 from transformers.models.llama.modeling_llama import LlamaMLP
+from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
 
 from .layers import DecoderLayerPipe
 from .moe import HF_ROUTERS, moe_blocks
 
-DENSE_MLPS = (DeepseekV3MLP, DeepseekV2MLP, LlamaMLP)
+DENSE_MLPS = (DeepseekV3MLP, DeepseekV2MLP, LlamaMLP, Qwen2MLP)
 
 
 def tiled_mlp_errors(tokens_per_tile: int, expert_parallel: int) -> list[str]:
