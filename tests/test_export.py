@@ -37,6 +37,18 @@ def test_export_hf_reproduces_the_training_loss(kind, request, tmp_path, data_di
     assert "model.layers.1.mlp.experts.0.gate_proj.weight" in index  # per-expert on-disk layout
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     assert abs(training_loss(model, data_dir, step) - logged) < 1e-5
+    _check_kv_cache(out, model)
+
+
+def _check_kv_cache(out: Path, model) -> None:
+    """Training turns the KV cache off; an export turns it back on, and generating with it gives the same ids."""
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((out / name).read_text())["use_cache"] is True, name
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cached = model.generate(ids, max_new_tokens=6, do_sample=False)  # use_cache from the exported config
+        recomputed = model.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False)
+    assert torch.equal(cached, recomputed)
 
 
 @pytest.mark.launch

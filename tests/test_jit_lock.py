@@ -4,6 +4,7 @@ the training entry point checks before anything loads an op."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -13,6 +14,7 @@ import pytest
 
 from deepseek_ds.training.main import main as rank_main
 from deepseek_ds.utils.jit_lock import StaleJitLock, check_jit_locks, extensions_root
+from helpers import ROOT
 
 # torch's own baton, as cpp_extension's build takes it: created with O_EXCL and held open until the build ends.
 HOLDER = textwrap.dedent("""
@@ -117,3 +119,22 @@ def test_on_a_shared_filesystem_an_unseen_holder_is_waited_for_until_its_directo
         check_jit_locks(str(tmp_path), say=said.append, poll_s=0.05, grace_s=0.05, idle_s=1.0)
     assert 1.0 <= time.monotonic() - start < 10
     assert len(said) == 1 and "no process of this host holds it" in said[0] and "after 1 s without a change" in said[0]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("users", [False, True])
+def test_importing_the_package_sets_the_checkout_s_jit_cache_for_its_launches_unless_the_user_set_one(users,
+                                                                                                      tmp_path):
+    """`source .venv/bin/activate; deepseek-ds train` built DeepSpeed's ops into ~/.cache/torch_extensions: only
+    scripts/setup.sh set the directory. Now importing the package does (a checkout's .cache/torch_extensions), so
+    the environment every launch gets carries it, and torch builds there; a user's own directory is left alone."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    want = str(tmp_path / "theirs") if users else os.path.join(ROOT, ".cache", "torch_extensions")
+    if users:
+        env["TORCH_EXTENSIONS_DIR"] = want
+    code = ("from deepseek_ds.utils.system import launch_env; from deepseek_ds.utils.jit_lock import extensions_root; "
+            "print(launch_env().get('TORCH_EXTENSIONS_DIR')); print(extensions_root())")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)  # another directory than the checkout: the package decides, not the cwd
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [want, want]

@@ -1,9 +1,13 @@
 """Every name in lora.target_modules and lora.modules_to_save must match a module of the model (peft's suffix rule
 for targets; the module's own name for modules_to_save, as training unfreezes them): a misspelt name is refused with
 the nearest module names, never ignored beside one that matches, and no target matching anything is one line, not
-peft's traceback. `all-linear` is peft's shorthand, checked against peft's own expansion on the transformers model."""
+peft's traceback. `all-linear` is peft's shorthand, checked against peft's own expansion on the transformers model.
+The LoRA guide's list of each family's default targets is models/lora.py's, as an exported adapter_config.json has it."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,12 +16,13 @@ from peft.tuners.tuners_utils import _maybe_include_all_linear_layers
 from transformers import AutoModelForCausalLM
 
 from deepseek_ds.config import ConfigError, load_ds_config, load_run_config, validate
-from deepseek_ds.models.lora import MLP_NAMES, apply_lora, target_modules
+from deepseek_ds.models.lora import DEFAULT_TARGETS, MLP_NAMES, apply_lora, lora_config, target_modules
 from deepseek_ds.models.pipeline import build_model, prepare_config
 from deepseek_ds.models.presets import build_model_config
 from helpers import cli
 
 LORA = ["lora.r=2", "lora.alpha=4"]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _refused(sets: list[str], recipe: str = "recipes/tiny-v3.yaml") -> str:
@@ -87,3 +92,30 @@ def test_all_linear_means_what_peft_means():
 def test_a_string_other_than_all_linear_is_refused():
     with pytest.raises(ConfigError, match=r"lora.target_modules = 'o_proj': a list of module names"):
         load_run_config("recipes/tiny-v3.yaml", [*LORA, "lora.target_modules=o_proj"])
+
+
+# The guide's list of each family's default targets: "`type` and `type` (what): `name`, `name`, ...;" up to the
+# first "." or ";".
+_DOCUMENTED = re.compile(r"((?:`\w+`(?: and |, )?)+) \([^)]*\): ((?:`\w+`(?:, )?)+)[.;]")
+
+
+def documented_default_targets(text: str) -> dict[str, tuple[str, ...]]:
+    """model_type -> default target_modules, as docs/guides/lora.md states them."""
+    start = text.index("on the family's default modules")
+    out = {}
+    span = " ".join(text[start:text.index("lora.routed_experts: true", start)].split())  # lines joined
+    for types, names in _DOCUMENTED.findall(span):
+        for model_type in re.findall(r"`(\w+)`", types):
+            out[model_type] = tuple(re.findall(r"`(\w+)`", names))
+    return out
+
+
+@pytest.mark.unit
+def test_the_guide_lists_each_family_s_default_targets_as_lora_py_and_the_adapter_config_have_them():
+    documented = documented_default_targets((ROOT / "docs" / "guides" / "lora.md").read_text())
+    assert documented == DEFAULT_TARGETS, "docs/guides/lora.md's default target_modules differ from models/lora.py"
+    # What an exported adapter_config.json lists (peft writes lora_config's target_modules), for the recipe's null.
+    cfg = load_run_config("recipes/lora-tiny-v3.yaml", ["model.path=null", "model.preset=tiny-v3"])
+    assert cfg.lora.target_modules is None
+    written = lora_config(cfg.lora, prepare_config(build_model_config("tiny-v3")), modules_to_save=True)
+    assert sorted(written.target_modules) == sorted(documented["deepseek_v3"])

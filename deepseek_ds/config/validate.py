@@ -151,9 +151,17 @@ def _model_errors(cfg: RunConfig, ds: dict, files: bool = True) -> list[str]:
     elif experts and experts % p.expert_parallel:
         errors.append(f"routed experts ({experts}) are not divisible by parallel.expert_parallel "
                       f"({p.expert_parallel}); choose a divisor of {experts}")
-    if cfg.data.seq_len > mcfg.max_position_embeddings:
+    # A preset trains from scratch, so its positions can simply grow; a checkpoint's RoPE was trained for its length,
+    # and reading past it needs RoPE scaling (YaRN, linear) besides the larger limit.
+    if cfg.data.seq_len > mcfg.max_position_embeddings and not cfg.model.path:
         errors.append(f"data.seq_len ({cfg.data.seq_len}) exceeds the model's max_position_embeddings "
-                      f"({mcfg.max_position_embeddings})")
+                      f"({mcfg.max_position_embeddings}): lower data.seq_len, or --set "
+                      "model.overrides.max_position_embeddings=N (N >= data.seq_len)")
+    elif cfg.data.seq_len > mcfg.max_position_embeddings:
+        errors.append(f"data.seq_len ({cfg.data.seq_len}) exceeds the model's max_position_embeddings "
+                      f"({mcfg.max_position_embeddings}): lower data.seq_len, or extend the checkpoint's context with "
+                      "RoPE scaling: --set model.overrides.rope_parameters=... (e.g. yarn with a factor) and "
+                      "model.overrides.max_position_embeddings=N")
     return errors + _moe_errors(cfg, ds, mcfg) + _mtp_errors(cfg, mcfg) + _lora_errors(cfg, ds, mcfg, files)
 
 

@@ -29,7 +29,7 @@ from ..models.pipeline import layer_specs, prepare_config
 from ..models.presets import build_model_config, is_moe
 from ..utils.errors import UserError
 from .export_lora import is_lora_checkpoint, merged_model_from_checkpoint
-from .hf_files import readable_by_all, save_tokenizer, training_tokenizer, use_special_tokens_of
+from .hf_files import readable_by_all, save_tokenizer, set_inference_fields, training_tokenizer
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Trace-safe expert kernel: `eager` loops over the experts that received tokens and `grouped_mm` sizes its groups
@@ -105,13 +105,21 @@ def export_hf(checkpoint: str, out: str, dtype: str = "bf16", data_dir: str | No
         with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
             layers, config, meta = _checkpoint_layers(checkpoint, tmp, "grouped_mm")
         model = to_hf_model(layers, config)
+    return write_hf_dir(model, layers, config, training_tokenizer(meta, data_dir), out, dtype, max_shard_size)
+
+
+def write_hf_dir(model: nn.Module, layers, config, tok, out: str, dtype: str = "bf16", max_shard_size: str = "5GB",
+                 config_pad: bool = True) -> str:
+    """A transformers CausalLM (to_hf_model of `layers`) as a from_pretrained-ready directory in `dtype`: its
+    weights, the MTP modules of `layers` in the published layout, and the tokenizer `tok` with its chat template, its
+    special-token ids and the KV cache on in the configs (hf_files.set_inference_fields, with config_pad). What
+    `export hf` and `models init` write."""
     keeps_fp32 = _keeps_fp32(model)
     mtp = {k: v if keeps_fp32(k) or not v.is_floating_point() else v.to(DTYPES[dtype])
            for k, v in mtp_hf_state_dict(layers, config).items()}
-    tok = training_tokenizer(meta, data_dir)
     _cast(model, DTYPES[dtype])
     model.config.dtype = DTYPES[dtype]
-    use_special_tokens_of(model, tok)
+    set_inference_fields(model, tok, config_pad)
     model.save_pretrained(out, max_shard_size=max_shard_size)
     if mtp:
         add_to_hf_dir(out, mtp, "model-mtp.safetensors")

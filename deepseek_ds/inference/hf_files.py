@@ -1,7 +1,7 @@
 """What every export (`export hf`, `export lora`) writes beside the weights, in one place: the tokenizer the model was
 trained with, carrying the chat template its conversations were rendered with; the special-token ids of that
-tokenizer in config.json and generation_config.json (a preset's ids are its architecture's, not the data's); and
-file modes readable by all."""
+tokenizer in config.json and generation_config.json (a preset's ids are its architecture's, not the data's), with the
+KV cache on; and file modes readable by all."""
 
 from __future__ import annotations
 
@@ -32,12 +32,20 @@ def special_token_ids(tok) -> dict[str, int | None]:
     return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": pad}
 
 
-def use_special_tokens_of(model: nn.Module, tok) -> None:
-    """Give the model's config and generation config the tokenizer's special-token ids, before save_pretrained."""
+def set_inference_fields(model: nn.Module, tok, config_pad: bool = True) -> None:
+    """Before save_pretrained: give the model's config and generation config the tokenizer's special-token ids, and
+    turn the KV cache back on (training sets use_cache False: models/pipeline.py prepare_config), so that a user's
+    generate() reuses its keys and values instead of recomputing every position per token. config_pad False leaves
+    the config's pad_token_id as it was (generation_config.json gets the tokenizer's): transformers and our
+    embedding make it the embedding's padding_idx, whose row then gets no gradient in training."""
+    own_pad = model.config.pad_token_id
     for target in (model.config, getattr(model, "generation_config", None)):
         if target is not None:
             for key, value in special_token_ids(tok).items():
                 setattr(target, key, value)
+            target.use_cache = True
+    if not config_pad:
+        model.config.pad_token_id = own_pad
 
 
 def save_tokenizer(tok, out: str) -> None:

@@ -30,8 +30,9 @@ class StaleJitLock(UserError):
 
 
 def extensions_root() -> str:
-    """Where torch builds extensions: TORCH_EXTENSIONS_DIR, else its default (e.g. ~/.cache/torch_extensions/
-    py311_cpu), from torch's own rule."""
+    """Where torch builds extensions: TORCH_EXTENSIONS_DIR (which importing deepseek_ds sets to a checkout's
+    .cache/torch_extensions when the user has not), else its default (e.g. ~/.cache/torch_extensions/py311_cpu),
+    from torch's own rule."""
     return os.path.normpath(_get_build_directory("", verbose=False))
 
 
