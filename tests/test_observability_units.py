@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import resource
 
 import pytest
 import torch
@@ -150,3 +151,39 @@ def test_loss_plot_draws_task_scores_on_a_second_axis(tmp_path, monkeypatch):
     assert list(bleu.get_ydata()) == [0.15, 0.3]
     metrics.plot_loss([{"step": 1, "loss": 1.0}], str(tmp_path / "plain.png"), "t")
     assert len(saved[1].axes) == 1  # no eval.task: one axis
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:  # resident pages: psutil's source too, read independently
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux: VmHWM and its reset")
+def test_cpu_memory_is_the_peak_since_the_reset_and_the_fallback_says_so(monkeypatch):
+    """memory_gb on CPU: the process's peak resident set since reset_peak_memory, not its RSS now. 256 MiB written
+    and freed between a reset and the read shows in the peak (and not in the RSS after it); the next reset drops the
+    peak back to the RSS. Without /proc the fallback is getrusage's lifetime peak and StepMeter says it cannot
+    reset."""
+    cpu, mib = torch.device("cpu"), 2**20
+    assert metrics.reset_peak_memory(cpu)
+    before = _rss()
+    spike = torch.ones(64 * mib)  # 256 MiB, every page written
+    during = _rss()
+    del spike
+    after = _rss()
+    peak = metrics.peak_memory_bytes(cpu)
+    assert during - before >= 250 * mib and during - after >= 250 * mib  # freed pages leave the resident set
+    # The kernel's counters batch a thread's page counts (up to a few hundred KiB behind): 4 MiB either way.
+    assert during - 4 * mib <= peak <= during + 16 * mib
+    assert metrics.memory_gb(cpu) * 2**30 >= during - 4 * mib
+    meter = metrics.StepMeter(1.0, 1, 1, 1, cpu, None)
+    assert meter.resets
+    meter.start()
+    assert metrics.memory_gb(cpu) * 2**30 <= _rss() + 16 * mib < peak - 200 * mib
+    # The step line names the unit the field holds (GiB) and that it is a peak.
+    assert "peak mem 1.50 GiB" in metrics.console_line({"memory_gb": 1.5})
+
+    monkeypatch.setattr(metrics, "PROC_STATUS", "/nonexistent/status")
+    monkeypatch.setattr(metrics, "PROC_CLEAR_REFS", "/nonexistent/clear_refs")
+    assert not metrics.reset_peak_memory(cpu) and not metrics.StepMeter(1.0, 1, 1, 1, cpu, None).resets
+    assert metrics.peak_memory_bytes(cpu) == resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

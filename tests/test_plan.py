@@ -163,10 +163,12 @@ def test_activation_bytes_within_2_percent_of_autograd(preset, interval):
     batch, seq = 2, 96
     saved = _saved_bytes(model, torch.randint(0, mcfg.vocab_size, (batch, seq)), interval > 0)
     bounds = [0, len(model.layers)]
-    predicted, recompute = activations.stage_micro_batch_bytes(mcfg, bounds, 0, batch * seq, seq, 4, 1, False,
+    predicted, transient = activations.stage_micro_batch_bytes(mcfg, bounds, 0, batch * seq, seq, 4, 1, False,
                                                                interval, with_loss=False, zero=1)
     assert abs(predicted - saved) <= 0.02 * saved, (preset, interval, predicted, saved)
-    assert (recompute > 0) == (interval > 0)
+    # The transient: a recomputed layer where checkpointed, beside an unfused attention's working score matrices.
+    work = activations.attention_work_bytes(mcfg, seq, 4, 1, False) * batch * seq
+    assert (transient > work) == (interval > 0) and (work > 0) == (preset != "tiny-dense")
 
 
 @pytest.mark.unit
@@ -229,10 +231,12 @@ def test_chunked_loss_bytes_equal_what_autograd_saves(preset, overrides, monkeyp
     # Autograd also keeps the loss's fp32 scales, one per depth. With MTP the layer estimates are within a few
     # percent (the old count, the full log-softmax per depth, was 35 % over); without it the bytes are exact.
     assert kept + 4 * (1 + depth) == pytest.approx(chunked, rel=0.05 if depth else 0)
-    assert transient == chunk * (4 + 4)  # one chunk's logits and softmax
+    # One chunk's logits and softmax, or (MLA on the CPU) an attention backward's two score matrices, the larger.
+    work = activations.attention_work_bytes(mcfg, seq, 4, 1, False) * batch * seq
+    assert transient == max(chunk * (4 + 4), work)
     plain, plain_transient = activations.stage_micro_batch_bytes(mcfg, [0, len(model.layers)], 0, batch * seq, seq,
                                                                  4, 1, False, 0, True, zero=3)
-    assert plain - kept >= batch * seq * mcfg.vocab_size * 4 * (1 + depth) and plain_transient == 0
+    assert plain - kept >= batch * seq * mcfg.vocab_size * 4 * (1 + depth) and plain_transient == work
 
 
 @pytest.mark.unit
@@ -254,15 +258,23 @@ def test_plan_json_has_the_issue_fields(capsys):
     assert out["layout"] == {"pp": 2, "ep": 1, "tp": 1, "sp": 1, "zero": 1, "dp": 1, "micro": 4, "grad_accum": 4}
     assert [r["stage"] for r in out["ranks"]] == [0, 1] and [r["rank"] for r in out["ranks"]] == [0, 1]
     for r in out["ranks"]:
-        parts = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "buffers_bytes")
+        parts = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "buffers_bytes", "runtime_bytes")
         assert r["total_bytes"] == sum(r[k] for k in parts) > 0
+        # On the CPU a rank's peak is its process's resident set: the runtime's share is in the total.
+        assert r["runtime_bytes"] == plan_estimate.CPU_RUNTIME_BYTES
 
 
 @pytest.mark.unit
 def test_plan_table_says_does_not_fit_with_the_largest_term(capsys):
-    assert cli(["plan", *TINY, "--num_gpus", "2", "--gpu-memory", "100MiB", "--cpu"]) == 1
+    assert cli(["plan", *TINY, "--num_gpus", "2", "--gpu-memory", "100MiB"]) == 1
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "largest term: buffers" in out and "params" in out.splitlines()[1]
+    assert "runtime" not in out  # a GPU's allocator peak holds no runtime
+    # On the CPU: the runtime column and what it stands for; a bucket counts only the pages its gradients fill.
+    assert cli(["plan", *TINY, "--num_gpus", "2", "--gpu-memory", "100MiB", "--cpu"]) == 1
+    out = capsys.readouterr().out
+    assert "runtime" in out.splitlines()[1] and "runtime: 512.00 MiB a CPU rank's process holds" in out
+    assert "largest term: activations" in out
 
 
 @pytest.mark.unit

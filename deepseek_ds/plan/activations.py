@@ -8,6 +8,8 @@ gate, up, act and down's input (4 x intermediate); attention q, k, v, the log-su
 MLA without a fused kernel (query and value head dims differ, CPU) the score matrix (heads x seq_len); a MoE layer
 the router logits and, for each of the top-k routed copies of a token, its input, gate_up output, activation and
 output. Activation checkpointing keeps only a checkpointed layer's input, and recomputes one layer at a time.
+Without a fused kernel an attention block's backward also holds two more score matrices at once (the gradients of the
+softmax's output and of the scores): a transient, once per rank, with the recomputed layer if checkpointed.
 The loss: with ZeRO 0-2 a micro-batch of more than CHUNK_LOGITS / vocab tokens takes the chunked loss
 (models/loss.py), which keeps the head's input and the targets and holds one chunk's logits at a time; otherwise the
 full logits' fp32 log-softmax.
@@ -50,6 +52,16 @@ def attention_bytes(mcfg, seq_len: int, f: int, tp: int, fused: bool, sp: int = 
     # between them makes two (head-sharded and sequence-sharded), the same bytes each.
     outputs = 2 if sp > 1 and (fused or not mla) else 1
     return out + outputs * f * h * (v if mla else d)
+
+
+def attention_work_bytes(mcfg, seq_len: int, f: int, tp: int, fused: bool) -> int:
+    """Per token (of the rank's shard under SP, seq_len the whole sequence's), what one attention block's backward
+    holds beside what its forward saved: without a fused kernel (MLA on the CPU, eager attention) the gradients of
+    the softmax's output and of the scores, two score matrices (heads x seq_len each); a fused kernel works in tiles.
+    Only MLA's score matrix is modelled (attention_bytes): other attention takes a fused kernel here."""
+    if fused or not hasattr(mcfg, "kv_lora_rank"):
+        return 0
+    return 2 * f * (mcfg.num_attention_heads // tp) * seq_len
 
 
 def mlp_bytes(mcfg, moe: bool, f: int, tp: int, tiled: bool = False) -> float:
@@ -123,18 +135,24 @@ def stage_micro_batch_bytes(mcfg, bounds: list[int], stage: int, tokens: int, se
                             fused: bool, interval: int, with_loss: bool, zero: int, sp: int = 1,
                             tiled_mlp: int = 0) -> tuple[int, int]:
     """(bytes one micro-batch of `tokens` tokens leaves saved on a stage after its forward, the transient bytes once
-    per rank, not per micro-batch: the largest checkpointed layer while backward recomputes it, one MLP tile's
-    recomputation (tiled_mlp: tokens per tile) or the chunked loss's working chunk)."""
+    per rank, not per micro-batch: the largest checkpointed layer while backward recomputes it plus an unfused
+    attention's working score matrices, one MLP tile's recomputation (tiled_mlp: tokens per tile) or the chunked
+    loss's working chunk)."""
     per_spec = spec_bytes(mcfg, seq_len, f, tp, fused, sp, tiled=tiled_mlp > 0)
-    decoder = set(range(1, mcfg.num_hidden_layers + 1))
+    layers, depth = mcfg.num_hidden_layers, mtp_depth(mcfg)
+    decoder = set(range(1, layers + 1))
+    attends = decoder | set(range(layers + 3, layers + 3 + depth))  # decoder layers and MTP modules
+    mine = range(bounds[stage], bounds[stage + 1])
     saved, recompute = 0.0, 0.0
-    for i in range(bounds[stage], bounds[stage + 1]):
+    for i in mine:
         if checkpointed(i, interval, i in decoder):
             saved += f * mcfg.hidden_size  # the layer's input, kept for the recomputation
             recompute = max(recompute, per_spec[i])
         else:
             saved += per_spec[i]
-    transient = int(recompute * tokens)
+    # A layer's backward: its recomputed activations (if checkpointed) and its attention's working score matrices.
+    work = attention_work_bytes(mcfg, seq_len, f, tp, fused) if attends.intersection(mine) else 0
+    transient = int((recompute + work) * tokens)
     if tiled_mlp:  # a tile's MLP activations, whole, while backward recomputes it
         kinds = set(layer_kinds(mcfg))
         transient = max(transient, int(max(mlp_bytes(mcfg, k == "moe", f, tp) for k in kinds) * min(tiled_mlp, tokens)))

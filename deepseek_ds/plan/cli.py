@@ -20,7 +20,7 @@ from ..utils.cli_args import add_hostfile, add_num_gpus, add_run_args, add_slot_
 from ..utils.errors import UserError
 from ..utils.fmt import parse_bytes
 from . import report
-from .estimate import estimate, layout_of, model_config
+from .estimate import attention_is_fused, estimate, layout_of, model_config
 from .params import SpecParams
 from .steptime import DEFAULT_GPU, GPUS, Hardware, search, step_time
 
@@ -74,7 +74,7 @@ def run_verdict(cfg, world: int, gpu_memory: int | None, strict: bool, hostfile:
         return "plan: unknown GPU memory (pass --gpu-memory SIZE, e.g. --gpu-memory 80GB, for the plan's verdict)"
     ds = load_ds_config(cfg.deepspeed_config)
     plan = estimate(cfg, ds, layout_of(cfg, ds, world), gpu_memory or local_memory(world, cpu_run),
-                    fused_attention=not cpu_run)
+                    attention_is_fused(cfg, cpu_run), cpu=cpu_run)
     line = report.verdict(plan)
     if strict and not plan.fits:
         raise PlanError(line + "; lower train.micro_batch_size, raise the ZeRO stage or parallelism, or see "
@@ -156,12 +156,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise PlanError(f"this layout is not valid for {args.config}: {e}") from e
     hw = Hardware(peak, args.mfu, args.bandwidth * 1e9, args.intra_bandwidth * 1e9, gpus_per_node(args))
     model = SpecParams(model_config(cfg))
-    fused = not args.cpu
     assumed = {"gpu": args.gpu, "peak_tflops": peak, "mfu": args.mfu}
     if precision(ds) == "fp32" and not args.peak_tflops:
         peak_source += " (the run is fp32, whose matmuls do not reach it: pass --peak-tflops for fp32/TF32)"
     if args.search:
-        found = search(cfg, ds, world, memory, hw, fused, model)
+        found = search(cfg, ds, world, memory, hw, args.cpu, model)
         if args.json:
             print(json.dumps([{**report.as_json(p), **assumed, "step_time_s": t.total_s} for p, t in found[:args.top]],
                              indent=2))
@@ -173,13 +172,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
                   "not overlapped):")
             print(report.ranking(found, args.top))
         return 0 if found else 1
-    plan = estimate(cfg, ds, layout_of(cfg, ds, world), memory, fused, model)
+    plan = estimate(cfg, ds, layout_of(cfg, ds, world), memory, attention_is_fused(cfg, args.cpu), model, cpu=args.cpu)
     t = step_time(cfg, plan, hw, model)
     if args.json:
         print(json.dumps({**report.as_json(plan), **assumed, "step_time_s": t.total_s}, indent=2))
     else:
         print(f"{plan.model}, {plan.precision}, {world} GPUs: {plan.layout}")
         print(report.table(plan))
+        if args.cpu:
+            print(report.RUNTIME_NOTE)
         print(report.verdict(plan).removeprefix("plan: "))
         print("estimated " + report.why(plan, t))
         print(f"compute at MFU {args.mfu:.0%} of {peak_source}")
@@ -227,6 +228,7 @@ def register(sub) -> None:
     p.add_argument(*spellings("--intra-bandwidth"), type=float, default=300.0,
                    help="GB/s per GPU inside a node (default 300: NVLink)")
     p.add_argument("--cpu", action="store_true", help="plan for DeepSpeed's CPU accelerator (no fused attention "
-                                                      "kernel for MLA)")
+                                                      "kernel for MLA; a rank's peak is its process's resident set, "
+                                                      "runtime included)")
     p.set_defaults(func=cmd_plan)
 

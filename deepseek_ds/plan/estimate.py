@@ -1,6 +1,7 @@
 """One layout's per-rank estimate: the fullest rank of every pipeline stage, each with its parameter, gradient and
-optimizer bytes (states.py, exact), activations (activations.py), communication buffers, and the total against the
-GPU's memory."""
+optimizer bytes (states.py, exact), activations (activations.py), communication buffers, on the CPU accelerator the
+runtime's resident memory, and the total against the GPU's memory (what the training loop's memory_gb reports as the
+rank's peak: CUDA's peak allocated bytes, on the CPU the process's peak resident set)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,11 @@ from .states import PERSISTENCE_DEFAULT, ZeroSettings, state_bytes
 REDUCE_BUCKET_DEFAULT = int(5e8)
 PREFETCH_BUCKET_DEFAULT = int(5e7)
 TERMS = ("params", "grads", "optimizer", "activations", "buffers")
+# A CPU rank's resident set holds more than its tensors: the interpreter, torch, DeepSpeed and the toolkit (453 MiB
+# before the first step of a tiny-v3 rank, docs/bench/sequence.md, its 8 MiB of parameters included) and the
+# allocator's slack in the steps (50-110 MiB over the modelled tensors in the same runs). CUDA's allocator peak
+# counts neither (nor the CUDA context, which the GPU's memory must hold besides).
+CPU_RUNTIME_BYTES = 512 * 2**20
 
 
 @dataclass(frozen=True)
@@ -54,10 +60,12 @@ class RankEstimate:
     activations: int
     buffers: int
     offloaded: int  # model-state bytes in host memory (offload), not counted in `total`
+    runtime: int = 0  # the CPU accelerator's process runtime (CPU_RUNTIME_BYTES); 0 on a GPU
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers - self.offloaded
+        return (self.params + self.grads + self.optimizer + self.activations + self.buffers + self.runtime
+                - self.offloaded)
 
     @property
     def largest(self) -> str:
@@ -106,26 +114,41 @@ def zero_settings(ds: dict, stage: int, param_bytes: int) -> ZeroSettings:
                         offload_optimizer=offloads(ds, "optimizer"), offload_params=offloads(ds, "param"))
 
 
-def buffer_bytes(ds: dict, layout: Layout, param_bytes: int, boundary_bytes: int) -> int:
+def buffer_bytes(ds: dict, layout: Layout, param_bytes: int, boundary_bytes: int, touched: int | None = None) -> int:
     """Communication buffers: ZeRO's gradient reduction bucket(s) (reduce_bucket_size elements of the gradients'
     dtype; two with overlap_comm), ZeRO-3's parameter prefetch bucket, and a pipeline stage's send and receive
-    buffers (activations forward, their gradients backward)."""
+    buffers (activations forward, their gradients backward). `touched`: on the CPU, where a bucket's pages become
+    resident only once written, the most elements a bucket can hold (the stage's parameters); on a GPU the
+    allocator counts the whole bucket."""
     zero = ds.get("zero_optimization", {})
-    bucket = int(zero.get("reduce_bucket_size", REDUCE_BUCKET_DEFAULT))
+
+    def bucket_bytes(key: str, default: int) -> int:
+        elements = int(zero.get(key, default))
+        return (elements if touched is None else min(elements, touched)) * param_bytes
+
     overlap = bool(zero.get("overlap_comm", layout.zero == 3))
     out = 0
     if layout.zero in (1, 2):
-        out += bucket * (2 if overlap else 1) * param_bytes
+        out += bucket_bytes("reduce_bucket_size", REDUCE_BUCKET_DEFAULT) * (2 if overlap else 1)
     elif layout.zero == 3:
-        out += bucket * param_bytes + int(zero.get("stage3_prefetch_bucket_size", PREFETCH_BUCKET_DEFAULT)) * param_bytes
+        out += (bucket_bytes("reduce_bucket_size", REDUCE_BUCKET_DEFAULT)
+                + bucket_bytes("stage3_prefetch_bucket_size", PREFETCH_BUCKET_DEFAULT))
     if layout.pp > 1:
         out += 2 * boundary_bytes
     return out
 
 
+def attention_is_fused(cfg: RunConfig, cpu: bool) -> bool:
+    """Whether attention runs a fused kernel that keeps no score matrix: not on the CPU (MLA's unequal query and
+    value head dims take torch's math kernel there), nor with model.attn_implementation=eager."""
+    return not cpu and cfg.model.attn_implementation != "eager"
+
+
 def estimate(cfg: RunConfig, ds: dict, layout: Layout, gpu_memory: int, fused_attention: bool,
-             model: SpecParams | None = None) -> Plan:
-    """Per-rank bytes of `layout` (the run's own, or one from --layout / --search) for this run config."""
+             model: SpecParams | None = None, cpu: bool = False) -> Plan:
+    """Per-rank bytes of `layout` (the run's own, or one from --layout / --search) for this run config; `cpu`: on
+    DeepSpeed's CPU accelerator, where a rank's peak is its process's resident set (CPU_RUNTIME_BYTES more, and only
+    the written part of a communication bucket)."""
     mcfg = model.mcfg if model else model_config(cfg)
     model = model or SpecParams(mcfg)
     f = element_bytes(ds)
@@ -149,8 +172,10 @@ def estimate(cfg: RunConfig, ds: dict, layout: Layout, gpu_memory: int, fused_at
         dp_ranks = range(n) if layout.zero == 2 else range(1)
         dp_rank, states = max(((d, state_bytes(params, z, n, ep, d)) for d in dp_ranks),
                               key=lambda ds_: ds_[1].params + ds_[1].grads + ds_[1].optimizer)
+        touched = sum(p.numel for p in params) if cpu else None
         ranks.append(RankEstimate(rank=(stage * n + dp_rank) * layout.tp, stage=stage, params=states.params,
                                   grads=states.grads, optimizer=states.optimizer, activations=acts,
-                                  buffers=buffer_bytes(ds, layout, f, boundary), offloaded=states.offloaded))
+                                  buffers=buffer_bytes(ds, layout, f, boundary, touched), offloaded=states.offloaded,
+                                  runtime=CPU_RUNTIME_BYTES if cpu else 0))
     name = cfg.model.preset or cfg.model.path
     return Plan(model=name, precision=precision(ds), layout=layout, gpu_memory=gpu_memory, ranks=ranks)

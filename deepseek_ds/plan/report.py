@@ -4,10 +4,12 @@ verdict validate and train print, and the ranked --search list."""
 from __future__ import annotations
 
 from ..utils.fmt import human_bytes, markdown_table, text_table
-from .estimate import TERMS, Plan
+from .estimate import CPU_RUNTIME_BYTES, TERMS, Plan
 from .steptime import StepTime
 
-HEADERS = ["rank", "stage", "params", "grads", "optimizer", "activations", "buffers", "total", "largest"]
+RUNTIME_NOTE = (f"runtime: {human_bytes(CPU_RUNTIME_BYTES)} a CPU rank's process holds besides its tensors (the "
+                "interpreter, torch, DeepSpeed, the allocator's slack; measured on tiny-v3 runs), which a GPU's "
+                "allocator peak does not count")
 
 
 def verdict(plan: Plan) -> str:
@@ -19,9 +21,11 @@ def verdict(plan: Plan) -> str:
 
 
 def table(plan: Plan, markdown: bool = False) -> str:
-    rows = [[str(r.rank), str(r.stage), *(human_bytes(getattr(r, t)) for t in TERMS), human_bytes(r.total), r.largest]
+    """One row per rank; a `runtime` column on the CPU accelerator only."""
+    terms = TERMS + (("runtime",) if any(r.runtime for r in plan.ranks) else ())
+    rows = [[str(r.rank), str(r.stage), *(human_bytes(getattr(r, t)) for t in terms), human_bytes(r.total), r.largest]
             for r in plan.ranks]
-    return (markdown_table if markdown else text_table)(rows, HEADERS)
+    return (markdown_table if markdown else text_table)(rows, ["rank", "stage", *terms, "total", "largest"])
 
 
 def as_json(plan: Plan) -> dict:
@@ -29,7 +33,8 @@ def as_json(plan: Plan) -> dict:
             "layout": plan.layout.as_dict(),
             "ranks": [{"rank": r.rank, "stage": r.stage, "params_bytes": r.params, "grads_bytes": r.grads,
                        "optimizer_bytes": r.optimizer, "activation_bytes": r.activations, "buffers_bytes": r.buffers,
-                       "offloaded_bytes": r.offloaded, "total_bytes": r.total} for r in plan.ranks]}
+                       "offloaded_bytes": r.offloaded, "runtime_bytes": r.runtime, "total_bytes": r.total}
+                      for r in plan.ranks]}
 
 
 def why(plan: Plan, t: StepTime) -> str:

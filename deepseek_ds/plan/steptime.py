@@ -21,7 +21,7 @@ from ..models import flops
 from ..models.presets import num_routed_experts
 from ..training.metrics import PEAK_TFLOPS_BF16
 from .activations import layer_kinds
-from .estimate import Plan, estimate, layout_of
+from .estimate import Plan, attention_is_fused, estimate, layout_of
 from .params import SpecParams, lora_active, rank_params
 
 
@@ -152,12 +152,12 @@ def candidates(cfg: RunConfig, ds: dict, world: int, mcfg) -> list[tuple[RunConf
     return out
 
 
-def search(cfg: RunConfig, ds: dict, world: int, gpu_memory: int, hw: Hardware, fused_attention: bool,
+def search(cfg: RunConfig, ds: dict, world: int, gpu_memory: int, hw: Hardware, cpu: bool,
            model: SpecParams) -> list[tuple[Plan, StepTime]]:
-    """Every valid layout that fits, fastest first."""
+    """Every valid layout that fits, fastest first (`cpu`: on DeepSpeed's CPU accelerator)."""
     ranked = []
     for c, d in candidates(cfg, ds, world, model.mcfg):
-        plan = estimate(c, d, layout_of(c, d, world), gpu_memory, fused_attention, model)
+        plan = estimate(c, d, layout_of(c, d, world), gpu_memory, attention_is_fused(c, cpu), model, cpu=cpu)
         if plan.fits:
             ranked.append((plan, step_time(c, plan, hw, model)))
     return sorted(ranked, key=lambda ps: ps[1].total_s)

@@ -22,7 +22,7 @@ from ..parallel.sequence import shard_micro_batch
 from ..utils.fs import write_json_atomic
 from . import monitors, nan_policy, preference
 from .evaluation import evaluate_run
-from .metrics import MetricsWriter, StepMeter, flops_per_token, peak_tflops, plot_loss, source_metrics
+from .metrics import PROC_CLEAR_REFS, MetricsWriter, StepMeter, flops_per_token, peak_tflops, plot_loss, source_metrics
 from .progress import Progress
 from .router_stats import RouterStats, moe_layer_indices
 from .schedule import align_resumed_schedule, start_lr_schedule
@@ -121,7 +121,7 @@ def recorded_step(run: Run, batches, sampler: GlobalBatchSampler, meter: StepMet
 
 def _reduced_metrics(run: Run, meter: StepMeter, routers: RouterStats | None, local: torch.Tensor, skipped: bool,
                      stop: StopOnSignal | None) -> tuple[dict, float]:
-    """loss, grad_norm, memory_gb (the largest over ranks), the MTP and balance losses and the expert-load
+    """loss, grad_norm, memory_gb (the largest peak over ranks), the MTP and balance losses and the expert-load
     statistics of the step, and the stop flag: one SUM and one MAX all-reduce (every rank calls it) and one read to
     the host. Bias statistics are taken after the balancer's update, so they go with the MAX (one rank reports each
     layer, the others hold -inf)."""
@@ -257,6 +257,9 @@ def step_meter(run: Run) -> StepMeter:
                       peak_tflops(engine.device, cfg.train.peak_tflops))
     if run.rank == 0 and engine.device.type == "cuda" and meter.peak is None:
         run.log.warning("no peak TFLOP/s known for %s: set train.peak_tflops to get MFU", torch.cuda.get_device_name())
+    if run.rank == 0 and not meter.resets:
+        run.log.warning("memory_gb is each rank's peak RSS since it started: this OS cannot reset it per step "
+                        "(no writable %s)", PROC_CLEAR_REFS)
     return meter
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
+import sys
 import time
 from pathlib import Path
 
-import psutil
 import torch
 
 from ..models import flops
@@ -39,11 +40,43 @@ def peak_tflops(device: torch.device, configured: float | None) -> float | None:
     return next((peak for key, peak in PEAK_TFLOPS_BF16 if key in name), None)
 
 
-def memory_gb(device: torch.device) -> float:
-    """Peak CUDA memory allocated since the last reset on GPU; the process RSS on CPU."""
+# Linux: the process's peak resident set ("high water mark") and the file whose "5" resets it to the current RSS
+# (Linux 4.0+; proc(5) /proc/pid/clear_refs).
+PROC_STATUS, PROC_CLEAR_REFS = "/proc/self/status", "/proc/self/clear_refs"
+
+
+def reset_peak_memory(device: torch.device) -> bool:
+    """Start a new peak: CUDA's allocator statistics on a GPU; on CPU the process's VmHWM. False where the OS has no
+    such reset (not Linux, or /proc not writable): the peak then stays the process's lifetime peak."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return psutil.Process().memory_info().rss / 2**30
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        with open(PROC_CLEAR_REFS, "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This rank's peak memory since the last reset_peak_memory: CUDA's peak allocated bytes on a GPU; on CPU the
+    process's peak resident set (VmHWM; without /proc, getrusage's ru_maxrss, the lifetime peak)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        with open(PROC_STATUS) as f:
+            line = next(line for line in f if line.startswith("VmHWM:"))
+        return int(line.split()[1]) * 1024  # "VmHWM:   123456 kB"
+    except (OSError, StopIteration):
+        # ru_maxrss is KiB on Linux, bytes on macOS.
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def memory_gb(device: torch.device) -> float:
+    """memory_gb: this rank's peak since the last reset (peak_memory_bytes) in GiB (2^30 bytes; the field's name
+    is older than the unit's spelling)."""
+    return peak_memory_bytes(device) / 2**30
 
 
 def flops_per_token(model_config, seq_len: int) -> float:
@@ -53,18 +86,20 @@ def flops_per_token(model_config, seq_len: int) -> float:
 
 class StepMeter:
     """Times one optimizer step (start/stop around it on every rank) and turns it into throughput, TFLOPs per
-    device and MFU; memory() is this rank's memory, which the loop reduces (largest over ranks) with the step's
-    other metrics."""
+    device and MFU; memory() is this rank's peak memory during the step (reset by start()), which the loop reduces
+    (largest over ranks) with the step's other metrics. `resets`: False where the OS cannot reset a CPU process's
+    peak, so memory() is the process's lifetime peak."""
 
     def __init__(self, flops_per_step: float, tokens_per_step: int, samples_per_step: int, world: int,
                  device: torch.device, peak: float | None):
         self.flops, self.tokens, self.samples = flops_per_step, tokens_per_step, samples_per_step
         self.world, self.device, self.peak = world, device, peak
         self._t0 = 0.0
+        self.resets = reset_peak_memory(device)
 
     def start(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.resets:
+            reset_peak_memory(self.device)
         self._t0 = time.perf_counter()
 
     def stop(self) -> dict:
@@ -87,7 +122,7 @@ def console_line(record: dict) -> str:
 
     parts = [f"loss {num('loss', '.4f')}", f"lr {num('lr', '.2e')}", f"gnorm {num('grad_norm', '.3f')}",
              f"{num('tokens_per_sec', '.0f')} tok/s", f"{num('tflops_per_device', '.3g')} TFLOP/s",
-             f"mfu {num('mfu', '.1%')}", f"mem {num('memory_gb', '.2f')} GB"]
+             f"mfu {num('mfu', '.1%')}", f"peak mem {num('memory_gb', '.2f')} GiB"]
     if "mtp_loss" in record:
         parts.insert(1, f"lm {num('lm_loss', '.4f')}, mtp {num('mtp_loss', '.4f')}")
     if "moe/load_ratio_max" in record:
