@@ -1,11 +1,12 @@
 """checkpoint.async: a save's state copied to host memory and then written, checksummed, flushed and published by a
-background thread (saving._complete) while training goes on.
+background thread (saving.py's _complete) while training goes on.
 
 The step is blocked only while DeepSpeed builds its state dicts (references to the live tensors, no bytes copied):
 the copy runs in the writer thread, overlapping the next step's forward and backward, which only read that state.
-DeepSpeed changes it first in _take_model_step (the optimizer and scheduler steps, the step counters; its own
-decoupled engine commits there too), so the next update waits there until the copy is done, as DataStates-LLM's lazy
-snapshot does; every other change of the state (a load, a synchronous save) waits for the whole save first.
+DeepSpeed changes it first in its engine's model step (private_api.TAKE_MODEL_STEP: the optimizer and scheduler
+steps, the step counters; its own decoupled engine commits there too), so the next update waits there until the copy
+is done, as DataStates-LLM's lazy snapshot does; every other change of the state (a load, a synchronous save) waits
+for the whole save first.
 
 Our own writer, not DeepSpeed's decoupled checkpoint engine (checkpoint.writer.decoupled, which validate refuses):
 that engine's save() silently drops the state when its writer process has died, its commit() (called inside
@@ -30,6 +31,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from ..utils.private_api import TAKE_MODEL_STEP, replace_instance_method, restore_instance_method
 from .format import CheckpointError
 
 SAVE_FAILED = 2.0  # the value of a rank's stop flag (training/signals.py) once its background save failed
@@ -163,7 +165,7 @@ class AsyncSaver:
         self._thread.start()
 
     def _hold_next_update(self, engine) -> None:
-        """The engine's next _take_model_step (the first change of the saved state, see the module doc) waits for
+        """The engine's next model step (the first change of the saved state, see the module doc) waits for
         the copy; the class's method again after it."""
         def take_model_step(*args, **kwargs):
             self._release()
@@ -173,14 +175,14 @@ class AsyncSaver:
             if self.log and self.update_wait_s > 0.01:
                 self.log.info("the update after the save of step %d waited %.2fs for its copy", self._step,
                               self.update_wait_s)
-            return engine._take_model_step(*args, **kwargs)
+            return update(*args, **kwargs)
 
-        engine._take_model_step = take_model_step
+        update = replace_instance_method(engine, TAKE_MODEL_STEP, take_model_step)
         self._held = engine
 
     def _release(self) -> None:
         if self._held is not None:
-            del self._held._take_model_step
+            restore_instance_method(self._held, TAKE_MODEL_STEP)
             self._held = None
 
     def wait(self, step: int | None = None) -> None:

@@ -6,14 +6,13 @@ at resume, read back as this rank's experts as they are now (unchanged since the
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-from collections.abc import Iterator
 
 from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
-from deepspeed.utils import groups
 from torch import nn
+
+from ..utils.private_api import expert_parallel_rank
 
 EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_\d+_model_states\.pt$")
 MARKER = "deepseek_ds_frozen_experts_from_model_path"
@@ -25,29 +24,23 @@ def marker_for(path: str) -> dict | None:
     return {MARKER: True} if EXPERT_FILE.match(os.path.basename(str(path))) else None
 
 
-@contextlib.contextmanager
-def experts_from_module(checkpoint_engine, module: nn.Module) -> Iterator[None]:
-    """While DeepSpeed's load_checkpoint runs: a marker file reads as the module's own experts, in the keys
-    DeepSpeed's loader expects (`<block>.experts.w1.<global expert>`, one 2-D tensor each)."""
-    original = checkpoint_engine.load
-    blocks = [(name, m) for name, m in module.named_modules() if isinstance(m, AutoEPMoELayer)]  # its layer ids
+class ExpertsFromModule:
+    """While DeepSpeed's load_checkpoint runs (io_engine.loading): a marker file reads as the module's own experts, in
+    the keys DeepSpeed's loader expects (`<block>.experts.w1.<global expert>`, one 2-D tensor each)."""
 
-    def load(path, *args, **kwargs):
-        state = original(path, *args, **kwargs)
+    def __init__(self, module: nn.Module):
+        self.blocks = [(name, m) for name, m in module.named_modules() if isinstance(m, AutoEPMoELayer)]  # layer ids
+
+    def read(self, state, path):
+        """What a loaded file's `state` stands for: the experts for a marker, else itself."""
         if not (isinstance(state, dict) and state.get(MARKER)):
             return state
         layer, expert = map(int, EXPERT_FILE.match(os.path.basename(str(path))).groups())
-        name, block = blocks[layer]
-        local = expert - groups._get_expert_parallel_rank(block.ep_group_name) * block.num_local_experts
+        name, block = self.blocks[layer]
+        local = expert - expert_parallel_rank(block.ep_group_name) * block.num_local_experts
         prefix = f"{name}." if name else ""
         return {f"{prefix}experts.{w}.{expert}": getattr(block.experts, w)[local].detach().cpu().clone()
                 for w in _WEIGHTS}
-
-    checkpoint_engine.load = load
-    try:
-        yield
-    finally:
-        del checkpoint_engine.load  # the class's method again
 
 
 def holds_frozen_experts(module: nn.Module) -> bool:

@@ -4,7 +4,6 @@ or a layout change DeepSpeed cannot make."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
@@ -14,6 +13,7 @@ import psutil
 import torch.distributed as dist
 
 from ..data import dataset_info
+from ..utils.private_api import universal_checkpoint_loading
 from .format import (
     PARTIAL,
     CheckpointError,
@@ -25,8 +25,8 @@ from .format import (
     read_meta,
     saved_layout,
 )
-from .frozen_experts import experts_from_module
 from .integrity import check_tag, damaged_warning
+from .io_engine import loading, verifies_loads
 from .run import TrainingRun
 from .safe_load import trusted_types_only
 from .state import replay_cpu_adam_steps, restore_buffers, restore_expert_adapters, restore_rng
@@ -58,11 +58,9 @@ def resume(run: TrainingRun, below: str | None = None) -> dict | None:
     engine = run.engine
     with trusted_types_only():
         if _loads_natively(saved, now):
-            verified = (VerifiedLoads(tag_dir) if below is None and VerifiedLoads.applies(engine.checkpoint_engine)
-                        else None)
+            verified = VerifiedLoads(tag_dir) if below is None and verifies_loads(engine) else None
             # A LoRA checkpoint's model states lack the frozen base, which build_run loaded from model.path.
-            with verified.hook(engine.checkpoint_engine) if verified else contextlib.nullcontext(), \
-                    experts_from_module(engine.checkpoint_engine, engine.module):
+            with loading(engine, engine.module, verified):
                 path, _ = engine.load_checkpoint(ckpt_dir, tag=tag, load_module_strict=run.cfg.lora.r == 0)
             if path is None:
                 raise CheckpointError(f"DeepSpeed found no model states in {tag_dir}; resume from another step")
@@ -181,11 +179,8 @@ def _load_universal(run: TrainingRun, tag_dir: str) -> None:
     engine = run.engine
     # DeepSpeed reads its `load_universal` config flag only while loading; setting it here (rather than in the
     # DeepSpeed JSON) lets a run decide after start-up, from the checkpoint found, which loader to use.
-    engine._config.load_universal_checkpoint = True
-    try:
+    with universal_checkpoint_loading(engine):
         path, _ = engine.load_checkpoint(os.path.dirname(universal), tag=os.path.basename(universal))
-    finally:
-        engine._config.load_universal_checkpoint = False
     if path is None:
         raise CheckpointError(f"DeepSpeed found no model states in {universal}; delete it to convert again")
     restore_buffers(run, tag_dir)

@@ -23,10 +23,10 @@ from deepspeed.checkpoint.constants import (
     UNIVERSAL_CHECKPOINT_VERSION_KEY,
     UNIVERSAL_CHECKPOINT_VERSION_VALUE,
 )
-from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 from ..data import dataset_info
 from ..utils.fs import fsync_dir, write_bytes_atomic, write_json_atomic
+from ..utils.private_api import COPY_RECOVERY_SCRIPT, instance_method_replaced
 from ..utils.redact import redact
 from .async_save import PinnedBuffers, copying_after, device_point, host_copy
 from .format import (
@@ -40,8 +40,9 @@ from .format import (
     model_fingerprint,
     tag_for,
 )
-from .frozen_experts import holds_frozen_experts, marker_for
+from .frozen_experts import holds_frozen_experts
 from .integrity import FILES, HashedSaves, intact_tags, merge_records, record_written
+from .io_engine import recording
 from .run import TrainingRun
 from .state import buffers_file, expert_adapters, rng_path, rng_state
 
@@ -73,8 +74,7 @@ def save(run: TrainingRun, step: int, consumed_samples: int, *, background: bool
         # (which TP dimension each tensor was split on), which this would replace.
         client_state[UNIVERSAL_CHECKPOINT_INFO] = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
     writes = Writes(deferred=background)
-    with _recording_saves(engine.checkpoint_engine, writes, holds_frozen_experts(engine.module)), \
-            _recovery_scripts_kept(engine):
+    with recording(engine, writes, holds_frozen_experts(engine.module)), _recovery_scripts_kept(engine):
         # LoRA: the frozen base stays out (resume reads it from model.path), so the checkpoint holds what changes.
         engine.save_checkpoint(ckpt_dir, tag=os.path.basename(partial), client_state=client_state, save_latest=False,
                                exclude_frozen_parameters=cfg.lora.r > 0)
@@ -199,37 +199,7 @@ def _complete(writes: Writes, pub: Publication, group) -> None:
         _deletion.start(doomed)
 
 
-@contextlib.contextmanager
-def _recording_saves(checkpoint_engine, writes: Writes, frozen_experts: bool = False) -> Iterator[None]:
-    """The files DeepSpeed's checkpoint engine writes on this rank while the block runs (its save() is the one
-    place every model, optimizer and layer file goes through), into `writes`. DeepSpeed's own torch engine is
-    replaced by the same torch.save through `writes` (integrity.HashedSaves), so its files (nearly all the bytes)
-    are checksummed as they are written (records without a re-read), or with writes.deferred kept for the writer
-    thread. Any other engine's files are read back.
-    frozen_experts: AutoEP's expert files are written as frozen_experts.py's markers."""
-    original = checkpoint_engine.save
-
-    def content(state_dict, path):
-        return (marker_for(path) if frozen_experts else None) or state_dict
-
-    if type(checkpoint_engine) is TorchCheckpointEngine:
-        kwargs = {"_use_new_zipfile_serialization": checkpoint_engine.zipfile_serialization}
-
-        def save(state_dict, path):
-            writes.save(content(state_dict, path), str(path), **kwargs)
-    else:
-        def save(state_dict, path):
-            original(content(state_dict, path), path)
-            writes.others.append(str(path))
-
-    checkpoint_engine.save = save
-    try:
-        yield
-    finally:
-        del checkpoint_engine.save  # the class's method again
-
-
-RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # what DeepSpeed's _copy_recovery_script copies
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # what DeepSpeed copies (COPY_RECOVERY_SCRIPT)
 
 
 @contextlib.contextmanager
@@ -237,7 +207,6 @@ def _recovery_scripts_kept(engine) -> Iterator[None]:
     """DeepSpeed copies its recovery scripts into checkpoint.dir at every save; rewriting a file that holds them
     already truncates it, which waits for the filesystem's journal (about 24 ms of a 137 MB save here). In the
     block they are copied only when missing or different."""
-    original = engine._copy_recovery_script
     sources = os.path.join(os.path.dirname(deepspeed.__file__), "utils")
 
     def copy_when_changed(save_path):
@@ -245,11 +214,8 @@ def _recovery_scripts_kept(engine) -> Iterator[None]:
                 os.path.join(sources, name), os.path.join(save_path, name), shallow=False) for name in RECOVERY_SCRIPTS):
             original(save_path)
 
-    engine._copy_recovery_script = copy_when_changed
-    try:
+    with instance_method_replaced(engine, COPY_RECOVERY_SCRIPT, copy_when_changed) as original:
         yield
-    finally:
-        del engine._copy_recovery_script  # the class's method again
 
 
 def _publish(pub: Publication, files: dict) -> list[str]:

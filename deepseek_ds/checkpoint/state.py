@@ -14,12 +14,17 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from deepspeed.ops.adam.fused_adam import multi_tensor_applier
-from deepspeed.utils import groups
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
 from ..models.pipeline import local_layers
 from ..parallel import expert_lora
+from ..utils.private_api import (
+    expert_data_parallel_rank,
+    expert_parallel_rank,
+    fused_adam_overflow_buffer,
+    non_persistent_buffer_names,
+)
 from .format import CheckpointError
 from .run import TrainingRun
 
@@ -63,7 +68,7 @@ def _local_buffers(run: TrainingRun) -> dict[str, torch.Tensor]:
     out = {}
     for prefix, mod in run.engine.module.named_modules():
         for name, buf in mod.named_buffers(recurse=False):
-            if buf is not None and name not in mod._non_persistent_buffers_set:
+            if buf is not None and name not in non_persistent_buffer_names(mod):
                 out[f"{prefix}.{name}" if prefix else name] = buf
     return out
 
@@ -110,7 +115,7 @@ def expert_adapters(tag_dir: str, run: TrainingRun) -> tuple[dict, str] | None:
     experts."""
     rows = expert_lora.adapter_rows(local_layers(run.engine.module))
     group = _ep_group_name(run)
-    if not rows or groups._get_expert_data_parallel_rank(group) != 0:
+    if not rows or expert_data_parallel_rank(group) != 0:
         return None
     return rows, _expert_adapters_file(tag_dir, run)
 
@@ -138,7 +143,7 @@ def read_expert_adapters(tag_dir: str) -> dict[str, torch.Tensor]:
 def _expert_adapters_file(tag_dir: str, run: TrainingRun) -> str:
     """This pipeline stage's and expert-parallel rank's file (every layer's names are unique across stages)."""
     stage = f"stage_{run.engine.stage_id:02d}_" if run.pipeline else ""
-    ep_rank = groups._get_expert_parallel_rank(_ep_group_name(run))
+    ep_rank = expert_parallel_rank(_ep_group_name(run))
     return os.path.join(tag_dir, EXPERT_ADAPTERS, f"{stage}ep_rank_{ep_rank:03d}.pt")
 
 
@@ -173,8 +178,8 @@ def _cpu_adam_kernel(opt):
             opt.opt_id, step, g["lr"], *g["betas"], g["eps"], g["weight_decay"], g["bias_correction"], p, grad, m, v)
     if isinstance(opt, FusedAdam) and get_accelerator().device_name() == "cpu":
         return lambda g, step, p, grad, m, v: multi_tensor_applier(
-            opt.multi_tensor_adam, opt._dummy_overflow_buf, [[grad], [p], [m], [v]], g["lr"], *g["betas"], g["eps"],
-            step, opt.adam_w_mode, int(g["bias_correction"]), g["weight_decay"])
+            opt.multi_tensor_adam, fused_adam_overflow_buffer(opt), [[grad], [p], [m], [v]], g["lr"], *g["betas"],
+            g["eps"], step, opt.adam_w_mode, int(g["bias_correction"]), g["weight_decay"])
     return None
 
 

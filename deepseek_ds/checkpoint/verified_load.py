@@ -13,13 +13,10 @@ others): it is found after it, on every rank together, and the caller loads an o
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import os
-from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 from .format import read_meta
 from .integrity import FILES, checksum_of, recorded_checksum
@@ -38,7 +35,8 @@ def _is_zip(path: str) -> bool:
 
 
 class VerifiedLoads:
-    """One resume's loads of `tag_dir`: hook() while DeepSpeed loads, problem() after it (a collective)."""
+    """One resume's loads of `tag_dir`: load() while DeepSpeed loads (through io_engine.loading), problem() after it
+    (a collective)."""
 
     def __init__(self, tag_dir: str):
         self.tag_dir = tag_dir
@@ -47,29 +45,21 @@ class VerifiedLoads:
         self._checks: dict[str, concurrent.futures.Future] = {}
         self._loaded: dict[str, object] = {}
 
-    @staticmethod
-    def applies(checkpoint_engine) -> bool:
-        """Only DeepSpeed's torch engine reads files with a plain torch.load that this can stand in for."""
-        return type(checkpoint_engine) is TorchCheckpointEngine
+    def load(self, path, map_location=None):
+        """The checkpoint engine's load() of `path` (io_engine.loading): a recorded file is handed to the hashing
+        thread, then memory-mapped for torch.load; a file loaded before is not deserialized again."""
+        path = str(path)
+        rel = os.path.relpath(path, self.tag_dir)
+        if rel in self.files and rel not in self._checks:
+            self._checks[rel] = self._pool.submit(_problem, self.tag_dir, rel, self.files[rel])
+        if path not in self._loaded:
+            self._loaded[path] = torch.load(path, map_location=map_location, weights_only=False,
+                                            mmap=_is_zip(path))  # legacy (non-zip) files cannot be mapped
+        return self._loaded[path]
 
-    @contextlib.contextmanager
-    def hook(self, checkpoint_engine) -> Iterator[None]:
-        def load(path, map_location=None):
-            path = str(path)
-            rel = os.path.relpath(path, self.tag_dir)
-            if rel in self.files and rel not in self._checks:
-                self._checks[rel] = self._pool.submit(_problem, self.tag_dir, rel, self.files[rel])
-            if path not in self._loaded:
-                self._loaded[path] = torch.load(path, map_location=map_location, weights_only=False,
-                                                mmap=_is_zip(path))  # legacy (non-zip) files cannot be mapped
-            return self._loaded[path]
-
-        checkpoint_engine.load = load
-        try:
-            yield
-        finally:
-            checkpoint_engine.__dict__.pop("load", None)  # the class's method again (an inner patch may have gone)
-            self._loaded.clear()
+    def release(self) -> None:
+        """After DeepSpeed's load: drop the loaded states (DeepSpeed has copied them into the model and optimizer)."""
+        self._loaded.clear()
 
     def problem(self, rank: int, world: int) -> str | None:
         """The first damaged file any rank found, the same on every rank (None: the tag verified)."""

@@ -24,7 +24,6 @@ from collections.abc import Iterator
 
 import torch
 from deepspeed.module_inject.auto_ep import AutoEP
-from deepspeed.moe import ep_experts
 from deepspeed.moe.ep_experts import GroupedExperts
 from deepspeed.moe.utils import is_moe_param
 from deepspeed.runtime.engine import DeepSpeedEngine
@@ -33,6 +32,7 @@ from torch import nn
 
 from ..models.lora import ADAPTER, ROUTED_EXPERT_PARAMETERS
 from ..models.names import hf_name
+from ..utils.private_api import AUTOEP_REPLACE_MOE_LAYER, CONFIGURE_OPTIMIZER, class_method_replaced, experts_kernel
 
 _FACTORS = "_expert_lora"  # attribute of transformers' experts module: {parameter name: (A, B, scaling)}
 FUSED = ("gate_up_proj", "down_proj")  # transformers' fused expert tensors, as peft's target_parameters name them
@@ -74,13 +74,8 @@ class LoraGroupedExperts(GroupedExperts):
         w3 = self.w3 + self.lora_scaling_gate_up_proj * gate_up[:, ffn:]
         w2 = torch.baddbmm(self.w2, self.lora_B_down_proj, self.lora_A_down_proj, alpha=self.lora_scaling_down_proj)
         act = (self.activation, self.activation_alpha, self.activation_limit)
-        if self.use_triton_grouped_mm:  # GroupedExperts.forward's dispatch, with the adapted weights
-            return ep_experts._run_experts_triton_grouped_mm(w1, w2, w3, x, num_tokens_per_expert, *act)
-        if self.use_grouped_mm:
-            run = (ep_experts._run_experts_grouped_mm_fused_gate_up if self.gate_up_impl == "fused"
-                   else ep_experts._run_experts_grouped_mm)
-            return run(w1, w2, w3, x, num_tokens_per_expert, *act)
-        return ep_experts._run_experts_for_loop(w1, w2, w3, x, num_tokens_per_expert, *act)
+        # GroupedExperts.forward's dispatch, with the adapted weights
+        return experts_kernel(self)(w1, w2, w3, x, num_tokens_per_expert, *act)
 
 
 def _attach(replacement: nn.Module, source: nn.Module, experts_name: str, ep_rank: int) -> None:
@@ -88,7 +83,7 @@ def _attach(replacement: nn.Module, source: nn.Module, experts_name: str, ep_ran
     if not factors:
         return
     experts, n = replacement.experts, replacement.num_local_experts
-    rows = slice(ep_rank * n, (ep_rank + 1) * n)  # AutoEP's uniform placement (ep_repack._local_expert_range)
+    rows = slice(ep_rank * n, (ep_rank + 1) * n)  # AutoEP's uniform placement (its ep_repack module's expert range)
     for fused in FUSED:
         a, b, scaling = factors[fused]
         for kind, full in (("A", a), ("B", b)):
@@ -110,7 +105,7 @@ def autoep_lora() -> Iterator[None]:
     """Around deepspeed.initialize of a LoRA model with AutoEP: replacements take their experts' adapters, and an
     optimizer over frozen experts is built as a dense model's. Both are DeepSpeed methods patched for the block only
     (AutoEP and ZeRO offer no hook for either)."""
-    replace, configure = AutoEP._replace_moe_layer_without_retarget, DeepSpeedEngine._configure_optimizer
+    replace, configure = getattr(AutoEP, AUTOEP_REPLACE_MOE_LAYER), getattr(DeepSpeedEngine, CONFIGURE_OPTIMIZER)
 
     def replace_with_adapters(self, spec, ep_size, ep_rank, collect_sources=False):
         source = self.model.get_submodule(spec.moe_module_name)
@@ -127,12 +122,9 @@ def autoep_lora() -> Iterator[None]:
         finally:
             self.has_moe_layers = True
 
-    AutoEP._replace_moe_layer_without_retarget = replace_with_adapters
-    DeepSpeedEngine._configure_optimizer = configure_optimizer
-    try:
+    with class_method_replaced(AutoEP, AUTOEP_REPLACE_MOE_LAYER, replace_with_adapters), \
+            class_method_replaced(DeepSpeedEngine, CONFIGURE_OPTIMIZER, configure_optimizer):
         yield
-    finally:
-        AutoEP._replace_moe_layer_without_retarget, DeepSpeedEngine._configure_optimizer = replace, configure
 
 
 FIRST = "first_expert"

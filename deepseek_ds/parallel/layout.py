@@ -22,6 +22,7 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 from torch.distributed import ProcessGroup
 
 from ..models.tensor_parallel import init_tensor_parallel_groups
+from ..utils.private_api import pipeline_data_parallel_group
 from .degrees import Degrees, layout_errors
 from .sequence import SequenceShard
 
@@ -76,7 +77,7 @@ class Layout:
     def bind(self, model) -> None:
         """With a pipeline, the data-parallel group is the one DeepSpeed's PipelineModule made from our topology."""
         if self.degrees.pipeline > 1:
-            self.gradient_group = model._grid.get_data_parallel_group()
+            self.gradient_group = pipeline_data_parallel_group(model)
 
     @property
     def gradient_size(self) -> int:

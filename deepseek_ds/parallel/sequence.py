@@ -8,8 +8,8 @@ of the sequence's); document masks are built over the whole sequence from the ga
 
 Written here rather than taken from DeepSpeed's `UlyssesSPAttentionHF` / `DistributedAttention`: they take one head
 size from `config.head_dim` (for DeepSeek configs the rope dim) and assert key.shape == value.shape, while MLA's
-query/key heads are qk_nope + qk_rope wide and its value heads v_head_dim. Their all-to-all (`_SeqAllToAll`), which
-reads each tensor's own head size, is used as it is.
+query/key heads are qk_nope + qk_rope wide and its value heads v_head_dim. Their all-to-all
+(private_api.sequence_all_to_all), which reads each tensor's own head size, is used as it is.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from deepspeed.sequence.layer import _SeqAllToAll
 from torch import nn
 from torch.distributed import ProcessGroup
 from transformers import AttentionInterface
@@ -30,6 +29,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..models.layers import DecoderLayerPipe, EmbeddingPipe, MTPLayerPipe
 from ..models.loss import IGNORE_INDEX
+from ..utils.private_api import attention_implementation, sequence_all_to_all, set_attention_implementation
 
 # transformers' attention registry name of the sequence-parallel attention (set on each attention module's own config).
 ULYSSES = "deepseek_ds_ulysses"
@@ -116,12 +116,12 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     shard: SequenceShard = module.sequence_shard
 
     def to_heads(t):  # [b, h, s/sp, d] -> [b, h/sp, s, d]
-        return _SeqAllToAll.apply(shard.group, t.transpose(1, 2), 2, 1, 0).transpose(1, 2)
+        return sequence_all_to_all(shard.group, t.transpose(1, 2), 2, 1, 0).transpose(1, 2)
 
     inner = _inner_function(module)
     out, weights = inner(module, to_heads(query), to_heads(key), to_heads(value), attention_mask, **kwargs)
     # out: [b, s, h/sp, dv] (every implementation returns it sequence-first) -> [b, s/sp, h, dv]
-    return _SeqAllToAll.apply(shard.group, out, 1, 2, 0), weights
+    return sequence_all_to_all(shard.group, out, 1, 2, 0), weights
 
 
 def _inner_function(module: nn.Module):
@@ -170,9 +170,9 @@ def enable(model: nn.Module, shard: SequenceShard) -> int:
     for layer, attn in _attention_modules(model):
         layer.sequence_shard = shard
         attn.sequence_shard = shard
-        attn.inner_attention = attn.config._attn_implementation
+        attn.inner_attention = attention_implementation(attn.config)
         attn.config = copy.copy(attn.config)  # this module's alone: the layer's config keeps the inner one (masks)
-        attn.config._attn_implementation = ULYSSES
+        set_attention_implementation(attn.config, ULYSSES)
         count += 1
     for m in model.modules():
         if isinstance(m, EmbeddingPipe):
@@ -186,9 +186,9 @@ def whole_sequences(model: nn.Module):
     model (to_hf_model), each rank its own prompts."""
     changed = [attn for _, attn in _attention_modules(model) if getattr(attn, "sequence_shard", None)]
     for attn in changed:
-        attn.config._attn_implementation = attn.inner_attention
+        set_attention_implementation(attn.config, attn.inner_attention)
     try:
         yield
     finally:
         for attn in changed:
-            attn.config._attn_implementation = ULYSSES
+            set_attention_implementation(attn.config, ULYSSES)

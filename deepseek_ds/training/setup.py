@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.engine import DeepSpeedEngine
-from torch.distributed import ProcessGroup, distributed_c10d
 from transformers import PretrainedConfig
 
 from ..checkpoint import current_layout
@@ -57,6 +56,7 @@ from ..models.tiled import tile_mlps
 from ..parallel import expert_lora, sequence
 from ..parallel.layout import Layout
 from ..utils.jit_lock import announce, check_jit_locks
+from ..utils.private_api import all_process_groups, group_timeout_s, set_group_timeout
 from ..utils.redact import redact
 from ..utils.system import cache_cpu_probe, cpu_threads_per_rank
 
@@ -133,14 +133,10 @@ def apply_timeout_to_all_groups(timeout_s: int) -> list[float]:
     DeepSpeed makes its data-parallel, pipeline and expert groups that way (deepspeed.comm.new_group takes no
     timeout), so a hung peer held them that long. Call it once the engine (and so every group) exists."""
     timeout = timedelta(seconds=timeout_s)
-    groups = list(distributed_c10d._world.pg_map)
+    groups = all_process_groups()
     for group in groups:
-        distributed_c10d._set_pg_timeout(timeout, group)
-    return [_group_timeout_s(g) for g in groups]
-
-
-def _group_timeout_s(group: ProcessGroup) -> float:
-    return group._get_backend(group._device_types[0]).options._timeout.total_seconds()
+        set_group_timeout(group, timeout)
+    return [group_timeout_s(g) for g in groups]
 
 
 def release_shm_buffers() -> None:

@@ -1,0 +1,137 @@
+"""The seam to private DeepSpeed/torch/transformers names (deepseek_ds/utils/private_api.py): every name in its
+table exists in the installed versions, and a name that does not is reported with its owner, the package version
+and why the project uses it. The rest of the package reaches them only through the seam."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+import re
+from pathlib import Path
+
+import pytest
+
+from deepseek_ds.utils import private_api
+from deepseek_ds.utils.private_api import PRIVATE
+from helpers import ROOT
+
+pytestmark = pytest.mark.unit
+
+SEAM = "deepseek_ds/utils/private_api.py"
+
+
+def _version(owner: str) -> str:
+    package = owner.split(".")[0]
+    names = {"deepspeed": "DeepSpeed", "torch": "torch", "transformers": "transformers"}
+    return f"{names.get(package, package)} {getattr(importlib.import_module(package), '__version__', '?')}"
+
+
+def _in_class_source(cls: type, attr: str) -> bool:
+    """An instance attribute: set or named in the source of the class or a base (name-mangled ones as written)."""
+    mangled = re.match(r"^_(\w+?)(__\w+)$", attr)
+    spelled = mangled.group(2) if mangled and mangled.group(1) == cls.__name__ else attr
+    pattern = re.compile(rf"(self\.{re.escape(spelled)}\b|['\"]{re.escape(spelled)}['\"])")
+    for base in cls.__mro__[:-1]:
+        try:
+            if pattern.search(inspect.getsource(base)):
+                return True
+        except (OSError, TypeError):  # a class defined in C
+            continue
+    return False
+
+
+def _has(owner: object, owner_path: str, attr: str) -> bool:
+    if hasattr(owner, attr):
+        return True
+    if inspect.ismodule(owner):  # a submodule not imported yet
+        try:
+            importlib.import_module(f"{owner_path}.{attr}")
+            return True
+        except ImportError:
+            return False
+    if inspect.isfunction(owner):  # a keyword parameter
+        return attr in inspect.signature(owner).parameters
+    return inspect.isclass(owner) and _in_class_source(owner, attr)
+
+
+def missing(entries) -> list[str]:
+    """One line per entry the installed packages lack."""
+    out = []
+    for owner_path, attr, reason in entries:
+        try:
+            owner = pkgutil.resolve_name(owner_path)
+        except (ImportError, AttributeError, ValueError):
+            out.append(f"{_version(owner_path)} no longer has {owner_path} (used for {reason}): see {SEAM}")
+            continue
+        if not _has(owner, owner_path, attr):
+            out.append(f"{_version(owner_path)} no longer has {owner_path}.{attr} (used for {reason}): see {SEAM}")
+    return out
+
+
+@pytest.mark.parametrize("entry", PRIVATE, ids=[f"{o.rsplit('.', 1)[-1]}.{a}" for o, a, _ in PRIVATE])
+def test_every_private_name_exists(entry):
+    problems = missing([entry])
+    assert not problems, problems[0]
+
+
+@pytest.mark.parametrize("entry", [("torch.nn.Module", "_no_such_buffers", "a reason"),
+                                   ("deepspeed.runtime.engine.DeepSpeedEngine", "_no_such_step", "a reason"),
+                                   ("deepspeed.utils.groups", "_no_such_rank", "a reason"),
+                                   ("deepspeed.no_such_module.Thing", "_x", "a reason")])
+def test_a_missing_name_is_reported_with_where_and_why(entry):
+    owner, attr, _ = entry
+    (problem,) = missing([entry])
+    package = "DeepSpeed" if owner.startswith("deepspeed") else "torch"
+    assert re.match(rf"^{package} \S+ no longer has {re.escape(owner)}(\.{attr})? \(used for a reason\): see "
+                    rf"{re.escape(SEAM)}$", problem), problem
+
+
+def test_the_table_names_every_private_name_the_seam_uses():
+    """Each private attribute the seam's code touches is an entry of PRIVATE (so the test above covers it)."""
+    source = Path(private_api.__file__).read_text()
+    code = source[source.index("\ndef all_process_groups"):]
+    used = set(re.findall(r"\.(_[A-Za-z]\w*)\b", code)) | set(re.findall(r"^\w+ = \"(_\w+)\"", code, re.M))
+    used |= {"_SeqAllToAll"}  # imported by name
+    assert used <= {attr for _, attr, _ in PRIVATE}, used - {attr for _, attr, _ in PRIVATE}
+
+
+OWNED = ("deepseek_ds/training/setup.py", "deepseek_ds/checkpoint", "deepseek_ds/parallel")
+_PRIVATE_ACCESS = re.compile(r"(?<![\w.])(?!self\.|cls\.)[A-Za-z_][\w.]*\.(_[A-Za-z]\w*)|import[^#\n]*\b(_[A-Z]\w*)")
+
+
+def _project_names() -> set[str]:
+    """Private names the project defines itself (a module's own helpers, an object's own fields)."""
+    defined = re.compile(r"^\s*(?:def|class)\s+(_\w+)|^\s*(_\w+)\s*[:=]|self\.(_\w+)\s*[:=]", re.M)
+    return {next(g for g in m.groups() if g) for f in (Path(ROOT) / "deepseek_ds").rglob("*.py")
+            for m in defined.finditer(f.read_text())}
+
+
+def test_private_names_are_reached_through_the_seam_only():
+    """No module of these packages names a private attribute of DeepSpeed, torch or transformers (the project's own
+    private helpers and fields aside)."""
+    ours, found = _project_names(), []
+    for top in OWNED:
+        path = Path(ROOT) / top
+        for f in sorted([path] if path.is_file() else path.rglob("*.py")):
+            for i, line in enumerate(f.read_text().splitlines(), 1):
+                code = line.split("#")[0]
+                for m in _PRIVATE_ACCESS.finditer(code):
+                    name = m.group(1) or m.group(2)
+                    if not name.startswith("__") and name not in ours:
+                        found.append(f"{f.relative_to(ROOT)}:{i}: {m.group(0)}")
+    assert not found, "private names outside " + SEAM + ":\n" + "\n".join(found)
+
+
+def test_instance_and_class_replacements_are_undone():
+    class Engine:
+        def step(self):
+            return "class"
+
+    e = Engine()
+    with private_api.instance_method_replaced(e, "step", lambda: "patched") as original:
+        assert e.step() == "patched" and original() == "class" and Engine().step() == "class"
+    assert e.step() == "class" and "step" not in vars(e)
+    with private_api.class_method_replaced(Engine, "step", lambda self: "all"):
+        assert Engine().step() == "all"
+    assert Engine().step() == "class"
