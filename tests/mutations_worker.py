@@ -47,6 +47,11 @@ def patched(owner, name: str, make: Callable) -> Iterator[None]:
             setattr(holder, name, original)
 
 
+def _scaled_gradient(value: torch.Tensor, factor: float) -> torch.Tensor:
+    """value itself in the forward (bit for bit), factor x its gradient in the backward."""
+    return value + (factor - 1.0) * (value - value.detach())
+
+
 def mutation(name: str, rank: int, global_batch: int):
     """The context manager that applies bug `name` on this rank (a null context for the controls)."""
     if name in ("control", "lora-control"):
@@ -54,6 +59,9 @@ def mutation(name: str, rank: int, global_batch: int):
     if name == "loss-scale":  # the token-weighted loss scaled by 1 + 1e-4 on rank 1 only
         return patched(loss.TokenWeightedLoss, "__call__", lambda call: lambda self, *a: call(self, *a) *
                        (LOSS_SCALE if rank == 1 else 1.0))
+    if name == "grad-scale":  # rank 1's gradient contribution x (1 + 1e-4), the loss it reports unchanged
+        return patched(loss.TokenWeightedLoss, "__call__", lambda call: lambda self, *a: _scaled_gradient(
+            call(self, *a), LOSS_SCALE if rank == 1 else 1.0))
     if name == "token-count":  # rank 0's first micro-batch left out of the global batch's valid-token count
         return patched(loss, "valid_token_counts", lambda count: lambda micro_batches, depth=0, halo=0:
                        count(micro_batches[1:] if rank == 0 else micro_batches, depth, halo))
