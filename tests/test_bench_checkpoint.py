@@ -140,11 +140,11 @@ def test_out_writes_the_printed_table_with_where_it_was_measured(tmp_path, monke
           "fullest_rank": 0, "per_rank_mean": 4.67e9, "world": 2048, "layout": "pp=16"}
     monkeypatch.setattr(checkpoint_bench, "v3_checkpoint", lambda: v3)
     args = argparse.Namespace(work_dir=str(tmp_path), config="c", set=[], deepspeed_config=None, repeats=7,
-                              out=str(tmp_path / "reports"))
+                              out=str(tmp_path / "reports"), allow_busy=True)
     assert checkpoint_bench._bench(args) == 0
     text = (tmp_path / "reports" / "checkpoint.md").read_text()
     table = checkpoint_bench.format_table(rows)
     assert table in capsys.readouterr().out and table in text
     assert "then resumes and reads the raw files back, 7 rounds" in text
     assert "DeepSeek-V3 (684B parameters with its MTP module) on 2048 GPUs" in text
-    assert "**git commit**" in text and "**host CPU**" in text
+    assert "**git commit**" in text and "**host CPU**" in text and "**host load during the benchmark**" in text

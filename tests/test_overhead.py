@@ -13,7 +13,7 @@ from helpers import cli
 def test_bench_overhead_smoke(data_dir, tmp_path, capsys):
     out = tmp_path / "overhead"
     assert cli(["bench", "overhead", "--config", "recipes/tiny-dense.yaml", "--steps", "2", "--warmup", "1",
-                "--compile", "no", "--out", str(out), "--set", f"data.path={data_dir}"]) == 0
+                "--compile", "no", "--allow-busy", "--out", str(out), "--set", f"data.path={data_dir}"]) == 0
     printed = capsys.readouterr().out
     with open(out / "overhead.csv") as f:
         rows = list(csv.DictReader(f))

@@ -45,6 +45,7 @@ from ..utils.fmt import text_table
 from ..utils.fs import fsync_dir
 from ..utils.net import free_port
 from .checkpoint_projection import projection_text, v3_checkpoint
+from .load import HostLoad, add_allow_busy, check_quiet_host
 from .report import write_process_report
 
 _CHUNK = 16 * 2**20
@@ -272,7 +273,9 @@ def format_table(rows: list[dict]) -> str:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    with tempfile.TemporaryDirectory(dir=args.work_dir) as tmp:
+    if args.out:
+        check_quiet_host(args.allow_busy)
+    with tempfile.TemporaryDirectory(dir=args.work_dir) as tmp, HostLoad() as load:
         rows = run_checkpoint_bench(args.config, args.set, args.deepspeed_config, args.repeats, tmp)
     save_vs, resume_vs = rows[0]["vs"], rows[4]["vs"]  # the synchronous save's and the resume's against raw I/O
     text = "\n".join([format_table(rows), "", projection_text(v3_checkpoint(), save_vs, resume_vs)])
@@ -294,7 +297,7 @@ def _bench(args: argparse.Namespace) -> int:
             "is compared with the same step alone (on 2 cores the copy and the writer take CPU from it). `peak "
             "memory`: the resident size above the operation's start (the async save holds a copy of the state until "
             "it is written; its row includes the overlapping step's). Then the arithmetic of a DeepSeek-V3 checkpoint "
-            "at stated bandwidths."), ["```\n" + text + "\n```"])
+            "at stated bandwidths."), ["```\n" + text + "\n```"], load=load)
         print(f"wrote {path}")
     return 0
 
@@ -310,6 +313,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(*spellings("--work-dir"), default=None,
                    help="directory on the disk to measure (default: the temp dir)")
     p.add_argument("--out", default=None, help="write the report OUT/checkpoint.md (default: print only)")
+    add_allow_busy(p)
     p.set_defaults(func=_bench)
 
 

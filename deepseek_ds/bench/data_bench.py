@@ -46,6 +46,7 @@ from ..utils.cli_args import add_hostfile, add_master_port, positive_int, spelli
 from ..utils.fmt import text_table
 from ..utils.system import usable_cpus
 from .data_hosts_bench import bench_hosts
+from .load import HostLoad, add_allow_busy, check_quiet_host
 
 # Several shards per worker so extra workers have something to do.
 _SHARD_MB = 0.5
@@ -169,9 +170,11 @@ def format_rounds(rows: list[dict]) -> str:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.out:
+        check_quiet_host(args.allow_busy)
     if args.hostfile:
         return bench_hosts(args, list(select_slots(read_hostfile(args.hostfile))))
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, HostLoad() as load:
         rows = run_data_bench(args.workers, args.mb, args.vocab_size, args.work_dir or tmp, args.repeats)
     text = "\n".join([format_table(rows), f"{usable_cpus()} usable cores, load average {os.getloadavg()[0]:.1f}: N "
                       "workers scale linearly only with N cores free (the `cores` column)", format_rounds(rows)])
@@ -185,7 +188,7 @@ def _bench(args: argparse.Namespace) -> int:
             "`tokenizers` calls on one thread: `encode_batch` (what a hand-written loop calls) and "
             "`encode_batch_fast` (the same ids without offsets, prepare's own call). Each row runs in a new "
             f"interpreter, its imports done before its clock starts; each is the median of {args.repeats} rounds "
-            "that run every row back to back."), ["```\n" + text + "\n```"])
+            "that run every row back to back."), ["```\n" + text + "\n```"], load=load)
         print(f"wrote {path}")
     return 0
 
@@ -201,6 +204,7 @@ def register(subparsers) -> None:
     p.add_argument(*spellings("--work-dir"), help="keep outputs here (default: a temporary directory)")
     p.add_argument("--out", default=None, help="write the report OUT/data.md (OUT/data-hosts.md with --hostfile; "
                    "default: print only)")
+    add_allow_busy(p)
     add_hostfile(p, help="instead: `data prepare --hostfile` on the first N hosts of this hostfile for each --hosts N, "
                  "with the first --workers count a host, next to the same prepare on this host without a hostfile")
     p.add_argument("--hosts", type=positive_int, nargs="+", default=[1, 2, 4],

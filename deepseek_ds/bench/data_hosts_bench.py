@@ -21,6 +21,7 @@ from ..data.builtin import stdlib_files
 from ..data.layout import TOKENIZER_DIR
 from ..utils.fmt import text_table
 from ..utils.system import usable_cpus
+from .load import HostLoad
 
 
 def _prepare(files: list[str], tok_dir: Path, out: Path, workers: int, hosts_args: list[str]) -> dict:
@@ -107,7 +108,7 @@ def format_table(rows: list[dict]) -> str:
 def bench_hosts(args, hosts: list[str]) -> int:
     """`bench data --hostfile`: the table, and with --out the report OUT/data-hosts.md."""
     counts = [n for n in args.hosts if n <= len(hosts)]
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, HostLoad() as load:
         rows = run_hosts_bench(args.hostfile, hosts, counts, args.workers[0], args.mb, args.vocab_size,
                                args.work_dir or tmp, args.repeats, args.master_port)
     cores = usable_cpus()
@@ -127,6 +128,7 @@ def bench_hosts(args, hosts: list[str]) -> int:
             "namespace test cluster (launch/testcluster.sh) they share this machine's cores, so tokens/s can grow "
             f"only up to {cores} / {args.workers[0]} = {cores / args.workers[0]:g}x over one host; on a real "
             "cluster each host brings its own cores and the fixed cost (preflight, plan and the launcher: the 1-host "
-            "row's excess over the local row) is what does not shrink; the share columns leave it out."), ["```\n" + text + "\n```"])
+            "row's excess over the local row) is what does not shrink; the share columns leave it out."), ["```\n" + text + "\n```"],
+            load=load)
         print(f"wrote {path}")
     return 0

@@ -21,6 +21,7 @@ from ..utils.cli_args import positive_int
 from ..utils.fmt import text_table
 from ..utils.net import free_port
 from ..utils.system import bin_dir, launch_env
+from .load import HostLoad, add_allow_busy, check_quiet_host
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = "recipes/tiny-v3.yaml"
@@ -228,8 +229,10 @@ def run_failure_bench(data_dir: str, work_dir: str, timeout_s: int) -> list[Outc
 def _bench(args: argparse.Namespace) -> int:
     from ..data import ensure_builtin_dataset
 
+    if args.out:
+        check_quiet_host(args.allow_busy)
     data_dir = args.data or ensure_builtin_dataset(str(ROOT / "data_cache"), 2048, 8.0, progress=False)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, HostLoad() as load:
         outcomes = run_failure_bench(data_dir, args.work_dir or tmp, args.dist_timeout_s)
     text = _table(outcomes)
     print(text)
@@ -240,7 +243,7 @@ def _bench(args: argparse.Namespace) -> int:
             f"{RECIPE} on 2 ranks of this host through the real `deepspeed` launcher, each case a job of its own "
             "started from nothing and hit after its second step; seconds from the fault (or the signal) until the "
             "launcher exits, one run each. `processes left`: the job's processes still alive after it."),
-            ["```\n" + text + "\n```"], ranks=2)
+            ["```\n" + text + "\n```"], ranks=2, load=load)
     return 0
 
 
@@ -252,4 +255,5 @@ def register(subparsers) -> None:
     p.add_argument("--data", help="prepared dataset (default: the built-in corpus)")
     p.add_argument("--work-dir", help="keep the jobs' outputs here (default: a temporary directory)")
     p.add_argument("--out", default=None, help="write the report OUT/failures.md (default: print only)")
+    add_allow_busy(p)
     p.set_defaults(func=_bench)

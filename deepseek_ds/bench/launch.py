@@ -14,7 +14,8 @@ import subprocess
 from ..utils.cli_args import add_hostfile, add_master_port, add_run_args, add_slot_filters, spellings
 from ..utils.errors import LaunchError
 from ..utils.net import free_port
-from ..utils.system import deepspeed_executable, launch_env, usable_cpus
+from ..utils.system import cpu_threads_per_rank, deepspeed_executable, launch_env
+from .load import add_allow_busy
 
 WORKER_MODULE = "deepseek_ds.bench.worker"
 
@@ -35,17 +36,24 @@ def add_launch_args(p: argparse.ArgumentParser, *, steps: int = 5, warmup: int =
     p.add_argument(*spellings("--peak-tflops"), type=float, default=None,
                    help="per-device peak for MFU (default: the known GPU's bf16 dense peak; none on CPU)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds one launch may take (default 3600)")
+    add_allow_busy(p)
 
 
 def step_metrics(reports: list[dict]) -> dict:
     """Speed of one configuration from its ranks' reports: the median over timed steps of the slowest rank's
-    step time (every rank waits for it), tokens/s over all ranks, TFLOP/s per device and MFU."""
+    step time (every rank waits for it) with the fastest and slowest such step (the spread), tokens/s over all
+    ranks (likewise), TFLOP/s per device and MFU (of the median)."""
     r0 = reports[0]
-    per_step = zip(*[[s["seconds"] for s in r["steps"] if s["timed"]] for r in reports])
-    step_time = statistics.median(max(times) for times in per_step)
+    per_step = [max(times) for times in zip(*[[s["seconds"] for s in r["steps"] if s["timed"]] for r in reports])]
+    step_time = statistics.median(per_step)
     tokens = r0["global_batch_size"] * r0["seq_len"]
     tflops = r0["flops_per_token"] * tokens / step_time / r0["world"] / 1e12
-    return {"step_time_s": step_time, "tokens_per_s": tokens / step_time, "tflops_per_device": tflops,
+    fastest, slowest = min(per_step), max(per_step)
+    return {"step_time_s": step_time, "step_time_min_s": fastest, "step_time_max_s": slowest,
+            "tokens_per_s": tokens / step_time, "tokens_per_s_min": tokens / slowest,
+            "tokens_per_s_max": tokens / fastest,
+            "tokens_per_s_spread": f"{tokens / slowest:,.0f} / {tokens / step_time:,.0f} / {tokens / fastest:,.0f}",
+            "tflops_per_device": tflops,
             "mfu": tflops / r0["peak_tflops"] if r0["peak_tflops"] else None,
             "timed_steps": sum(s["timed"] for s in r0["steps"]), "micro_batch_size": r0["micro_batch_size"],
             "grad_accum": r0["grad_accum"], "seq_len": r0["seq_len"]}
@@ -93,19 +101,28 @@ def _run(cmd: list[str], env: dict[str, str], log: str, timeout: float) -> int |
                 proc.wait(timeout=60)
 
 
+def threads_per_rank(max_local_ranks: int) -> int:
+    """The torch threads every rank of every configuration of one benchmark runs with: the usable cores divided
+    by the largest launch's local ranks (OMP_NUM_THREADS, when set, wins). One number for all rows, or a 1-rank
+    row would compute on all the cores while a 2-rank row shares them, and OpenMP's spin-waiting threads of a rank
+    alone on all the cores stall whenever other work holds one (a 1-rank pipeline row ran 55x slower so)."""
+    return cpu_threads_per_rank(max_local_ranks)
+
+
 def launch(args: argparse.Namespace, *, world: int, global_batch_sizes: list[int], sets: list[str],
-           deepspeed_config: str | None, result: str, log: str, threads: int | None = None) -> list[list[dict]]:
+           deepspeed_config: str | None, result: str, log: str, threads: int | None) -> list[list[dict]]:
     """One `deepspeed` launch of the worker (on `world` local ranks, or on the hostfile's slots); returns, per
     global batch size, every rank's report. The launcher's output goes to `log`. `threads`: OpenMP threads per
-    local rank (default: the usable cores divided by the local ranks); OMP_NUM_THREADS, when set, wins."""
+    local rank (threads_per_rank() of the benchmark's largest launch; None only with a hostfile, whose hosts'
+    .deepspeed_env decides); OMP_NUM_THREADS, when set, wins."""
     cmd = worker_command(args, world=world, global_batch_sizes=global_batch_sizes, sets=sets,
                          deepspeed_config=deepspeed_config, result=result)
     env = launch_env()
-    if not args.hostfile and "OMP_NUM_THREADS" not in env:
+    if threads and not args.hostfile and "OMP_NUM_THREADS" not in env:
         # Share the cores among the local ranks. With the default (every rank one thread per
         # core) OpenMP's spin-waiting threads of co-located ranks starve each other: ZeRO-0 ran ~30x slower
         # on a 2-core host. On other hosts of a hostfile, set it in .deepspeed_env.
-        env["OMP_NUM_THREADS"] = str(threads or max(1, usable_cpus() // world))
+        env["OMP_NUM_THREADS"] = str(threads)
     if os.path.exists(result):
         os.remove(result)
     rc = _run(cmd, env, log, args.timeout)

@@ -14,7 +14,8 @@ from ..config import ConfigError, load_and_validate, load_run_config
 from ..launcher.world import world_size
 from ..utils.cli_args import add_num_gpus, spellings
 from . import report
-from .launch import add_launch_args, launch, step_metrics
+from .launch import add_launch_args, launch, step_metrics, threads_per_rank
+from .load import HostLoad, check_quiet_host
 from .report import Column
 
 COLUMNS = [
@@ -56,28 +57,31 @@ def run_lora_bench(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
             load_and_validate(args.config, args.deepspeed_config, common + extra, world)
         except ConfigError as e:
             raise ConfigError(f"{name}: {e}") from e
+    threads = None if args.hostfile else threads_per_rank(world)
     rows, reports = [], []
     for i, (name, extra) in enumerate(plans):
         print(f"{name}: {world} ranks, {args.warmup} + {args.steps} steps ...", flush=True)
         sets = common + extra + [f"train.output_dir={os.path.join(raw, f'run{i}')}"]
         reports = launch(args, world=world, global_batch_sizes=[global_batch], sets=sets,
                          deepspeed_config=args.deepspeed_config, result=os.path.join(raw, f"run{i}.result.json"),
-                         log=os.path.join(raw, f"run{i}.log"))[0]
+                         log=os.path.join(raw, f"run{i}.log"), threads=threads)[0]
         rows.append(lora_row(name, reports, rows[0]["trainable"] if rows else None))
     rows[0]["trainable_share"] = 1.0
     return rows, reports
 
 
 def _bench(args: argparse.Namespace) -> int:
-    rows, ranks = run_lora_bench(args)
+    check_quiet_host(args.allow_busy)
+    with HostLoad() as load:
+        rows, ranks = run_lora_bench(args)
     table = report.markdown_table(rows, COLUMNS)
     md, data = os.path.join(args.out, "lora.md"), os.path.join(args.out, "lora.json")
     report.write_markdown(md, [
-        "# Full fine-tuning vs LoRA: model states per rank",
+        "# Full fine-tuning vs LoRA: model states per rank", load.banner(),
         f"{ranks[0]['world']} ranks, ZeRO-{ranks[0]['zero_stage']}, {ranks[0]['precision']}; measured from the engine "
         "(bench/worker.held_bytes): params are all the model's (the frozen base included), grads and optimizer "
         "state only the trainable parameters'.", table,
-        "## Environment\n\n" + report.environment_markdown(report.environment(ranks))])
+        "## Environment\n\n" + report.environment_markdown(report.environment(ranks, load))])
     with open(data, "w") as f:
         json.dump(rows, f, indent=2)
     print(table)

@@ -22,9 +22,10 @@ import torch
 from ..utils.cli_args import add_run_args, spellings
 from ..utils.errors import LaunchError
 from ..utils.net import free_port
-from ..utils.system import deepspeed_executable, launch_env, usable_cpus
+from ..utils.system import deepspeed_executable, launch_env
 from . import report
-from .launch import _run, _tail
+from .launch import _run, _tail, threads_per_rank
+from .load import HostLoad, add_allow_busy, check_quiet_host
 from .report import Column
 
 WORKER_MODULE = "deepseek_ds.bench.overhead_worker"
@@ -55,8 +56,8 @@ def _launch(args: argparse.Namespace, world: int, extra: list[str], name: str) -
     for s in args.set:
         cmd += ["--set", s]
     env = launch_env()
-    # One share of the cores per rank, as `bench zero` gives them (see bench/launch.py).
-    env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpus() // world)))
+    # One share of the cores per rank, the same in both launches: chosen for the larger (see bench/launch.py).
+    env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(max(1, args.trainer_ranks))))
     rc = _run(cmd, env, log, args.timeout)
     if rc != 0:
         raise LaunchError(f"{name}: launch {'timed out' if rc is None else f'exited with {rc}'}; last lines of "
@@ -88,8 +89,10 @@ def rows(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    check_quiet_host(args.allow_busy)
     os.makedirs(args.out, exist_ok=True)
-    table_rows, notes = rows(args)
+    with HostLoad() as load:
+        table_rows, notes = rows(args)
     bad = [r for r in table_rows if not all(math.isfinite(r[k]) for k in ("ours_s", "reference_s", "ratio"))]
     if bad:
         raise LaunchError(f"non-finite timings in {bad}")
@@ -100,9 +103,9 @@ def _bench(args: argparse.Namespace) -> int:
     report.write_csv(os.path.join(args.out, "overhead.csv"), table_rows, COLUMNS)
     ranks = [{"device": "cuda" if torch.cuda.is_available() else "CPU", "threads": r["threads"]} for r in table_rows]
     report.write_markdown(os.path.join(args.out, "overhead.md"), [
-        "# bench overhead", __doc__.split("\n\n", 1)[1], table, *notes,
+        "# bench overhead", load.banner(), __doc__.split("\n\n", 1)[1], table, *notes,
         f"Median over {args.steps} timed steps after {args.warmup} warm-up steps.",
-        report.environment_markdown(report.environment(ranks))])
+        report.environment_markdown(report.environment(ranks, load))])
     print(f"wrote {os.path.join(args.out, 'overhead.md')}")
     return 0
 
@@ -119,4 +122,5 @@ def register(subparsers) -> None:
                    help="ranks of the Trainer comparison (default 2)")
     p.add_argument("--out", default="runs/bench-overhead", help="report directory (default runs/bench-overhead)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds one launch may take (default 3600)")
+    add_allow_busy(p)
     p.set_defaults(func=_bench)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 
 from ..config import ConfigError, load_and_validate, load_run_config
 from ..launcher.hostfile import count_slots
@@ -25,7 +26,8 @@ from ..utils.cli_args import spellings
 from ..utils.fmt import human_bytes
 from ..utils.system import usable_cpus
 from . import report
-from .launch import add_launch_args, launch, step_metrics
+from .launch import add_launch_args, launch, step_metrics, threads_per_rank
+from .load import HostLoad, check_quiet_host
 from .report import Column
 
 
@@ -67,7 +69,7 @@ def combination_rows(p: int, m: int, reports: list[dict]) -> tuple[dict, list[di
         })
     r0 = reports[0]
     row = {"model": r0["model"], "stages": p, "micro_batches": m, "ranks": r0["world"], "dp": r0["dp_size"],
-           "threads": r0["threads"],
+           "threads": " / ".join(sorted({str(r["threads"]) for r in reports})),  # as the ranks measured them
            "global_batch_size": r0["global_batch_size"],
            "bubble_measured": statistics.mean(bubble for bubble, _ in measured),
            "bubble_theory": bubble_theory(p, m),
@@ -81,14 +83,16 @@ def combination_rows(p: int, m: int, reports: list[dict]) -> tuple[dict, list[di
 # ---------------------------------------------------------------------------------------------- report
 COLUMNS = [
     Column("stages", "stages p"), Column("micro_batches", "micro-batches m"), Column("ranks", "ranks"),
-    Column("step_time_s", "step time (s)", "{:.3f}"), Column("tokens_per_s", "tokens/s", "{:,.0f}"),
+    Column("step_time_s", "step time (s)", "{:.3f}"), Column("tokens_per_s_spread", "tokens/s min / median / max"),
+    Column("threads", "threads per rank"),
     Column("tflops_per_device", "TFLOP/s per device", "{:.4f}"), Column("mfu", "MFU", "{:.1%}"),
     Column("bubble_measured", "bubble measured", "{:.1%}"), Column("bubble_theory", "(p-1)/(m+p-1)", "{:.1%}"),
     Column("stage_params", "params per stage"), Column("stage_model_states", "model states per stage"),
     Column("stage_memory", "peak memory per stage"),
 ]
 CSV_COLUMNS = [Column(k, k) for k in (
-    "stages", "micro_batches", "ranks", "dp", "threads", "global_batch_size", "step_time_s", "tokens_per_s",
+    "stages", "micro_batches", "ranks", "dp", "threads", "global_batch_size", "step_time_s", "step_time_min_s",
+    "step_time_max_s", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max",
     "tflops_per_device", "mfu", "bubble_measured", "bubble_theory", "stage_params", "stage_model_states",
     "stage_memory")]
 STAGE_CSV_COLUMNS = [Column(k, k) for k in (
@@ -147,9 +151,13 @@ p = 1 the idle time is the loss and bookkeeping between micro-batches, outside f
 hold (measured as in `bench zero`); peak memory is {memory}.{oversubscribed}"""
 
 
-def write_report(rows: list[dict], stage_rows: list[dict], launches: list[list[dict]], out: str) -> list[str]:
-    """`launches`: per stage count, its ranks' reports (devices and threads for the environment)."""
+def write_report(rows: list[dict], stage_rows: list[dict], launches: list[list[dict]], out: str,
+                 load: HostLoad, threads: int | None) -> list[str]:
+    """`launches`: per stage count, its ranks' reports (devices and threads for the environment); `load`: the
+    host's load while they ran; `threads`: the torch threads per rank every launch was given (None with a hostfile:
+    its hosts' .deepspeed_env decides)."""
     ranks = max(launches, key=len)
+    every_rank = [rank for launch in launches for rank in launch]
     os.makedirs(out, exist_ok=True)
     paths = {k: os.path.join(out, f) for k, f in (
         ("md", "pipeline.md"), ("csv", "pipeline.csv"), ("stages", "pipeline_stages.csv"),
@@ -161,24 +169,27 @@ def write_report(rows: list[dict], stage_rows: list[dict], launches: list[list[d
           "Pipeline bubble: measured (solid) vs formula (dashed)",
           theory=True)
     r = rows[0]
+    cpu = report.on_cpu(ranks)
     report.write_markdown(paths["md"], [
-        f"# Pipeline stages x micro-batches: {r['model']}",
+        f"# Pipeline stages x micro-batches: {r['model']}", load.banner(),
         f"Ranks = stages x data-parallel size {r['dp']}; each micro-batch {r['micro_batch_size']} sequences of "
         f"{r['seq_len']} tokens, m of them per optimizer step and replica. Step time: median of {r['timed_steps']} "
-        "timed steps after warm-up; tokens/s over all ranks.",
+        "timed steps after warm-up (tokens/s: of the slowest, median and fastest step); tokens/s over all ranks." +
+        (" " + report.threads_header(threads, max(r["world"] for r in every_rank)) if cpu and threads else ""),
         report.markdown_table(rows, COLUMNS),
-        _notes(rows, ranks) + (report.threads_note([rank for launch in launches for rank in launch])
-                               if report.on_cpu(ranks) else ""),
+        _notes(rows, ranks) + (report.threads_note(every_rank) if cpu else ""),
         "![throughput](pipeline_throughput.png)\n\n![bubble](pipeline_bubble.png)",
-        "## Environment\n\n" + report.environment_markdown(report.environment(ranks)),
+        "## Environment\n\n" + report.environment_markdown(report.environment(every_rank, load)),
     ])
     return list(paths.values())
 
 
 # ---------------------------------------------------------------------------------------------- driver
-def run_pipeline_bench(args: argparse.Namespace) -> tuple[list[dict], list[dict], list[list[dict]]]:
-    """Validate every (p, m), then launch one stage count after the other; returns the rows, the per-stage rows
-    and, per stage count, its ranks' reports."""
+def run_pipeline_bench(args: argparse.Namespace
+                       ) -> tuple[list[dict], list[dict], list[list[dict]], HostLoad, int | None]:
+    """Validate every (p, m), then launch one stage count after the other; returns the rows, the per-stage rows,
+    per stage count its ranks' reports, the host's load while they ran and the torch threads per rank."""
+    check_quiet_host(args.allow_busy)
     raw = os.path.join(args.out, "raw")
     os.makedirs(raw, exist_ok=True)
     cfg = load_run_config(args.config, args.set)
@@ -197,19 +208,24 @@ def run_pipeline_bench(args: argparse.Namespace) -> tuple[list[dict], list[dict]
             except ConfigError as e:
                 raise ConfigError(f"{p} stages x {m} micro-batches on {world} ranks: {e}") from e
         plans.append((p, world, batches, sets))
+    # One number of threads for every row, chosen for the largest launch: a 1-stage row alone on all the cores
+    # ran up to 55x slower than with its share (OpenMP's spin-waits stall whenever other work holds a core).
+    largest = max(world for _, world, _, _ in plans)
+    threads = None if args.hostfile else threads_per_rank(largest)
     rows, stage_rows, launches = [], [], []
-    for p, world, batches, sets in plans:
-        print(f"{p} stage(s): {world} ranks, micro-batches {args.micro_batches}, {args.warmup} + {args.steps} steps "
-              "each ...", flush=True)
-        variants = launch(args, world=world, global_batch_sizes=batches, sets=sets,
-                          deepspeed_config=args.deepspeed_config, result=os.path.join(raw, f"pp{p}.result.json"),
-                          log=os.path.join(raw, f"pp{p}.log"))
-        for m, reports in zip(args.micro_batches, variants):
-            row, per_stage = combination_rows(p, m, reports)
-            rows.append(row)
-            stage_rows += per_stage
-        launches.append(variants[0])
-    return rows, stage_rows, launches
+    with HostLoad(own_tasks=largest * (threads or 1)) as load:
+        for p, world, batches, sets in plans:
+            print(f"{p} stage(s): {world} ranks, micro-batches {args.micro_batches}, {args.warmup} + {args.steps} "
+                  "steps each ...", flush=True)
+            variants = launch(args, world=world, global_batch_sizes=batches, sets=sets,
+                              deepspeed_config=args.deepspeed_config, result=os.path.join(raw, f"pp{p}.result.json"),
+                              log=os.path.join(raw, f"pp{p}.log"), threads=threads)
+            for m, reports in zip(args.micro_batches, variants):
+                row, per_stage = combination_rows(p, m, reports)
+                rows.append(row)
+                stage_rows += per_stage
+            launches.append([rank for reports in variants for rank in reports])
+    return rows, stage_rows, launches, load, threads
 
 
 def _ints(text: str) -> list[int]:
@@ -220,9 +236,11 @@ def _ints(text: str) -> list[int]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    rows, stage_rows, launches = run_pipeline_bench(args)
-    paths = write_report(rows, stage_rows, launches, args.out)
+    rows, stage_rows, launches, load, threads = run_pipeline_bench(args)
+    paths = write_report(rows, stage_rows, launches, args.out, load, threads)
     print(report.markdown_table(rows, COLUMNS))
+    if load.busy:
+        print(f"warning: the host was busy while the benchmark ran ({load.describe()})", file=sys.stderr)
     print("wrote " + ", ".join(paths))
     return 0
 

@@ -7,10 +7,8 @@ import csv
 import datetime
 import os
 import platform
-import resource
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +22,7 @@ from ..utils.fmt import human_bytes
 from ..utils.fmt import markdown_table as _markdown_table
 from ..utils.fs import write_bytes_atomic
 from ..utils.system import cpu_model, cpu_threads_per_rank, usable_cpus
+from .load import HostLoad
 
 
 @dataclass(frozen=True)
@@ -95,22 +94,25 @@ def command_line() -> str:
     return " ".join([prog] + sys.argv[1:])
 
 
-def environment(ranks: list[dict]) -> dict[str, str]:
-    """Where the numbers come from. `ranks` are the worker's per-rank reports: their devices (the GPUs may be
-    on other hosts than the one writing the report) and torch threads."""
+def environment(ranks: list[dict], load: HostLoad | None = None) -> dict[str, str]:
+    """Where the numbers come from. `ranks` are the worker's per-rank reports (of every launch: the threads are
+    what the ranks measured, each row's): their devices (the GPUs may be on other hosts than the one writing the
+    report) and torch threads. `load`: the host's load while the benchmark ran."""
     devices: dict[str, int] = {}
     for r in ranks:
         devices[r["device"]] = devices.get(r["device"], 0) + 1
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "ranks' devices": ", ".join(f"{n} x {d}" for d, n in devices.items()) or "-",
-        "torch threads per rank": ", ".join(sorted({str(r["threads"]) for r in ranks})) or "-",
+        "torch threads per rank (as the ranks measured them)": ", ".join(
+            sorted({str(r["threads"]) for r in ranks})) or "-",
         "OpenMP environment": " ".join(f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")
                                        if k in os.environ) or "not set (the launch sets OMP_NUM_THREADS)",
         "host CPU": f"{cpu_model()}, {usable_cpus()} usable cores of {os.cpu_count()}",
         "host GPUs": ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) or "none",
         "host memory": f"{psutil.virtual_memory().total / 2**30:.1f} GiB",
         # A shared host's other work slows the numbers down: say how busy it was.
+        **({"host load during the benchmark": load.describe()} if load is not None else {}),
         "host load average (1, 5, 15 min) when the report was written": ", ".join(f"{x:.1f}" for x in os.getloadavg()),
         "OS": platform.platform(),
         "python": platform.python_version(),
@@ -126,13 +128,23 @@ def on_cpu(ranks: list[dict]) -> bool:
     return all(r["device"].startswith("CPU") for r in ranks)
 
 
-def threads_note(ranks: list[dict]) -> str:
-    threads = " or ".join(sorted({str(r["threads"]) for r in ranks}))
+def threads_header(threads: int, max_ranks: int) -> str:
+    """The header's sentence on threads: what every row was launched with (threads_note says what they ran)."""
     how = (f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} was set for this run" if "OMP_NUM_THREADS" in os.environ
-           else "the launch set OMP_NUM_THREADS to the usable cores divided by the local ranks")
-    return (f"\n\n**Threads.** Each rank ran {threads} torch thread(s): {how}. With one thread per core in every "
-            "rank, OpenMP's spin-waiting threads of co-located ranks starve each other (ZeRO-0 ran about 30x slower "
-            "on a 2-core host).")
+           else f"the {usable_cpus()} usable cores divided by the largest launch's {max_ranks} local ranks")
+    return f"Every rank of every row is launched with {threads} torch thread(s) ({how})."
+
+
+def threads_note(ranks: list[dict]) -> str:
+    """What the rows ran with, as the ranks measured it (torch.get_num_threads() in the worker)."""
+    measured = sorted({r["threads"] for r in ranks})
+    if len(measured) > 1:
+        return (f"\n\n**Threads: the rows do not compare.** Ranks ran {' or '.join(map(str, measured))} torch "
+                "threads: a rank with more threads computes faster alone and stalls more on a shared host.")
+    return (f"\n\n**Threads.** Every rank of every row ran {measured[0]} torch thread(s) (measured in the ranks). "
+            "The same number for every row, chosen for the largest launch: with one thread per core in every rank, "
+            "OpenMP's spin-waiting threads of co-located ranks starve each other (ZeRO-0 ran about 30x slower on a "
+            "2-core host), and a rank alone on all the cores stalls whenever other work holds one of them.")
 
 
 def environment_markdown(env: dict[str, str]) -> str:
@@ -140,45 +152,22 @@ def environment_markdown(env: dict[str, str]) -> str:
 
 
 def write_markdown(path: str, blocks: list[str]) -> None:
-    """Atomically: a kill mid-write (a GPU machine's time limit) leaves the previous complete report."""
-    write_bytes_atomic(Path(path), ("\n\n".join(b.strip("\n") for b in blocks) + "\n").encode())
+    """Atomically: a kill mid-write (a GPU machine's time limit) leaves the previous complete report. Empty blocks
+    (a quiet host's banner) are left out."""
+    write_bytes_atomic(Path(path), ("\n\n".join(b.strip("\n") for b in blocks if b.strip()) + "\n").encode())
 
 
 def write_process_report(path: str, title: str, what: str, blocks: list[str], ranks: int = 1,
-                         command: str | None = None) -> None:
+                         command: str | None = None, load: HostLoad | None = None) -> None:
     """The report of a benchmark run by this process (and its workers) or of a demo script whose launches it sums up:
     its title, what it measured, where (environment(): `ranks` ranks on this host's device, `command` the one that
-    ran, default this process's) and its tables."""
+    ran, default this process's; `load`: the host's load while it ran, a busy host's banner on top) and its
+    tables."""
     device = f"CUDA {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else f"CPU ({cpu_model()})"
     # The ranks' threads, not this process's: a demo's ranks ran with their share of the cores.
     threads = torch.get_num_threads() if torch.cuda.is_available() else cpu_threads_per_rank(ranks)
-    env = environment([{"device": device, "threads": threads}] * ranks)
+    env = environment([{"device": device, "threads": threads}] * ranks, load)
     if command:
         env["command"] = command
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    write_markdown(path, [f"# {title}", what, environment_markdown(env), *blocks])
-
-
-class HostLoad:
-    """The share of this host's cores that work other than the launch used while it ran: the host's busy CPU
-    time minus the launch's (the launcher, launch.py and the ranks are waited-for descendants, so their CPU
-    time lands in RUSAGE_CHILDREN). A shared machine slows the ranks down; this says by how much it was."""
-
-    def __enter__(self) -> HostLoad:
-        self._start = (time.monotonic(), self._busy(), self._children())
-        return self
-
-    def __exit__(self, *exc) -> None:
-        wall, busy, children = (now - then for now, then in zip(
-            (time.monotonic(), self._busy(), self._children()), self._start))
-        self.other_share = max(0.0, busy - children) / (wall * psutil.cpu_count())
-
-    @staticmethod
-    def _busy() -> float:
-        t = psutil.cpu_times()
-        return sum(t) - t.idle - getattr(t, "iowait", 0.0)
-
-    @staticmethod
-    def _children() -> float:
-        r = resource.getrusage(resource.RUSAGE_CHILDREN)
-        return r.ru_utime + r.ru_stime
+    write_markdown(path, [f"# {title}", load.banner() if load else "", what, environment_markdown(env), *blocks])

@@ -23,10 +23,10 @@ from ..models.presets import build_model_config
 from ..utils.cli_args import spellings
 from ..utils.errors import LaunchError
 from ..utils.fmt import human_bytes, parse_bytes
-from ..utils.system import usable_cpus
 from . import report
-from .launch import add_launch_args, launch, step_metrics
-from .report import Column, HostLoad
+from .launch import add_launch_args, launch, step_metrics, threads_per_rank
+from .load import HostLoad, check_quiet_host
+from .report import Column
 
 # The issue's target: at this length SP=2's per-rank peak is at most this fraction of SP=1's.
 TARGET_SEQ_LEN, TARGET_RATIO = 8192, 0.6
@@ -227,7 +227,8 @@ def _failed_note(failed: list[dict]) -> str:
 
 
 def write_report(rows: list[dict], failed: list[dict], fits: list[dict], budget: int, ranks: list[dict],
-                 out: str) -> list[str]:
+                 out: str, banner: str = "") -> list[str]:
+    """`banner`: a busy host's warning (HostLoad.banner()) for the top."""
     os.makedirs(out, exist_ok=True)
     paths = {k: os.path.join(out, f) for k, f in (("md", "sequence.md"), ("csv", "sequence.csv"),
                                                   ("memory", "sequence_memory.png"), ("speed", "sequence_speed.png"))}
@@ -246,7 +247,7 @@ def write_report(rows: list[dict], failed: list[dict], fits: list[dict], budget:
                  "CUDA `max_memory_allocated`, `memory_allocated` just before the first step and their difference")
     report.write_markdown(paths["md"], [block for block in [
         f"# Sequence parallelism (Ulysses) vs sequence length: {r['model']}"
-        + (f", tiled MLPs ({r['tiled_mlp']:,} tokens per tile)" if r.get("tiled_mlp") else ""),
+        + (f", tiled MLPs ({r['tiled_mlp']:,} tokens per tile)" if r.get("tiled_mlp") else ""), banner,
         f"Commit `{env['git commit']}`; measured on {machine}, {env['date']}.",
         f"**What was measured.** For each SP degree and sequence length, one `deepspeed` launch on SP ranks x "
         f"{r['dp']} replica(s): micro-batch 1, one sequence per replica per optimizer step, "
@@ -298,9 +299,10 @@ def point_sets(args: argparse.Namespace, cfg, sp: int, seq_len: int, world: int,
     return sets
 
 
-def run_sequence_bench(args: argparse.Namespace) -> tuple[list[dict], list[dict], list[dict]]:
+def run_sequence_bench(args: argparse.Namespace) -> tuple[list[dict], list[dict], list[dict], str]:
     """Validate every point, then launch them one after the other; returns the rows, the points whose launch
-    failed and the ranks' reports of the largest launch (for the environment)."""
+    failed, the ranks' reports of the largest launch (for the environment) and a busy host's banner ("" if none)."""
+    check_quiet_host(args.allow_busy)
     raw = os.path.join(args.out, "raw")
     os.makedirs(raw, exist_ok=True)
     cfg = load_run_config(args.config, args.set)
@@ -316,14 +318,15 @@ def run_sequence_bench(args: argparse.Namespace) -> tuple[list[dict], list[dict]
             plans.append((sp, seq_len, world, sets))
     # The same threads per rank at every degree, like one device per rank (an SP=1 rank alone on all the cores
     # would also stall in OpenMP's spin-waits whenever other work holds one of them).
-    threads = max(1, usable_cpus() // max(args.sp))
-    rows, failed, ranks = [], [], []
+    threads = threads_per_rank(max(args.sp))
+    rows, failed, ranks, loads = [], [], [], []
     for sp, seq_len, world, sets in plans:
         print(f"SP={sp}, seq_len {seq_len:,}: {world} ranks, {args.warmup} + {args.steps} steps ...", flush=True)
         name = f"sp{sp}-{seq_len}"
         log = os.path.join(raw, f"{name}.log")
         try:
-            with HostLoad() as load:
+            with HostLoad(own_tasks=world * threads) as load:
+                loads.append(load)
                 reports = launch(args, world=world, global_batch_sizes=[world // sp], sets=sets,
                                  deepspeed_config=args.deepspeed_config, log=log, threads=threads,
                                  result=os.path.join(raw, f"{name}.result.json"))[0]
@@ -337,7 +340,7 @@ def run_sequence_bench(args: argparse.Namespace) -> tuple[list[dict], list[dict]
     if not rows:
         raise LaunchError("every launch failed: " + "; ".join(f["error"] for f in failed))
     compare_losses(rows)
-    return rows, failed, ranks
+    return rows, failed, ranks, next((load.banner() for load in loads if load.busy), "")
 
 
 def _ints(text: str) -> list[int]:
@@ -356,9 +359,9 @@ def memory_size(text: str) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    rows, failed, ranks = run_sequence_bench(args)
+    rows, failed, ranks, banner = run_sequence_bench(args)
     fits = [longest_fit(mine, args.memory) for mine in _by_sp(rows).values()]
-    paths = write_report(rows, failed, fits, args.memory, ranks, args.out)
+    paths = write_report(rows, failed, fits, args.memory, ranks, args.out, banner)
     print(report.markdown_table(rows, COLUMNS))
     print(f"\nlongest sequence within {human_bytes(args.memory)} per rank:")
     print(report.markdown_table(fits, FIT_COLUMNS))

@@ -47,6 +47,9 @@ _MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_fla
 _GRAD_ATTRS = ("averaged_gradients", "all_grad_tensors", "grads_in_partition", "grad_partitions_flat_buffer",
                "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition", "fp32_groups_gradients",
                "fp32_groups_gradients_flat", "fp32_groups_gradient_flat_partition")
+# The gradient communication ("IPG") buckets of ZeRO 1/2 and ZeRO-3, by dtype. While a backward fills one, the
+# parameters' .grad are views into it: it is claimed as a buffer first, or it would count as gradients.
+_BUCKETS_ATTR = "ipg_buckets"
 
 
 # ------------------------------------------------------------------------------------------ what a rank holds
@@ -90,26 +93,30 @@ def held_bytes(engine) -> tuple[dict[str, int], str | None]:
     ZeRO-3: the `ds_tensor` partitions plus parameters kept whole, i.e. persistent ones). optimizer: fp32 master
     weights and the optimizer's state tensors (Adam's exp_avg and exp_avg_sq; not the scalar step counter).
     grads: parameters' .grad / DeepSpeed's grad_accum, and the optimizer's gradient partitions. buffers:
-    anything else the optimizer holds (communication buckets, ...). A storage shared by several views counts
-    once, in the first category that claims it, in that order."""
+    the gradient communication buckets (claimed first, before the gradients that are views into them during a
+    backward) and anything else the optimizer holds. A storage shared by several views counts once, in the first
+    category that claims it: params, buckets, grads, optimizer, other buffers."""
     zero = engine.optimizer
     inner = getattr(zero, "optimizer", zero)  # the torch optimizer inside DeepSpeed's wrapper, if any
     params = list(engine.module.parameters())
     masters = [t for name in _MASTER_ATTRS for t in _walk(getattr(zero, name, None))]
     states = [v for state in inner.state.values() for key, v in state.items()
               if key != "step" and isinstance(v, torch.Tensor)]
-    claims = {
-        "params": [t for p in params for t in (p.data, getattr(p, "ds_tensor", None)) if t is not None],
-        "optimizer": [m.data for m in masters] + states,
-        "grads": ([t for p in params for t in (p.grad, getattr(p, "grad_accum", None)) if t is not None]
+    buckets = getattr(zero, _BUCKETS_ATTR, None)
+    claims = [
+        ("params", [t for p in params for t in (p.data, getattr(p, "ds_tensor", None)) if t is not None]),
+        ("buffers", [t for b in (buckets.values() if isinstance(buckets, dict) else ())
+                     for t in _walk(getattr(b, "buffer", None))]),
+        ("grads", [t for p in params for t in (p.grad, getattr(p, "grad_accum", None)) if t is not None]
                   + [m.grad for m in masters if m.grad is not None]
                   + [t for name in _GRAD_ATTRS for t in _walk(getattr(zero, name, None))]),
-        "buffers": list(_walk(zero)),
-    }
+        ("optimizer", [m.data for m in masters] + states),
+        ("buffers", list(_walk(zero))),
+    ]
     claimed: set[tuple] = set()
     held = dict.fromkeys(HELD, 0)
-    for category in CATEGORIES:
-        for t in claims[category]:
+    for category, tensors in claims:
+        for t in tensors:
             key = _storage_key(t)
             if key is not None and key not in claimed:
                 claimed.add(key)
@@ -121,7 +128,8 @@ def held_bytes(engine) -> tuple[dict[str, int], str | None]:
 
 
 class StateProbe:
-    """Per category, the most this rank held at the snapshots taken around optimizer-phase calls, while armed."""
+    """Per category, the most this rank held at the snapshots taken while armed: around optimizer-phase calls and,
+    for the communication buffers only, at the end of every backward (instrument())."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -129,11 +137,11 @@ class StateProbe:
         self.peak = dict.fromkeys(HELD, 0)
         self.optimizer_device: str | None = None
 
-    def snapshot(self) -> None:
+    def snapshot(self, categories: tuple[str, ...] = HELD) -> None:
         if not self.armed:
             return
         held, device = held_bytes(self.engine)
-        self.peak = {k: max(v, held[k]) for k, v in self.peak.items()}
+        self.peak = {k: max(v, held[k]) if k in categories else v for k, v in self.peak.items()}
         self.optimizer_device = device or self.optimizer_device
 
 
@@ -176,8 +184,9 @@ class PhaseClock:
         return timed
 
 
-def instrument(engine, clock: PhaseClock, probe: StateProbe) -> None:
-    """Time this engine's phases without changing what it computes. The pipeline engine dispatches every
+def instrument(engine, clock: PhaseClock, probe: StateProbe) -> list:
+    """Time this engine's phases without changing what it computes, and snapshot what the rank holds at the same
+    points of every step whatever the ZeRO stage; returns the hooks' handles. The pipeline engine dispatches every
     schedule instruction through `self._INSTRUCTION_MAP`, so an instance copy with timed entries shadows the
     class's; the plain engine is driven through forward/backward/step, wrapped on the instance."""
     if isinstance(engine, PipelineEngine):
@@ -191,6 +200,13 @@ def instrument(engine, clock: PhaseClock, probe: StateProbe) -> None:
         engine.forward = clock.wrap("compute", engine.forward)
         engine.backward = clock.wrap("compute", engine.backward)
         engine.step = clock.wrap("optimizer", engine.step, around=probe.snapshot)
+    # ZeRO-2 frees its gradient bucket at the end of every backward (DeepSpeed's IPG epilogue), before any
+    # optimizer call; ZeRO 1 and 3 keep theirs. The first parameter's gradient is the stage's last (autograd
+    # runs backwards), and its hook fires before that epilogue: every stage's buffers are seen at the height of
+    # its backward. Only the buffers: mid-backward ZeRO-3 holds gathered parameters, working memory like the
+    # activations, which the model-state categories (taken around the optimizer step, at rest) leave out.
+    first = next((p for p in engine.module.parameters() if p.requires_grad), None)
+    return [first.register_hook(lambda grad: probe.snapshot(("buffers",)))] if first is not None else []
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -262,7 +278,16 @@ def _measure(run, cfg, ds: dict, warmup: int, timed: int) -> dict:
     engine = run.engine
     start_lr_schedule(engine)
     clock, probe = PhaseClock(engine.device), StateProbe(engine)
-    instrument(engine, clock, probe)
+    hooks = instrument(engine, clock, probe)
+    try:
+        return _steps(run, cfg, ds, clock, probe, warmup, timed)
+    finally:
+        for hook in hooks:  # they reference the engine: the next variant must not keep it alive
+            hook.remove()
+
+
+def _steps(run, cfg, ds: dict, clock: PhaseClock, probe: StateProbe, warmup: int, timed: int) -> dict:
+    engine = run.engine
     batches = micro_batches(run.dataset, run.sampler())
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(engine.device)

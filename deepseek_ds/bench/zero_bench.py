@@ -20,7 +20,8 @@ from ..launcher.world import world_size
 from ..utils.cli_args import add_num_gpus, positive_int, spellings
 from ..utils.zero_partition import partition_numel
 from . import report
-from .launch import add_launch_args, launch, step_metrics
+from .launch import add_launch_args, launch, step_metrics, threads_per_rank
+from .load import HostLoad, check_quiet_host
 from .report import Column
 from .worker import HELD, MODEL_STATES
 
@@ -106,6 +107,7 @@ def stage_row(stage: int, offload: str, reports: list[dict]) -> dict:
            "optimizer_exact": all(r["held"]["optimizer"] == expected for r in reports),
            "optimizer_device": r0["optimizer_device"],
            "peak_memory_bytes": max(r["peak_memory"] for r in reports),
+           "threads": " / ".join(sorted({str(r["threads"]) for r in reports})),
            "losses": [s["loss"] for s in r0["steps"]], "first_loss": r0["steps"][0]["loss"],
            "last_loss": r0["steps"][-1]["loss"]}
     row.update(step_metrics(reports))
@@ -138,7 +140,8 @@ COLUMNS = [
     Column("offloaded_bytes", "of which in host memory", "bytes"),
     Column("buffers_bytes", "other buffers", "bytes"),
     Column("peak_memory_bytes", "peak memory", "bytes"), Column("step_time_s", "step time (s)", "{:.3f}"),
-    Column("tokens_per_s", "tokens/s", "{:,.0f}"), Column("tflops_per_device", "TFLOP/s per device", "{:.4f}"),
+    Column("tokens_per_s_spread", "tokens/s min / median / max"),
+    Column("tflops_per_device", "TFLOP/s per device", "{:.4f}"),
     Column("mfu", "MFU", "{:.1%}"), Column("loss_rel_diff", "loss rel. diff", "{:.1e}"),
 ]
 CSV_COLUMNS = [Column(k, k) for k in (
@@ -146,7 +149,8 @@ CSV_COLUMNS = [Column(k, k) for k in (
     "model_states_bytes", "offloaded_bytes", "buffers_bytes", "formula_params_bytes", "formula_grads_bytes",
     "formula_optimizer_bytes",
     "formula_bytes", "ratio", "ratio_params", "ratio_grads", "ratio_optimizer", "optimizer_expected_bytes",
-    "optimizer_exact", "optimizer_device", "peak_memory_bytes", "step_time_s", "tokens_per_s", "tflops_per_device",
+    "optimizer_exact", "optimizer_device", "peak_memory_bytes", "step_time_s", "step_time_min_s", "step_time_max_s",
+    "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "tflops_per_device", "threads",
     "mfu", "first_loss", "last_loss", "loss_rel_diff", "loss_rtol", "losses_agree")]
 
 
@@ -205,13 +209,17 @@ parameters. "optimizer = padded formula" checks the measured optimizer bytes of 
 partition size with DeepSpeed's padding (ZeRO 1/2: the flat group padded to a multiple of 2N; ZeRO-3: every
 parameter padded to a multiple of N): it must hold exactly.
 
-**How it is measured.** After the timed steps one more step runs with snapshots around every optimizer-step
-call; each category is the most the rank held at those snapshots, counting each distinct storage once:
-parameters (ZeRO 1/2: the flat buffer they are views of; ZeRO-3: the `ds_tensor` partitions plus the
-parameters it keeps whole), gradients (`.grad`, DeepSpeed's accumulation and partition buffers), optimizer
-(fp32 master partitions and Adam's state), and "other buffers" (everything else the ZeRO optimizer holds, mostly
-the `reduce_bucket_size` communication bucket, which does not shrink with the model). The numbers are the
-fullest rank's. Peak memory is {memory}.
+**How it is measured.** After the timed steps one more step runs with snapshots at the same points for every
+stage: around every optimizer-step call (all categories) and, for "other buffers", also at the end of every
+micro-batch's backward (the hook on the stage's last gradient, before DeepSpeed's reduction epilogue). Each
+category is the most the rank held at its snapshots, counting each distinct storage once: parameters (ZeRO 1/2:
+the flat buffer they are views of; ZeRO-3: the `ds_tensor` partitions plus the parameters it keeps whole, not
+those gathered for a forward or backward), gradients (`.grad`, DeepSpeed's accumulation and partition buffers),
+optimizer (fp32 master partitions and Adam's state), and "other buffers": the gradient communication buckets
+(`reduce_bucket_size` elements each, two with `overlap_comm`; they do not shrink with the model; ZeRO-2 allocates
+its bucket for each backward and frees it at the backward's end, ZeRO 1 and 3 keep theirs) and anything else the
+ZeRO optimizer holds. While a backward fills a bucket the gradients are views into it: they count as the
+bucket's. The numbers are the fullest rank's. Peak memory is {memory}.
 
 **Reading the ratios.** Stage 1 holds full gradients only while it accumulates them (it reduces at the
 accumulation boundary) and stage 2 reduces each micro-batch into its partition, so the two differ only with
@@ -223,7 +231,10 @@ CPU optimizer step, so gradients exceed the formula; on a GPU "of which in host 
 device."""
 
 
-def write_report(rows: list[dict], ranks: list[dict], out: str) -> list[str]:
+def write_report(rows: list[dict], ranks: list[dict], out: str, load: HostLoad,
+                 threads: int | None) -> list[str]:
+    """`ranks`: every launch's per-rank reports; `load`: the host's load while they ran; `threads`: the torch threads
+    per rank every launch was given (None with a hostfile: its hosts' .deepspeed_env decides)."""
     os.makedirs(out, exist_ok=True)
     paths = {k: os.path.join(out, f) for k, f in (("md", "zero.md"), ("csv", "zero.csv"),
                                                   ("memory", "zero_memory.png"), ("speed", "zero_speed.png"))}
@@ -233,24 +244,26 @@ def write_report(rows: list[dict], ranks: list[dict], out: str) -> list[str]:
     plot_speed(rows, paths["speed"], cpu)
     r = rows[0]
     report.write_markdown(paths["md"], [
-        f"# ZeRO stages side by side: {r['model']}",
+        f"# ZeRO stages side by side: {r['model']}", load.banner(),
         f"{r['ranks']} data-parallel ranks" + (f" x {r['tp']} tensor-parallel" if r["tp"] > 1 else "") +
         f", {r['precision']}, Ψ = {r['psi']:,} parameters per rank; each optimizer step "
         f"{r['micro_batch_size']} sequences of {r['seq_len']} tokens x {r['grad_accum']} micro-batches x {r['ranks']} "
-        f"ranks. Step time: median of {r['timed_steps']} timed steps after warm-up; tokens/s over all ranks; "
-        "memory per rank.",
+        f"ranks. Step time: median of {r['timed_steps']} timed steps after warm-up (tokens/s: of the slowest, "
+        "median and fastest step); tokens/s over all ranks; memory per rank." +
+        (" " + report.threads_header(threads, r["ranks"] * r["tp"]) if cpu and threads else ""),
         report.markdown_table(rows, COLUMNS),
         _notes(rows, cpu) + (report.threads_note(ranks) if cpu else ""),
         "![model states per rank](zero_memory.png)\n\n![throughput and peak memory](zero_speed.png)",
-        "## Environment\n\n" + report.environment_markdown(report.environment(ranks)),
+        "## Environment\n\n" + report.environment_markdown(report.environment(ranks, load)),
     ])
     return list(paths.values())
 
 
 # ---------------------------------------------------------------------------------------------- driver
-def run_zero_bench(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
-    """Validate every stage, then launch them one after the other; returns the rows and the last launch's
-    per-rank reports (for the environment)."""
+def run_zero_bench(args: argparse.Namespace) -> tuple[list[dict], list[dict], HostLoad, int | None]:
+    """Validate every stage, then launch them one after the other; returns the rows, every launch's per-rank
+    reports (for the environment), the host's load while they ran and the torch threads per rank they were given."""
+    check_quiet_host(args.allow_busy)
     world = world_size(args.num_gpus, args.hostfile, args.include, args.exclude)
     raw = os.path.join(args.out, "raw")
     os.makedirs(raw, exist_ok=True)
@@ -276,15 +289,18 @@ def run_zero_bench(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
         except ConfigError as e:
             raise ConfigError(f"ZeRO-{stage} ({ds_path}): {e}") from e
         plans.append((stage, ds_path, sets, offload_label(ds)))
-    rows, reports = [], []
-    for stage, ds_path, sets, offload in plans:
-        print(f"ZeRO-{stage}: {world} ranks, {args.warmup} + {args.steps} steps ...", flush=True)
-        reports = launch(args, world=world, global_batch_sizes=[global_batch], sets=sets, deepspeed_config=ds_path,
-                         result=os.path.join(raw, f"zero{stage}.result.json"),
-                         log=os.path.join(raw, f"zero{stage}.log"))[0]
-        rows.append(stage_row(stage, offload, reports))
+    threads = None if args.hostfile else threads_per_rank(world)  # every stage runs on the same ranks
+    rows, ranks = [], []
+    with HostLoad(own_tasks=world * (threads or 1)) as load:
+        for stage, ds_path, sets, offload in plans:
+            print(f"ZeRO-{stage}: {world} ranks, {args.warmup} + {args.steps} steps ...", flush=True)
+            reports = launch(args, world=world, global_batch_sizes=[global_batch], sets=sets,
+                             deepspeed_config=ds_path, result=os.path.join(raw, f"zero{stage}.result.json"),
+                             log=os.path.join(raw, f"zero{stage}.log"), threads=threads)[0]
+            rows.append(stage_row(stage, offload, reports))
+            ranks += reports
     compare_losses(rows, args.loss_rtol)
-    return rows, reports
+    return rows, ranks, load, threads
 
 
 def _stages(text: str) -> list[int]:
@@ -295,9 +311,11 @@ def _stages(text: str) -> list[int]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    rows, ranks = run_zero_bench(args)
-    paths = write_report(rows, ranks, args.out)
+    rows, ranks, load, threads = run_zero_bench(args)
+    paths = write_report(rows, ranks, args.out, load, threads)
     print(report.markdown_table(rows, COLUMNS))
+    if load.busy:
+        print(f"warning: the host was busy while the benchmark ran ({load.describe()})", file=sys.stderr)
     print("wrote " + ", ".join(paths))
     if not all(r["optimizer_exact"] for r in rows):
         print("warning: measured optimizer bytes differ from the padded formula (see the CSV)", file=sys.stderr)
