@@ -20,7 +20,7 @@ from helpers import ROOT, launch_env
 pytestmark = pytest.mark.launch
 
 STEPS = 3
-THE_READ = "training/loop.py"
+THE_READ = "training/metrics.py"  # read_to_host: the named metrics, read at once
 
 
 def run_worker(data_dir: str, tmp_path) -> list[dict]:
@@ -43,7 +43,7 @@ def test_a_step_reads_to_the_host_once(data_dir, tmp_path):
     assert len(steps) == STEPS and all(s["balancer"] and s["mtp_depth"] == 1 for s in steps)
     for i, s in enumerate(steps, start=1):
         assert len(s["reads"]) <= 1, f"step {i}: {s['reads']}"
-        assert len(s["reads"]) == 1 and s["reads"][0].startswith(THE_READ), s["reads"]
+        assert len(s["reads"]) == 1 and s["reads"][0].startswith(THE_READ) and "read_to_host" in s["reads"][0], s["reads"]
         assert s["stop"] == 0.0  # no signal, no failed background save
     records = [s["record"] for s in steps]
     for r in records:

@@ -22,7 +22,17 @@ from ..parallel.sequence import shard_micro_batch
 from ..utils.fs import write_json_atomic
 from . import monitors, nan_policy, preference
 from .evaluation import evaluate_run
-from .metrics import PROC_CLEAR_REFS, MetricsWriter, StepMeter, flops_per_token, peak_tflops, plot_loss, source_metrics
+from .metrics import (
+    PROC_CLEAR_REFS,
+    MetricsWriter,
+    NamedReduction,
+    StepMeter,
+    flops_per_token,
+    peak_tflops,
+    plot_loss,
+    read_to_host,
+    source_metrics,
+)
 from .progress import Progress
 from .router_stats import RouterStats, moe_layer_indices
 from .schedule import align_resumed_schedule, start_lr_schedule
@@ -131,60 +141,47 @@ def _reduced_metrics(run: Run, meter: StepMeter, routers: RouterStats | None, lo
     gas_dp = run.layout.gradient_size * run.grad_accum
     # The TP ranks of a replica compute the same losses: one of them counts, so the sums are over replicas.
     replica = 1.0 if run.layout.counts_once else 0.0
-    # MTP parts: pipeline stages other than the last hold zeros.
-    dpo = preference.is_dpo(run)  # its parts: the pair metrics (preference_loss.METRICS), summed
-    parts = run.loss_fn.take_parts(device) * replica if depth or dpo else None
-    aux = balancer.take_aux() if balancer and balancer.s.has_aux else None
+    dpo = preference.is_dpo(run)
+    sums = NamedReduction(device)
+    sums.add("loss", None if run.pipeline else local.reshape(1) * replica)
+    # MTP parts [main, depth 1..D] (pipeline stages other than the last hold zeros), or DPO's pair metrics
+    # (preference_loss.METRICS).
+    sums.add("parts", run.loss_fn.take_parts(device) * replica if depth or dpo else None)
+    sums.add("aux", balancer.take_aux() if balancer and balancer.s.has_aux else None)
     groups = run.loss_fn.take_group_sums(device) if hasattr(run.loss_fn, "take_group_sums") else None
-    summed = _cat([None if run.pipeline else local.reshape(1) * replica, parts, aux,
-                   groups * replica if groups is not None else None, routers.local_load() if routers else None], device)
-    if dist.is_initialized() and summed.numel():
-        dist.all_reduce(summed)
+    sums.add("groups", groups * replica if groups is not None else None)
+    sums.add("load", routers.local_load() if routers else None)
+    summed = sums.reduce(dist.ReduceOp.SUM)
     if balancer:  # the router biases move from the step's summed load, on the device, before the bias statistics
-        balancer.apply_load(routers.own_rows(summed[summed.numel() - routers.load_size:]), skipped)
-    flag = stop.flag(run.saver is not None and run.saver.failed.is_set()) if stop else None
-    maxed = _cat([meter.memory(), flag, routers.local_bias() if routers else None], device)
-    if dist.is_initialized():
-        dist.all_reduce(maxed, op=dist.ReduceOp.MAX)
+        balancer.apply_load(routers.own_rows(summed["load"]), skipped)
+    maxes = NamedReduction(device)
+    maxes.add("memory_gb", meter.memory())
+    maxes.add("stop", stop.flag(run.saver is not None and run.saver.failed.is_set()) if stop else None)
+    maxes.add("bias", routers.local_bias() if routers else None)
+    maxed = maxes.reduce(dist.ReduceOp.MAX)
     grad_norm = engine.get_global_grad_norm()  # ZeRO 1/2: a device tensor; else a float or None
     norm_on_device = isinstance(grad_norm, torch.Tensor) and grad_norm.device == device
-    kept = _cat([local.reshape(1) if run.pipeline else None,  # the same on every rank
-                 grad_norm.detach().double().reshape(1) if norm_on_device else None], device)
-    host = torch.cat([summed, maxed, kept]).tolist()  # the step's one host read
-    n_sum, n_max = summed.numel(), maxed.numel()
-    summed, maxed, kept = host[:n_sum], host[n_sum:n_sum + n_max], host[n_sum + n_max:]
+    kept = {"pipeline_loss": local.reshape(1) if run.pipeline else None,  # the same on every rank
+            "grad_norm": grad_norm.detach().double().reshape(1) if norm_on_device else None}
+    host = read_to_host({**{f"sum/{k}": v for k, v in summed.items()}, **{f"max/{k}": v for k, v in maxed.items()},
+                         **{k: v for k, v in kept.items() if v is not None}})
 
-    out: dict = {}
-    if run.pipeline:
-        out["loss"], kept = kept[0], kept[1:]
-    else:
-        # The scaled micro losses sum to (dp x sp x gas) x the token-weighted global loss.
-        out["loss"], summed = summed[0] / gas_dp, summed[1:]
+    # The scaled micro losses sum to (dp x sp x gas) x the token-weighted global loss.
+    out: dict = {"loss": host["pipeline_loss"][0] if run.pipeline else host["sum/loss"][0] / gas_dp}
     if dpo:
-        n_metrics = parts.numel()
-        out.update({k: v for k, v in run.loss_fn.metrics(summed[:n_metrics]).items() if k != "loss"})
-        summed = summed[n_metrics:]
-    out["grad_norm"] = kept[0] if norm_on_device else (float(grad_norm) if grad_norm is not None else None)
-    out["memory_gb"] = maxed[0]
-    stop_asked = maxed[1] if stop is not None else 0.0  # async_save.SAVE_FAILED outranks a signal's 1
-    mtp = mtp_record([p / gas_dp for p in summed[:1 + depth]]) if depth else {}
-    summed = summed[1 + depth:] if depth else summed
-    if aux is not None:
-        out.update(balancer.aux_metrics(summed[:aux.numel()]))
-        summed = summed[aux.numel():]
+        out.update({k: v for k, v in run.loss_fn.metrics(host["sum/parts"]).items() if k != "loss"})
+    out["grad_norm"] = host["grad_norm"][0] if norm_on_device else (float(grad_norm) if grad_norm is not None else None)
+    out["memory_gb"] = host["max/memory_gb"][0]
+    stop_asked = host["max/stop"][0] if stop is not None else 0.0  # async_save.SAVE_FAILED outranks a signal's 1
+    if "sum/aux" in host:
+        out.update(balancer.aux_metrics(host["sum/aux"]))
     if groups is not None:
-        out.update(source_metrics(run.dataset.labels, summed[:groups.numel()]))
-        summed = summed[groups.numel():]
-    out.update(mtp)
+        out.update(source_metrics(run.dataset.labels, host["sum/groups"]))
+    if depth:
+        out.update(mtp_record([p / gas_dp for p in host["sum/parts"]]))
     if routers:
-        out.update(routers.metrics(summed, maxed[1 + (stop is not None):]))
+        out.update(routers.metrics(host["sum/load"], host.get("max/bias", [])))
     return out, stop_asked
-
-
-def _cat(parts: list, device) -> torch.Tensor:
-    """The given float64 device tensors (None: absent) as one flat tensor, for one collective or one host read."""
-    parts = [p.reshape(-1) for p in parts if p is not None]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
 
 
 def router_stats(run: Run) -> RouterStats | None:

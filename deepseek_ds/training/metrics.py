@@ -224,3 +224,37 @@ def plot_loss(records: list[dict], path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+class NamedReduction:
+    """Named float64 device tensors reduced over all ranks in ONE all-reduce (the step's metrics: a SUM pack and a
+    MAX pack), each read back by its name rather than by its offset in the packed tensor. An absent (None) entry
+    takes no room."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.parts: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, tensor: torch.Tensor | None) -> None:
+        if tensor is not None:
+            self.parts[name] = tensor.reshape(-1)
+
+    def reduce(self, op) -> dict[str, torch.Tensor]:
+        """name -> its reduced values (views of the one reduced tensor, still on the device)."""
+        if not self.parts:
+            return {}
+        flat = torch.cat(list(self.parts.values()))
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(flat, op=op)
+        return dict(zip(self.parts, flat.split([t.numel() for t in self.parts.values()])))
+
+
+def read_to_host(named: dict[str, torch.Tensor]) -> dict[str, list[float]]:
+    """name -> values on the host, in ONE device-to-host read for all of them (the step's only sync of ours)."""
+    if not named:
+        return {}
+    flat = torch.cat([t.reshape(-1) for t in named.values()]).tolist()
+    out, at = {}, 0
+    for name, t in named.items():
+        out[name], at = flat[at:at + t.numel()], at + t.numel()
+    return out
