@@ -28,6 +28,7 @@ from ..models.names import hf_names
 from ..models.pipeline import layer_specs, prepare_config
 from ..models.presets import build_model_config, is_moe
 from ..utils.errors import UserError
+from ..utils.private_api import ONNX_REGISTRATION_LOGGER, keep_in_fp32_modules, own_tensor_stores
 from .export_lora import is_lora_checkpoint, merged_model_from_checkpoint
 from .hf_files import readable_by_all, save_tokenizer, set_inference_fields, training_tokenizer
 
@@ -69,7 +70,7 @@ def hf_model_from_checkpoint(checkpoint: str, work_dir: str, experts_implementat
 
 def _keeps_fp32(model: nn.Module):
     """Whether transformers keeps a tensor (by name) in fp32 whatever the dtype: the router weights and bias."""
-    keep = getattr(model, "_keep_in_fp32_modules_strict", None) or []
+    keep = keep_in_fp32_modules(model)
     keep_rx = re.compile("|".join(re.escape(k) for k in keep)) if keep else None
     return lambda name: bool(keep_rx and keep_rx.search(name))
 
@@ -78,7 +79,7 @@ def _cast(model: nn.Module, dtype: torch.dtype) -> None:
     """Cast floating tensors except those transformers keeps in fp32, as from_pretrained(dtype=...) will."""
     keeps_fp32 = _keeps_fp32(model)
     for prefix, mod in model.named_modules():
-        for store in (mod._parameters, mod._buffers):
+        for store in own_tensor_stores(mod):
             for name, t in store.items():
                 full = f"{prefix}.{name}" if prefix else name
                 if t is None or not t.is_floating_point() or keeps_fp32(full):
@@ -211,7 +212,7 @@ def export_onnx(model: LogitsOnly, out: str, atol: float = 1e-4) -> float:
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     # The exporter warns about torchvision ops it cannot register (not installed, never used by a language model)
     # and about a pytree API torch itself calls: nothing the user can act on.
-    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    registration = logging.getLogger(ONNX_REGISTRATION_LOGGER)
     level = registration.level
     registration.setLevel(logging.ERROR)
     try:

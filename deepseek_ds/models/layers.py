@@ -19,6 +19,7 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
 from transformers.models.llama import modeling_llama as llama
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
+from ..utils.private_api import attention_implementation
 from .loss import Projection
 
 
@@ -148,7 +149,8 @@ def document_attention(config, hidden: torch.Tensor, position_ids: torch.Tensor,
     whole sequence's, from the group's gathered position ids."""
     # Every layer of a stage gets the same position_ids tensor in one forward: the first builds the mask and keeps it
     # on that tensor, so it is built once per stage and micro-batch and freed with it.
-    key = (config._attn_implementation, hidden.dtype)
+    attn = attention_implementation(config)
+    key = (attn, hidden.dtype)
     cached = getattr(position_ids, "_document_attention", None)
     if cached is not None and cached[0] == key:
         return cached[1]
@@ -158,7 +160,7 @@ def document_attention(config, hidden: torch.Tensor, position_ids: torch.Tensor,
         # Only the mask's shape, dtype and device are read from it: an empty tensor of the whole sequence's length.
         hidden = hidden.new_empty((hidden.shape[0], hidden.shape[1] * shard.size, 0))
         position_ids = position_ids if one_document else shard.gather(position_ids)
-    if config._attn_implementation.startswith("flash_attention"):
+    if attn.startswith("flash_attention"):
         kwargs = {"attention_mask": None} if one_document else _varlen_kwargs(position_ids)
     else:
         # Without position ids transformers builds the plain causal mask (None for SDPA) without looking for packed

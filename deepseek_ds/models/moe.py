@@ -27,6 +27,8 @@ from torch import nn
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
+from ..utils.private_api import in_backward
+
 HF_ROUTERS = (DeepseekV3TopkRouter, DeepseekV2TopkRouter)
 BIAS = "e_score_correction_bias"
 
@@ -140,12 +142,6 @@ class _AuxLossGrad(torch.autograd.Function):
         return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
 
 
-def _in_backward() -> bool:
-    # Activation checkpointing re-runs forwards (and their hooks) inside backward: that is not new traffic.
-    # torch.utils.checkpoint itself tells the two apart this way.
-    return torch._C._current_graph_task_id() != -1
-
-
 # ----------------------------------------------------------------------------------------------- the hooks
 def moe_blocks(model: nn.Module) -> dict[str, tuple[nn.Module, nn.Module]]:
     """name -> (MoE block, router) for transformers' blocks (router at .gate) and AutoEP's (router at .router).
@@ -205,7 +201,7 @@ class ExpertLoad:
             logits, indices = output[0], output[2]
         else:  # AutoEP's router returns only the chosen scores: recompute the logits (one small matmul)
             logits, indices = (router.gate(args[0]) if self.keep_routing else None), output[1]
-        if not _in_backward():
+        if not in_backward():  # activation checkpointing's re-run forward: not new traffic
             self.total[row] += torch.bincount(indices.reshape(-1), minlength=self.num_experts)
         if self.keep_routing:
             self._routed[row] = (logits, indices)
@@ -273,7 +269,7 @@ class LoadBalancer:
         logits, indices = self.load.routing(row)
         b, t = args[0].shape[:2]
         terms = balance_losses(logits.view(b, t, -1), indices.view(b, t, -1), self.s, self.sequence_shard).sum(0)
-        if not _in_backward():
+        if not in_backward():  # activation checkpointing's re-run forward: not new traffic
             self.aux_sums += terms.detach().double()
         scale = self.aux_grad_scale * (self.loss_scale() if self.loss_scale else 1.0)
         return _AuxLossGrad.apply(output, terms.sum(), scale)

@@ -12,6 +12,13 @@ from deepspeed.runtime import utils as ds_utils
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..utils.private_api import (
+    PARTITION_LAYERS,
+    pipeline_stage,
+    set_attention_implementation,
+    set_experts_implementation,
+    set_stage_layers,
+)
 from . import flops
 from .flops import LayerCost
 from .layers import (
@@ -181,10 +188,15 @@ class DeepSeekPipelineModule(PipelineModule):
         self._fixed_parts = parts
         super().__init__(specs, partition_method="fixed", **kwargs)
 
-    def _partition_layers(self, method="fixed"):
+    def use_fixed_parts(self, method="fixed"):
+        """PipelineModule's partition step (it calls it as PARTITION_LAYERS, set below): ours, not its own."""
         self.parts = list(self._fixed_parts)
-        stage_id = self._topo.get_coord(self.global_rank).pipe
-        self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+        stage_id = pipeline_stage(self)
+        set_stage_layers(self, start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+
+# PipelineModule.__init__ partitions through a private method, with no public hook: ours takes its place.
+setattr(DeepSeekPipelineModule, PARTITION_LAYERS, DeepSeekPipelineModule.use_fixed_parts)
 
 
 class SequentialLM(nn.Module):
@@ -257,9 +269,9 @@ def build_model(config, num_stages: int, seed: int, parts: list[int] | None = No
 
 def prepare_config(config, attn_implementation: str = "sdpa", experts_implementation: str = "grouped_mm"):
     """Kernel choices live on the config in transformers; set them once here for every layer."""
-    config._attn_implementation = attn_implementation
+    set_attention_implementation(config, attn_implementation)
     if is_moe(config):
-        config._experts_implementation = experts_implementation
+        set_experts_implementation(config, experts_implementation)
     config.use_cache = False
     return config
 

@@ -24,6 +24,8 @@ from deepspeed.module_inject.layers import TensorParallel_Layer
 from deepspeed.utils import groups
 from torch import nn
 
+from ..utils.private_api import init_tensor_parallel_mesh
+
 # Column-parallel: the output features (whole heads, whole MLP channels) are split; row-parallel: the input features,
 # followed by an all-reduce of the output. Every other weight is replicated in the TP group.
 _MLP_SPECS = [
@@ -67,7 +69,7 @@ def init_tensor_parallel_groups(tp: int):
     deepspeed.initialize and passed to it as `mpu`: its config otherwise counts every rank as data-parallel (the
     batch arithmetic fails). It is the mesh the engine's AutoTP uses (HF Trainer's tp_model_init path makes it the
     same way)."""
-    groups._init_tp_mesh_device(tensor_model_parallel_size=tp)  # private in DeepSpeed 0.19.8 (setup.py pins it)
+    init_tensor_parallel_mesh(tp)
     return groups
 
 

@@ -16,9 +16,8 @@ import shlex
 import time
 from collections.abc import Callable
 
-from torch.utils.cpp_extension import _get_build_directory
-
 from .errors import UserError
+from .private_api import torch_extensions_dir
 
 # Filesystems no other host shares (a disk, RAM, a container's own root). Any other type (NFS, Lustre, GPFS, WekaFS,
 # BeeGFS, sshfs, ...: too many to list) may hold another host's live build, whose holder is invisible here.
@@ -33,7 +32,7 @@ def extensions_root() -> str:
     """Where torch builds extensions: TORCH_EXTENSIONS_DIR (which importing deepseek_ds sets to a checkout's
     .cache/torch_extensions when the user has not), else its default (e.g. ~/.cache/torch_extensions/py311_cpu),
     from torch's own rule."""
-    return os.path.normpath(_get_build_directory("", verbose=False))
+    return os.path.normpath(torch_extensions_dir())
 
 
 def lock_holders(path: str) -> list[int] | None:

@@ -14,6 +14,7 @@ from deepspeed.moe import ep_experts
 from deepspeed.sequence.layer import _SeqAllToAll
 from deepspeed.utils import groups
 from torch.distributed import ProcessGroup, distributed_c10d
+from torch.utils import cpp_extension
 
 # (owner's import path, attribute, why the project needs it). An owner that is a class may hold the attribute on
 # its instances only (set in its __init__): the test then finds it in the class's source; of a function, the
@@ -62,35 +63,33 @@ PRIVATE: tuple[tuple[str, str, str], ...] = (
      "only: sequence parallelism swaps in its own"),
     ("deepspeed.runtime.pipe.module.PipelineModule", "_grid", "the data-parallel group PipelineModule made from "
      "our topology"),
-    # [not yet in the seam] models/pipeline.py
-    ("deepspeed.runtime.pipe.module.PipelineModule", "_partition_layers", "[not yet in the seam] "
-     "models/pipeline.py: our layer partition, computed before construction"),
-    ("deepspeed.runtime.pipe.module.PipelineModule", "_set_bounds", "[not yet in the seam] models/pipeline.py: "
-     "this stage's layers of our partition"),
-    ("deepspeed.runtime.pipe.module.PipelineModule", "_topo", "[not yet in the seam] models/pipeline.py: this "
-     "rank's pipeline stage"),
-    ("transformers.PretrainedConfig", "_experts_implementation", "[not yet in the seam] models/pipeline.py: "
-     "transformers' experts kernel choice"),
-    # [not yet in the seam] models/
-    ("torch._C", "_current_graph_task_id", "[not yet in the seam] models/moe.py: activation checkpointing's "
-     "re-run forwards are not new traffic"),
-    ("deepspeed.utils.groups", "_init_tp_mesh_device", "[not yet in the seam] models/tensor_parallel.py: the TP "
-     "mesh, made before deepspeed.initialize"),
-    # [not yet in the seam] bench/, inference/, utils/
+    ("deepspeed.runtime.pipe.module.PipelineModule", "_partition_layers", "our layer partition, computed before "
+     "construction (models/pipeline.py overrides it)"),
+    ("deepspeed.runtime.pipe.module.PipelineModule", "_set_bounds", "this stage's layers of our partition"),
+    ("deepspeed.runtime.pipe.module.PipelineModule", "_topo", "this rank's pipeline stage, while partitioning"),
+    ("transformers.PretrainedConfig", "_experts_implementation", "transformers' experts kernel choice lives on the "
+     "config only"),
+    # models/moe.py, models/tensor_parallel.py
+    ("torch", "_C", "torch's bindings, which hold autograd's current graph task"),
+    ("torch._C", "_current_graph_task_id", "activation checkpointing's re-run forwards are not new traffic"),
+    ("deepspeed.utils.groups", "_init_tp_mesh_device", "the TP mesh, made before deepspeed.initialize"),
+    # [not yet in the seam] bench/
     ("deepspeed.runtime.pipe.engine.PipelineEngine", "_INSTRUCTION_MAP", "[not yet in the seam] bench/worker.py: "
      "timing each pipeline instruction"),
     ("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3",
      "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition", "[not yet in the seam] bench/worker.py: "
      "ZeRO-3's gradient partitions, counted as gradients"),
     ("torch", "_fused_sdp_choice", "[not yet in the seam] bench/gpu_probes.py: which backend sdpa picks"),
-    ("torch.nn.Module", "_parameters", "[not yet in the seam] inference/export.py: tensors replaced in place"),
-    ("torch.nn.Module", "_buffers", "[not yet in the seam] inference/export.py: tensors replaced in place"),
-    ("torch.onnx._internal.exporter", "_registration", "[not yet in the seam] inference/export.py: its logger, "
-     "quieted"),
-    ("transformers.PreTrainedModel", "_keep_in_fp32_modules_strict", "[not yet in the seam] inference/export.py: "
-     "modules kept in fp32"),
-    ("torch.utils.cpp_extension", "_get_build_directory", "[not yet in the seam] utils/jit_lock.py: where JIT "
-     "builds lock"),
+    # export (inference/export.py), JIT builds (utils/jit_lock.py)
+    ("torch.nn.Module", "_parameters", "export's cast replaces a module's tensors in place"),
+    ("torch.nn.Module", "_buffers", "export's cast replaces a module's tensors in place"),
+    ("torch.onnx", "_internal", "the ONNX exporter's package, whose registration logger is quieted"),
+    ("torch.onnx._internal.exporter", "_registration", "its logger, quieted: it warns about operators no language "
+     "model uses"),
+    ("transformers.PreTrainedModel", "_keep_in_fp32_modules_strict", "the modules from_pretrained keeps in fp32, "
+     "which export's cast keeps too"),
+    ("torch.utils.cpp_extension", "_get_build_directory", "where JIT builds lock (torch's own rule for the "
+     "extensions directory)"),
 )
 
 
@@ -205,9 +204,6 @@ def experts_kernel(experts) -> Callable:
     return ep_experts._run_experts_for_loop
 
 
-def pipeline_data_parallel_group(module) -> ProcessGroup:
-    """The data-parallel group a PipelineModule made from its topology (its grid is not public)."""
-    return module._grid.get_data_parallel_group()
 
 
 # ------------------------------------------------------------------------------------------ sequence parallelism
@@ -225,3 +221,64 @@ def attention_implementation(config) -> str:
 def set_attention_implementation(config, name: str) -> None:
     """Make `name` (a transformers AttentionInterface name) what modules of `config` attend with."""
     config._attn_implementation = name
+
+
+def set_experts_implementation(config, name: str) -> None:
+    """Make `name` (a transformers experts kernel: grouped_mm, batched_mm, eager) what MoE modules of `config`
+    run their experts with (kept on the config only, as the attention choice is)."""
+    config._experts_implementation = name
+
+
+# ------------------------------------------------------------------------------------------ pipeline parallelism
+# PipelineModule.__init__ partitions its layers by calling this method (DeepSpeed offers no hook): the project's
+# pipeline module (models/pipeline.py) overrides it with the partition it computed before construction.
+PARTITION_LAYERS = "_partition_layers"
+
+
+def pipeline_stage(module) -> int:
+    """This rank's pipeline stage, from a PipelineModule's topology (as DeepSpeed's own partition reads it)."""
+    return module._topo.get_coord(module.global_rank).pipe
+
+
+def set_stage_layers(module, start: int, stop: int) -> None:
+    """Make layers start .. stop - 1 (of the whole list of specs) a PipelineModule's own: its stage's bounds."""
+    module._set_bounds(start=start, stop=stop)
+
+
+def pipeline_data_parallel_group(module) -> ProcessGroup:
+    """The data-parallel group a PipelineModule made from its topology (its grid is not public)."""
+    return module._grid.get_data_parallel_group()
+
+
+# ------------------------------------------------------------------------------------------ autograd, TP, JIT, export
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass now: activation checkpointing re-runs forwards (and their hooks)
+    inside it; torch.utils.checkpoint itself tells the two apart this way."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def init_tensor_parallel_mesh(tp: int) -> None:
+    """DeepSpeed's data x tensor mesh of `tp` ranks per replica, made before deepspeed.initialize (which otherwise
+    counts every rank as data-parallel); HF Trainer's tp_model_init path makes it the same way."""
+    groups._init_tp_mesh_device(tensor_model_parallel_size=tp)
+
+
+def torch_extensions_dir() -> str:
+    """Where torch builds (and locks) JIT extensions: TORCH_EXTENSIONS_DIR, else its default, by torch's own rule."""
+    return cpp_extension._get_build_directory("", verbose=False)
+
+
+def own_tensor_stores(module: torch.nn.Module) -> tuple[dict, dict]:
+    """A module's own (parameters by name, buffers by name), the dicts it keeps them in: a buffer stored there is
+    replaced in place, with no check nor hook (nn.Module has no public setter that keeps a buffer a buffer)."""
+    return module._parameters, module._buffers
+
+
+def keep_in_fp32_modules(model) -> list[str]:
+    """The module name patterns transformers keeps in fp32 whatever the dtype (from_pretrained(dtype=...)); none for
+    a model without them."""
+    return getattr(model, "_keep_in_fp32_modules_strict", None) or []
+
+
+# The ONNX exporter's operator registration logs here (warnings about operators no language model uses).
+ONNX_REGISTRATION_LOGGER = "torch.onnx._internal.exporter._registration"
