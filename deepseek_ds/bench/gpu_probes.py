@@ -15,6 +15,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..launcher import bandwidth
 from ..utils.net import free_port
+from ..utils.private_api import sdpa_backend_choice
 
 BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH)
 # Timed forward + backward calls per backend after an untimed first one: a GPU call takes milliseconds, so ten
@@ -30,8 +31,8 @@ def attention_backends(device: torch.device, dtype: torch.dtype, seq: int, heads
                for d in (qk_dim, qk_dim, v_dim))
     mask = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
     calls = {"causal, no mask": {"is_causal": True}, "boolean mask": {"attn_mask": mask}}
-    chosen = {label: SDPBackend(torch._fused_sdp_choice(q, k, v, kw.get("attn_mask"), 0.0,
-                                                        kw.get("is_causal", False))).name
+    chosen = {label: SDPBackend(sdpa_backend_choice(q, k, v, kw.get("attn_mask"), 0.0,
+                                                    kw.get("is_causal", False))).name
               for label, kw in calls.items()}
     rows = []
     for backend in BACKENDS:

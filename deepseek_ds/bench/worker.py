@@ -33,6 +33,7 @@ from ..training.schedule import start_lr_schedule
 from ..training.setup import build_run
 from ..utils.cli_args import add_local_rank, add_run_args
 from ..utils.fs import write_json_atomic
+from ..utils.private_api import ZERO3_GRAD_PARTITIONS, pipeline_instructions, set_pipeline_instructions
 from ..utils.system import cpu_model
 
 PHASES = ("compute", "optimizer")
@@ -45,7 +46,7 @@ HELD = (*CATEGORIES, "offloaded")  # what held_bytes() reports
 _MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat",
                  "fp32_groups_flat_partition")
 _GRAD_ATTRS = ("averaged_gradients", "all_grad_tensors", "grads_in_partition", "grad_partitions_flat_buffer",
-               "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition", "fp32_groups_gradients",
+               ZERO3_GRAD_PARTITIONS, "fp32_groups_gradients",
                "fp32_groups_gradients_flat", "fp32_groups_gradient_flat_partition")
 # The gradient communication ("IPG") buckets of ZeRO 1/2 and ZeRO-3, by dtype. While a backward fills one, the
 # parameters' .grad are views into it: it is claimed as a buffer first, or it would count as gradients.
@@ -187,15 +188,15 @@ class PhaseClock:
 def instrument(engine, clock: PhaseClock, probe: StateProbe) -> list:
     """Time this engine's phases without changing what it computes, and snapshot what the rank holds at the same
     points of every step whatever the ZeRO stage; returns the hooks' handles. The pipeline engine dispatches every
-    schedule instruction through `self._INSTRUCTION_MAP`, so an instance copy with timed entries shadows the
+    schedule instruction through its instruction table, so an instance copy with timed entries shadows the
     class's; the plain engine is driven through forward/backward/step, wrapped on the instance."""
     if isinstance(engine, PipelineEngine):
-        table = dict(PipelineEngine._INSTRUCTION_MAP)
+        table = pipeline_instructions(PipelineEngine)
         for instr in (schedule.ForwardPass, schedule.BackwardPass):
             table[instr] = clock.wrap("compute", table[instr])
         for instr in (schedule.ReduceTiedGrads, schedule.ReduceGrads, schedule.OptimizerStep):
             table[instr] = clock.wrap("optimizer", table[instr], around=probe.snapshot)
-        engine._INSTRUCTION_MAP = table
+        set_pipeline_instructions(engine, table)
     else:
         engine.forward = clock.wrap("compute", engine.forward)
         engine.backward = clock.wrap("compute", engine.backward)

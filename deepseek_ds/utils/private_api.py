@@ -18,8 +18,7 @@ from torch.utils import cpp_extension
 
 # (owner's import path, attribute, why the project needs it). An owner that is a class may hold the attribute on
 # its instances only (set in its __init__): the test then finds it in the class's source; of a function, the
-# attribute is a parameter. Entries marked "[not yet
-# in the seam]" are accessed in their own modules still (the coordinator moves them here); the test covers them now.
+# attribute is a parameter.
 PRIVATE: tuple[tuple[str, str, str], ...] = (
     # torch process groups (training/setup.py)
     ("torch.distributed.distributed_c10d", "_world", "every process group of this rank, to give each the timeout"),
@@ -73,13 +72,13 @@ PRIVATE: tuple[tuple[str, str, str], ...] = (
     ("torch", "_C", "torch's bindings, which hold autograd's current graph task"),
     ("torch._C", "_current_graph_task_id", "activation checkpointing's re-run forwards are not new traffic"),
     ("deepspeed.utils.groups", "_init_tp_mesh_device", "the TP mesh, made before deepspeed.initialize"),
-    # [not yet in the seam] bench/
-    ("deepspeed.runtime.pipe.engine.PipelineEngine", "_INSTRUCTION_MAP", "[not yet in the seam] bench/worker.py: "
-     "timing each pipeline instruction"),
+    # benchmarks (bench/worker.py, bench/gpu_probes.py)
+    ("deepspeed.runtime.pipe.engine.PipelineEngine", "_INSTRUCTION_MAP", "timing each pipeline instruction "
+     "(the engine dispatches every schedule instruction through it)"),
     ("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3",
-     "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition", "[not yet in the seam] bench/worker.py: "
-     "ZeRO-3's gradient partitions, counted as gradients"),
-    ("torch", "_fused_sdp_choice", "[not yet in the seam] bench/gpu_probes.py: which backend sdpa picks"),
+     "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition", "ZeRO-3's gradient partitions, counted as "
+     "gradients by bench zero"),
+    ("torch", "_fused_sdp_choice", "which backend scaled_dot_product_attention picks (the GPU check)"),
     # export (inference/export.py), JIT builds (utils/jit_lock.py)
     ("torch.nn.Module", "_parameters", "export's cast replaces a module's tensors in place"),
     ("torch.nn.Module", "_buffers", "export's cast replaces a module's tensors in place"),
@@ -282,3 +281,23 @@ def keep_in_fp32_modules(model) -> list[str]:
 
 # The ONNX exporter's operator registration logs here (warnings about operators no language model uses).
 ONNX_REGISTRATION_LOGGER = "torch.onnx._internal.exporter._registration"
+
+
+# ------------------------------------------------------------------------------------------ benchmarks
+# ZeRO-3's per-parameter gradient partitions (a name-mangled field): bench zero counts them as gradients.
+ZERO3_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
+
+
+def pipeline_instructions(engine_cls) -> dict:
+    """A copy of the pipeline engine's instruction -> method table (PipelineEngine._INSTRUCTION_MAP), to time each."""
+    return dict(engine_cls._INSTRUCTION_MAP)
+
+
+def set_pipeline_instructions(engine, table: dict) -> None:
+    """`table` as this engine's instruction table (an instance copy shadows the class's)."""
+    engine._INSTRUCTION_MAP = table
+
+
+def sdpa_backend_choice(q, k, v, attn_mask, dropout_p: float, is_causal: bool) -> int:
+    """The backend torch's scaled_dot_product_attention would pick for these inputs (an SDPBackend value)."""
+    return torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal)
