@@ -56,7 +56,7 @@ from ..models.tiled import tile_mlps
 from ..parallel import expert_lora, sequence
 from ..parallel.layout import Layout
 from ..utils.jit_lock import announce, check_jit_locks
-from ..utils.private_api import all_process_groups, group_timeout_s, set_group_timeout
+from ..utils.private_api import all_process_groups, group_timeout_s, keep_fp32_clip_norm, set_group_timeout
 from ..utils.redact import redact
 from ..utils.system import cache_cpu_probe, cpu_threads_per_rank
 
@@ -377,6 +377,7 @@ def _engine(cfg: RunConfig, ds: dict, model, layout: Layout, log: logging.Logger
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable if lora_on_autoep
                                                else list(trainable), config=ds, mpu=layout.tensor_groups)
     restore_fp32_biases(engine.module, biases)
+    keep_fp32_clip_norm(engine)  # ZeRO-0's gradient norm, as ZeRO 1-3's engines keep theirs
     timeouts = apply_timeout_to_all_groups(cfg.train.dist_timeout_s)
     log.info("%d process groups, each with a %s s timeout (train.dist_timeout_s)", len(timeouts),
              "/".join(f"{t:g}" for t in sorted(set(timeouts))))

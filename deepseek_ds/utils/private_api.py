@@ -11,6 +11,7 @@ from datetime import timedelta
 
 import torch
 from deepspeed.moe import ep_experts
+from deepspeed.runtime.utils import clip_grad_norm_
 from deepspeed.sequence.layer import _SeqAllToAll
 from deepspeed.utils import groups
 from torch.distributed import ProcessGroup, distributed_c10d
@@ -72,6 +73,8 @@ PRIVATE: tuple[tuple[str, str, str], ...] = (
     ("torch", "_C", "torch's bindings, which hold autograd's current graph task"),
     ("torch._C", "_current_graph_task_id", "activation checkpointing's re-run forwards are not new traffic"),
     ("deepspeed.utils.groups", "_init_tp_mesh_device", "the TP mesh, made before deepspeed.initialize"),
+    ("deepspeed.runtime.engine.DeepSpeedEngine", "_global_grad_norm", "what get_global_grad_norm returns: "
+     "the ZeRO-0 engine clips fp32 gradients without keeping their norm"),
     # benchmarks (bench/worker.py, bench/gpu_probes.py)
     ("deepspeed.runtime.pipe.engine.PipelineEngine", "_INSTRUCTION_MAP", "timing each pipeline instruction "
      "(the engine dispatches every schedule instruction through it)"),
@@ -301,3 +304,14 @@ def set_pipeline_instructions(engine, table: dict) -> None:
 def sdpa_backend_choice(q, k, v, attn_mask, dropout_p: float, is_causal: bool) -> int:
     """The backend torch's scaled_dot_product_attention would pick for these inputs (an SDPBackend value)."""
     return torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal)
+
+
+# ------------------------------------------------------------------------------------------ the gradient norm
+def keep_fp32_clip_norm(engine) -> None:
+    """Make the engine keep the norm its fp32 gradient clipping computes (ZeRO-0 without bf16/fp16: DeepSpeed's
+    clip_fp32_gradients drops it, so get_global_grad_norm() said None there, and the step line had no norm). The
+    same call as DeepSpeed's (its clip_grad_norm_ with the engine's clip and mpu), its result kept."""
+    def clip_fp32_gradients() -> None:
+        engine._global_grad_norm = clip_grad_norm_(parameters=engine.module.parameters(),
+                                                   max_norm=engine.gradient_clipping(), mpu=engine.mpu)
+    engine.clip_fp32_gradients = clip_fp32_gradients
