@@ -6,6 +6,7 @@ module is over 400 lines."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -109,3 +110,25 @@ def test_the_console_script_module_is_light():
     code = f"import sys, {script.module}; print(sorted({{'deepspeed', 'transformers'}} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def objective_branches(source: str, names) -> list[str]:
+    """The lines of a module's source that name an objective or its pieces: a branch on the objective."""
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b|preference|is_dpo|train\.objective",
+                         re.IGNORECASE)
+    return [line.strip() for line in source.splitlines() if pattern.search(line)]
+
+
+def test_the_training_loop_never_branches_on_the_objective():
+    """Objectives are objects (training/objectives/): the loop names none of them, only objective_of(run), and the
+    registry holds every train.objective the config accepts. The check can fail: the loop before the objectives
+    branched on DPO."""
+    from deepseek_ds.config.schema import OBJECTIVES as ACCEPTED
+    from deepseek_ds.training.objectives import OBJECTIVES
+
+    assert sorted(OBJECTIVES) == sorted(ACCEPTED)
+    names = [*OBJECTIVES, *(type(o).__name__ for o in OBJECTIVES.values())]
+    loop = (PACKAGE / "training" / "loop.py").read_text(encoding="utf-8")
+    assert objective_branches(loop, names) == []
+    assert objective_branches("    if preference.is_dpo(run):\n        return 1\n", names)
+    assert objective_branches('    dpo = run.cfg.train.objective == "dpo"\n', names)

@@ -450,7 +450,7 @@ def _clip_grad_norm_fp64(parameters, max_norm: float, **_) -> torch.Tensor:
 def test_reference_pass_killed_midway_resumes_to_the_same_bytes(dpo_runs, many_pairs, reference_dir, tmp_path):
     """SIGKILL to the whole job (launcher and ranks) while the reference pass stores its parts; the relaunch keeps
     the parts stored intact, computes only the rest, and stores bitwise what the uninterrupted 2-rank pass stored."""
-    from deepseek_ds.training.preference import REFERENCE_DIR, part_pairs
+    from deepseek_ds.training.objectives.dpo_reference import REFERENCE_DIR, part_pairs
     from deepseek_ds.utils.net import free_port
     from helpers import BIN, ROOT, kill_job, launch_env, run_ranks
 
@@ -534,16 +534,16 @@ def test_a_dpo_run_warns_at_its_start_of_a_validation_split_under_8_pairs(pref_d
     import logging
     from types import SimpleNamespace
 
-    from deepseek_ds.training import preference
+    from deepseek_ds.training.objectives import dpo_reference
     data = load_run_config("recipes/tiny-v3.yaml", [f"data.seq_len={SEQ}"]).data
     log = logging.getLogger("test_preference.small_valid")
     # A reference-free loss: ensure_reference returns before any model is needed, after its check of the split.
     run = SimpleNamespace(rank=0, log=log, loss_fn=SimpleNamespace(needs_reference=False))
     with caplog.at_level(logging.WARNING, logger=log.name):
-        preference.ensure_reference(run, open_dataset(pref_data, data), "train")
+        dpo_reference.ensure_reference(run, open_dataset(pref_data, data), "train")
         assert not caplog.records  # the training split is not what eval_reward_accuracy is measured on
         valid = open_dataset(pref_data, data, "valid")
-        preference.ensure_reference(run, valid, "valid")
+        dpo_reference.ensure_reference(run, valid, "valid")
     assert [r.getMessage() for r in caplog.records] == [
         f"the validation split holds only {len(valid)} preference pairs (fewer than 8): its reward accuracy moves in "
         f"steps of {100 / len(valid):.0f}% and means little; prepare the data with a larger --valid-fraction"]

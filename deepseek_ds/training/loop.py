@@ -14,14 +14,10 @@ from ..checkpoint.format import latest_tag, tag_for
 from ..checkpoint.lock import checkpoint_lock
 from ..checkpoint.resuming import resume
 from ..checkpoint.saving import save
-from ..data import GlobalBatchSampler, micro_batches, open_dataset, open_training_data
+from ..data import GlobalBatchSampler, open_training_data
 from ..launcher.supervise import STOP_RECORD
-from ..models.loss import valid_token_counts
-from ..models.pipeline import split_micro_batch, to_device
-from ..parallel.sequence import shard_micro_batch
 from ..utils.fs import write_json_atomic
-from . import monitors, nan_policy, preference
-from .evaluation import evaluate_run
+from . import monitors, nan_policy
 from .metrics import (
     PROC_CLEAR_REFS,
     MetricsWriter,
@@ -33,6 +29,8 @@ from .metrics import (
     read_to_host,
     source_metrics,
 )
+from .objectives import objective_of
+from .objectives.base import task_scores_line
 from .progress import Progress
 from .router_stats import RouterStats, moe_layer_indices
 from .schedule import align_resumed_schedule, start_lr_schedule
@@ -46,35 +44,8 @@ def _all_reduce(value: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tenso
 
 
 def _local_step(run: Run, micro_batches: list) -> torch.Tensor:
-    """One optimizer step on this rank's share of the global batch, nothing read to the host: the sum of this rank's
-    scaled micro losses (dp x gas x its share of the token-weighted global loss; a float64 device scalar, to be
-    summed over the data-parallel ranks), or with a pipeline the global-batch loss DeepSpeed reduced already."""
-    if preference.is_dpo(run):
-        return preference.local_step(run, micro_batches)
-    engine = run.engine
-    # Sequence parallelism: each rank keeps its shard of every sequence (and the MTP depths' next tokens), and counts
-    # and computes its own tokens.
-    shard, depth = run.layout.sequence_shard, run.loss_fn.mtp_depth
-    halo = depth if shard else 0
-    micro_batches = [shard_micro_batch(mb, shard, halo) for mb in micro_batches]
-    # Counted on the host (the batches are host tensors) without reading them; collectives take device tensors (NCCL
-    # refuses host ones).
-    n_valid = to_device(valid_token_counts(micro_batches, depth, halo).double(), engine.device)
-    # The summed counts stay on the device: the loss scales need no host-device sync.
-    layout = run.layout
-    run.loss_fn.set_global_tokens(_all_reduce(n_valid, layout.gradient_group), layout.gradient_size, run.grad_accum)
-    # Micro-batches with position ids (packed sequences) give the model (input_ids, position_ids).
-    split = [split_micro_batch(mb, mtp=run.loss_fn.mtp_depth > 0) for mb in micro_batches]
-    if run.pipeline:
-        return engine.train_batch(iter(split)).detach().double()
-    total = torch.zeros((), dtype=torch.float64, device=engine.device)
-    for inputs, labels in split:
-        logits = engine(to_device(inputs, engine.device))
-        loss = run.loss_fn(logits, to_device(labels, engine.device))
-        engine.backward(loss)
-        engine.step()
-        total += loss.detach().double()
-    return total
+    """One optimizer step on this rank's share of the global batch, nothing read to the host (Objective.local_step)."""
+    return objective_of(run).local_step(run, micro_batches)
 
 
 def train_step(run: Run, micro_batches: list) -> float:
@@ -85,15 +56,6 @@ def train_step(run: Run, micro_batches: list) -> float:
         return float(total)
     # The scaled micro losses sum to (dp x sp x gas) x this rank's share of the token-weighted global loss.
     return float(_all_reduce(total, run.layout.gradient_group).item() / (run.layout.gradient_size * run.grad_accum))
-
-
-def mtp_record(parts: list[float]) -> dict[str, float]:
-    """The main LM loss and each MTP depth's loss of the step from their global-batch means [main, depth 1..D].
-    `loss` is what was optimised, lm_loss + mtp_loss_weight x mtp_loss."""
-    record = {"lm_loss": parts[0], "mtp_loss": sum(parts[1:]) / len(parts[1:])}
-    if len(parts) > 2:
-        record.update({f"mtp_loss_{k}": v for k, v in enumerate(parts[1:], start=1)})
-    return record
 
 
 def recorded_step(run: Run, batches, sampler: GlobalBatchSampler, meter: StepMeter, routers: RouterStats | None,
@@ -131,22 +93,21 @@ def recorded_step(run: Run, batches, sampler: GlobalBatchSampler, meter: StepMet
 
 def _reduced_metrics(run: Run, meter: StepMeter, routers: RouterStats | None, local: torch.Tensor, skipped: bool,
                      stop: StopOnSignal | None) -> tuple[dict, float]:
-    """loss, grad_norm, memory_gb (the largest peak over ranks), the MTP and balance losses and the expert-load
-    statistics of the step, and the stop flag: one SUM and one MAX all-reduce (every rank calls it) and one read to
-    the host. Bias statistics are taken after the balancer's update, so they go with the MAX (one rank reports each
-    layer, the others hold -inf)."""
-    engine, device, depth, balancer = run.engine, run.engine.device, run.loss_fn.mtp_depth, run.balancer
+    """loss, grad_norm, memory_gb (the largest peak over ranks), the objective's metrics (e.g. MTP losses), the balance
+    losses and the expert-load statistics of the step, and the stop flag: one SUM and one MAX all-reduce (every rank
+    calls it) and one read to the host. Bias statistics are taken after the balancer's update, so they go with the
+    MAX (one rank reports each layer, the others hold -inf)."""
+    engine, device, balancer = run.engine, run.engine.device, run.balancer
     if balancer and routers is None:
         raise ValueError("recorded_step: a model with a load balancer needs its RouterStats (loop.router_stats)")
     gas_dp = run.layout.gradient_size * run.grad_accum
     # The TP ranks of a replica compute the same losses: one of them counts, so the sums are over replicas.
     replica = 1.0 if run.layout.counts_once else 0.0
-    dpo = preference.is_dpo(run)
+    objective = objective_of(run)
     sums = NamedReduction(device)
     sums.add("loss", None if run.pipeline else local.reshape(1) * replica)
-    # MTP parts [main, depth 1..D] (pipeline stages other than the last hold zeros), or DPO's pair metrics
-    # (preference_loss.METRICS).
-    sums.add("parts", run.loss_fn.take_parts(device) * replica if depth or dpo else None)
+    parts = objective.metric_parts(run, device)  # the objective's own metrics, named by it below
+    sums.add("parts", parts * replica if parts is not None else None)
     sums.add("aux", balancer.take_aux() if balancer and balancer.s.has_aux else None)
     groups = run.loss_fn.take_group_sums(device) if hasattr(run.loss_fn, "take_group_sums") else None
     sums.add("groups", groups * replica if groups is not None else None)
@@ -168,8 +129,6 @@ def _reduced_metrics(run: Run, meter: StepMeter, routers: RouterStats | None, lo
 
     # The scaled micro losses sum to (dp x sp x gas) x the token-weighted global loss.
     out: dict = {"loss": host["pipeline_loss"][0] if run.pipeline else host["sum/loss"][0] / gas_dp}
-    if dpo:
-        out.update({k: v for k, v in run.loss_fn.metrics(host["sum/parts"]).items() if k != "loss"})
     out["grad_norm"] = host["grad_norm"][0] if norm_on_device else (float(grad_norm) if grad_norm is not None else None)
     out["memory_gb"] = host["max/memory_gb"][0]
     stop_asked = host["max/stop"][0] if stop is not None else 0.0  # async_save.SAVE_FAILED outranks a signal's 1
@@ -177,8 +136,8 @@ def _reduced_metrics(run: Run, meter: StepMeter, routers: RouterStats | None, lo
         out.update(balancer.aux_metrics(host["sum/aux"]))
     if groups is not None:
         out.update(source_metrics(run.dataset.labels, host["sum/groups"]))
-    if depth:
-        out.update(mtp_record([p / gas_dp for p in host["sum/parts"]]))
+    if "sum/parts" in host:
+        out.update(objective.metrics(run, host["sum/parts"]))
     if routers:
         out.update(routers.metrics(host["sum/load"], host.get("max/bias", [])))
     return out, stop_asked
@@ -205,11 +164,7 @@ def train(run: Run, on_accepted=None) -> dict:
 def _train(run: Run, stop: StopOnSignal, on_accepted=None) -> dict:
     cfg, engine, log = run.cfg, run.engine, run.log
     is_rank0 = run.rank == 0
-    if preference.is_dpo(run):  # before the resume: the engine still holds the starting weights
-        run.reference = preference.ensure_reference(run, run.dataset)
-        if cfg.eval.interval:
-            run.valid_reference = preference.ensure_reference(run, open_dataset(run.dataset_dir, cfg.data, "valid"),
-                                                              "valid")
+    objective_of(run).before_training(run)  # before the resume: the engine still holds the starting weights
     state = resume(run) or {}
     if on_accepted:  # the run, and its resume if any, passed every check: e.g. record resolved_config.yaml
         on_accepted()
@@ -247,8 +202,7 @@ def _train(run: Run, stop: StopOnSignal, on_accepted=None) -> dict:
 
 def step_meter(run: Run) -> StepMeter:
     cfg, engine = run.cfg, run.engine
-    # A preference sample is a pair: two sequences.
-    tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len * (2 if preference.is_dpo(run) else 1)
+    tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len * objective_of(run).sequences_per_sample
     flops_per_step = flops_per_token(run.model_config, cfg.data.seq_len) * tokens_per_step
     meter = StepMeter(flops_per_step, tokens_per_step, cfg.train.global_batch_size, run.world, engine.device,
                       peak_tflops(engine.device, cfg.train.peak_tflops))
@@ -269,9 +223,8 @@ def _close(metrics: MetricsWriter | None, engine) -> None:
 def _steps(run: Run, sampler: GlobalBatchSampler, metrics: MetricsWriter | None, stop: StopOnSignal,
            start_step: int) -> tuple[str | None, int]:
     """The optimizer steps after `start_step`; returns (the last checkpoint saved, the last step trained)."""
-    cfg, engine, log = run.cfg, run.engine, run.log
-    batches = (preference.pair_batches(run, sampler, run.reference) if preference.is_dpo(run)
-               else micro_batches(run.dataset, sampler))
+    cfg, engine, log, objective = run.cfg, run.engine, run.log, objective_of(run)
+    batches = objective.batches(run, sampler)
     meter, routers = step_meter(run), router_stats(run)
     valid = (open_training_data(cfg.data, run.dataset_dir, cfg.train.seed, cfg.train.shuffle, "valid")
              if cfg.eval.interval else None)
@@ -296,16 +249,10 @@ def _steps(run: Run, sampler: GlobalBatchSampler, metrics: MetricsWriter | None,
             record.update({f"epochs/{k}": v for k, v in run.dataset.epochs(sampler.consumed_samples).items()})
         if valid is not None and (step % cfg.eval.interval == 0 or step == cfg.train.steps):
             with stop.busy():
-                record.update(preference.evaluate_run(run, valid, run.valid_reference) if preference.is_dpo(run)
-                              else evaluate_run(run, valid).as_record())
-            if preference.is_dpo(run):
-                log.info("step %d: validation loss %.4f, reward accuracy %.2f%%, margin %.4f", step,
-                         record["eval_loss"], 100 * record["eval_reward_accuracy"], record["eval_reward_margin"])
-            else:
-                log.info("step %d: validation loss %.4f, perplexity %.2f, next-token accuracy %.2f%%", step,
-                         record["eval_loss"], record["eval_ppl"], 100 * record["eval_accuracy"])
+                record.update(objective.evaluate(run, valid))
+            log.info("%s", objective.validation_message(step, record))
             if record.get("task_n"):
-                log.info("step %d: %s", step, _task_scores(record))
+                log.info("step %d: %s", step, task_scores_line(record))
         if metrics:
             metrics.write(record)
             monitors.write(engine, record, sampler.consumed_samples)
@@ -354,9 +301,9 @@ def _summary(run: Run, records: list[dict], start_step: int, last_saved: str | N
     run.log.info("\n".join([
         "done:",
         f"  loss        {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over {summary['steps']} steps",
-        *_mtp_lines(records),
+        *objective_of(run).loss_lines(records),
         f"  throughput  {summary['tokens_per_sec']:.0f} tokens/s ({run.world} ranks{resumed})",
-        *_validation_lines(records),
+        *_validation_lines(run, records),
         f"  checkpoint  {last_saved}",
         f"  metrics     {summary['metrics']}",
         f"  loss curve  {summary['plot']}",
@@ -364,27 +311,6 @@ def _summary(run: Run, records: list[dict], start_step: int, last_saved: str | N
     return summary
 
 
-def _mtp_lines(records: list[dict]) -> list[str]:
-    if "lm_loss" not in records[0]:
-        return []
-    first, last = records[0], records[-1]
-    return [f"  of which    main {first['lm_loss']:.4f} -> {last['lm_loss']:.4f}, "
-            f"MTP {first['mtp_loss']:.4f} -> {last['mtp_loss']:.4f}"]
-
-
-def _validation_lines(records: list[dict]) -> list[str]:
+def _validation_lines(run: Run, records: list[dict]) -> list[str]:
     evals = [r for r in records if r.get("eval_loss") is not None]
-    if not evals:
-        return []
-    r = evals[-1]
-    if "eval_reward_accuracy" in r:
-        return [f"  validation  pair loss {r['eval_loss']:.4f}, reward accuracy {100 * r['eval_reward_accuracy']:.1f}%"
-                f", margin {r['eval_reward_margin']:.4f} (step {r['step']})"]
-    task = [f"  eval.task   {_task_scores(r)} (step {r['step']})"] if r.get("task_n") else []
-    return [f"  validation  loss {r['eval_loss']:.4f}, perplexity {r['eval_ppl']:.2f}, "
-            f"next-token accuracy {100 * r['eval_accuracy']:.2f}% (step {r['step']})"] + task
-
-
-def _task_scores(record: dict) -> str:
-    return (f"task exact match {100 * record['task_exact_match']:.1f}%, BLEU {record['task_bleu']:.2f} "
-            f"({record['task_n']} items)")
+    return objective_of(run).validation_lines(evals[-1]) if evals else []

@@ -78,7 +78,7 @@ class Run:
     grad_accum: int
     log: logging.Logger
     balancer: LoadBalancer | None = None  # MoE load balancing (the loop moves its biases once per step)
-    reference: object = None         # dpo: the training split's reference log-probabilities (training/preference.py)
+    reference: object = None         # dpo: the training split's reference log-probabilities (objectives/dpo_reference)
     valid_reference: object = None   # dpo with eval.interval: the validation split's
     base_buffers: list | None = None  # dpo with LoRA: the base's starting buffers (router biases), its reference's
     saver: AsyncSaver | None = None  # checkpoint.async: the background writer (checkpoint/async_save.py)

@@ -1,4 +1,5 @@
-"""train.objective dpo: the reference pass and the preference step (models/preference_loss.py has the losses).
+"""train.objective dpo: the reference log-probabilities, stored (objectives/dpo.py has the pair step,
+models/preference_loss.py the losses).
 
 The reference model's log-probabilities of every pair of the training split are computed once, before training and
 before any resume (so `preference.reference: null` is the starting weights even on a resume), on the training
@@ -24,22 +25,18 @@ import torch.distributed as dist
 from peft.tuners.lora import LoraLayer
 from tqdm import tqdm
 
-from ..checkpoint.tensor_names import load_hf_weights_split
-from ..data import micro_batch
-from ..data.layout import read_meta
-from ..data.pairs import small_valid_warning
-from ..models.pipeline import local_layers, split_micro_batch, to_device
-from ..models.preference_loss import METRICS, chosen_nll, metric_sums, normalised, preference_terms, sequence_logps
-from ..utils.fs import write_bytes_atomic, write_json_atomic
-from .evaluation import _pipeline_eval_loss, eval_sample_count, task_scores_run
-from .setup import Run
+from ...checkpoint.tensor_names import load_hf_weights_split
+from ...data import micro_batch
+from ...data.layout import read_meta
+from ...data.pairs import small_valid_warning
+from ...models.pipeline import local_layers, split_micro_batch, to_device
+from ...models.preference_loss import sequence_logps
+from ...utils.fs import write_bytes_atomic, write_json_atomic
+from ..evaluation import _pipeline_eval_loss
+from ..setup import Run
 
 REFERENCE_DIR = "reference_logps"
 REFERENCE_PARTS = 100  # a killed pass loses at most about 1% of its work
-
-
-def is_dpo(run: Run) -> bool:
-    return run.cfg.train.objective == "dpo"
 
 
 def _files_identity(directory: str) -> list:
@@ -242,12 +239,6 @@ def adapters_off(module, base_buffers: list[torch.Tensor]):
                 b.copy_(now)
 
 
-def _base_logps(run: Run, inputs, labels) -> torch.Tensor:
-    """The reference log-probabilities of a micro-batch's rows under the LoRA base (no gradient)."""
-    with torch.no_grad(), adapters_off(run.engine.module, run.base_buffers):
-        return sequence_logps(run.engine(to_device(inputs, run.engine.device)), labels)[0].double()
-
-
 def reference_pass(run: Run, dataset, start: int = 0, count: int | None = None) -> np.ndarray:
     """[count, 4] summed log-probabilities of pairs start .. start + count - 1 (default: all) chosen and rejected
     responses under the engine's current weights, then their trained-token counts: each data-parallel rank its
@@ -283,55 +274,3 @@ def reference_pass(run: Run, dataset, start: int = 0, count: int | None = None) 
     return torch.cat(gathered)[:n].cpu().numpy()
 
 
-def pair_batches(run: Run, sampler, reference: np.ndarray | None):
-    """Per global batch, this rank's micro-batches: ((input_ids, position_ids), labels, reference [2B] or None)."""
-    for micro in sampler:
-        out = []
-        for idx in micro:
-            inputs, labels = split_micro_batch(micro_batch(run.dataset, idx))
-            ref = None if reference is None else torch.from_numpy(np.ascontiguousarray(reference[idx].T).reshape(-1))
-            out.append((inputs, labels, ref))
-        yield out
-
-
-def local_step(run: Run, micro_batches: list) -> torch.Tensor:
-    """One optimizer step of pair losses: the sum of this rank's scaled micro losses (float64 device scalar)."""
-    engine = run.engine
-    run.loss_fn.set_scale(run.layout.gradient_size, run.grad_accum)
-    if run.pipeline:  # (labels, reference) travel to the last stage; a reference-free loss gets zeros there
-        split = [(inputs, (labels, torch.zeros(labels.shape[0], dtype=torch.float64) if ref is None else ref))
-                 for inputs, labels, ref in micro_batches]
-        return engine.train_batch(iter(split)).detach().double()
-    total = torch.zeros((), dtype=torch.float64, device=engine.device)
-    base = run.loss_fn.needs_reference and lora_base_reference(run)
-    for inputs, labels, ref in micro_batches:
-        labels = labels.to(engine.device)
-        ref = _base_logps(run, inputs, labels) if base else None if ref is None else ref.to(engine.device)
-        logits = engine(to_device(inputs, engine.device))
-        loss = run.loss_fn(logits, (labels, ref))
-        engine.backward(loss)
-        engine.step()
-        total += loss.detach().double()
-    return total
-
-
-def evaluate_run(run: Run, dataset, reference: np.ndarray | None) -> dict:
-    """The validation record at eval.interval: the METRICS as eval_* means over the split's first eval.batches global
-    batches of pairs (eval_loss the pair loss), and eval.task's scores when the run has a task."""
-    cfg, loss_fn = run.cfg, run.loss_fn
-    n = eval_sample_count(len(dataset), cfg.eval.batches, cfg.train.global_batch_size)
-    values = torch.from_numpy(reference_pass(run, dataset, count=n))
-    if loss_fn.needs_reference and lora_base_reference(run):
-        with adapters_off(run.engine.module, run.base_buffers):
-            reference = reference_pass(run, dataset, count=n)[:, :2]
-    counts, logps = values[:, 2:].t().reshape(-1), values[:, :2].t().reshape(-1)
-    policy = normalised(logps, counts, loss_fn.loss)
-    ref = None if reference is None else normalised(torch.from_numpy(reference[:n]).t().reshape(-1), counts,
-                                                    loss_fn.loss)
-    terms = preference_terms(policy, ref, loss_fn.loss, loss_fn.beta, loss_fn.label_smoothing, loss_fn.simpo_gamma,
-                             loss_fn.rpo_alpha, chosen_nll(logps, counts))
-    record = {f"eval_{k}": v / n for k, v in zip(METRICS, metric_sums(*terms).tolist())}
-    record["eval_pairs"] = n
-    if cfg.eval.task:
-        record.update({f"task_{k}": v for k, v in task_scores_run(run).items()})
-    return record

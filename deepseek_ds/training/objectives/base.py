@@ -1,0 +1,64 @@
+"""What a training objective is to the loop (training/loop.py): the data it steps on, one optimizer step's loss, its
+named metrics, its validation and its lines of the run's summary. One object per train.objective
+(objectives/__init__.py): the loop never branches on the objective. The objects hold no state: what an objective
+keeps across steps lives on the Run (e.g. DPO's reference log-probabilities)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from ...data import GlobalBatchSampler
+from ..setup import Run
+
+
+class Objective:
+    """The interface, with the defaults of an objective that needs nothing before training and has no metrics of its
+    own besides the loss."""
+    name: str
+    sequences_per_sample = 1  # sequences of data.seq_len tokens in a sample (tokens and FLOPs per step)
+
+    def before_training(self, run: Run) -> None:
+        """Work before the resume, while the engine still holds the starting weights; every rank calls it."""
+
+    def batches(self, run: Run, sampler: GlobalBatchSampler) -> Iterator[list]:
+        """Per global batch of `sampler`, this rank's micro-batches as local_step takes them."""
+        raise NotImplementedError
+
+    def local_step(self, run: Run, micro_batches: list) -> torch.Tensor:
+        """One optimizer step on this rank's share of the global batch, nothing read to the host: the sum of this
+        rank's scaled micro losses (a float64 device scalar, to be summed over the data-parallel ranks into
+        gradient ranks x gas x the global-batch loss), or with a pipeline the global-batch loss DeepSpeed reduced."""
+        raise NotImplementedError
+
+    def metric_parts(self, run: Run, device: torch.device) -> torch.Tensor | None:
+        """This rank's float64 sums of the step behind the objective's metrics, summed over the ranks with the loss
+        (None: no metrics of its own). The loop counts them once per replica."""
+        return None
+
+    def metrics(self, run: Run, parts: list[float]) -> dict[str, float]:
+        """The step's named metrics of metrics.jsonl from metric_parts summed over the ranks."""
+        return {}
+
+    def evaluate(self, run: Run, dataset) -> dict:
+        """The validation record (eval_* metrics) on `dataset`, the validation split; every rank calls it."""
+        raise NotImplementedError
+
+    def validation_message(self, step: int, record: dict) -> str:
+        """The log line of a validation record."""
+        raise NotImplementedError
+
+    def loss_lines(self, records: list[dict]) -> list[str]:
+        """The run summary's lines after its loss (e.g. the loss's parts)."""
+        return []
+
+    def validation_lines(self, record: dict) -> list[str]:
+        """The run summary's lines of its last validation record."""
+        raise NotImplementedError
+
+
+def task_scores_line(record: dict) -> str:
+    """eval.task's scores of a validation record."""
+    return (f"task exact match {100 * record['task_exact_match']:.1f}%, BLEU {record['task_bleu']:.2f} "
+            f"({record['task_n']} items)")
