@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from deepseek_ds.data import GlobalBatchSampler, micro_batches
+from deepseek_ds.data import micro_batches
 from deepseek_ds.models.moe import moe_blocks, router_bias
 from deepseek_ds.training.loop import recorded_step, router_stats, step_meter
 from deepseek_ds.training.schedule import start_lr_schedule
@@ -22,8 +22,7 @@ from layouts_worker import run_layouts
 def train_moe(run: Run) -> None:
     engine, out, cfg = run.engine, run.cfg.train.output_dir, run.cfg
     start_lr_schedule(engine)  # as the training loop does: the first step is not at lr 0
-    sampler = GlobalBatchSampler(len(run.dataset), cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                                 run.dp_rank, run.dp_size, cfg.train.seed, shuffle=cfg.train.shuffle)
+    sampler = run.sampler()  # the run's own order, as the training loop takes it
     batches = ([(x, mask_prompt(x, y)) for x, y in batch] for batch in micro_batches(run.dataset, sampler))
     meter, routers = step_meter(run), router_stats(run)
     records = [recorded_step(run, batches, sampler, meter, routers, step, engine.get_lr()[0])[0]

@@ -1,6 +1,6 @@
 """One rank (started by tests/test_step_syncs.py with a one-rank launch's environment) that counts the host reads our
-code makes in training.loop.recorded_step on the real engine (build_run), the stop flag included, as the training
-loop calls it. A read is a call of a torch.Tensor method that hands a tensor's value to Python (or copies it to the
+code makes in training.loop.recorded_step on the real engine (build_run) and in the real training loop (loop.train),
+the stop flag included. A read is a call of a torch.Tensor method that hands a tensor's value to Python (or copies it to the
 host) whose calling frame is in deepseek_ds/ or transformers/; on a GPU each is a host-device sync. torch.tensor /
 as_tensor calls with a device from our code count too (a host-to-device copy of Python values, blocking: a sync).
 Writes, per step, the reads found ("file:line function method") and the records to argv[1]; the rest of argv is
@@ -15,12 +15,9 @@ import transformers
 
 import deepseek_ds
 from deepseek_ds.config import load_and_validate
-from deepseek_ds.data import GlobalBatchSampler, micro_batches
-from deepseek_ds.training.loop import recorded_step, router_stats, step_meter
+from deepseek_ds.training import loop
 from deepseek_ds.training.main import parse_args
-from deepseek_ds.training.schedule import start_lr_schedule
 from deepseek_ds.training.setup import build_run
-from deepseek_ds.training.signals import StopOnSignal
 
 PACKAGE = os.path.dirname(os.path.abspath(deepseek_ds.__file__)) + os.sep
 # The model's code as we call it counts too (e.g. its attention-mask builder's packed-sequence check); DeepSpeed's
@@ -62,24 +59,27 @@ class Counter:
 
 
 def main(argv: list[str]) -> int:
+    """The real training loop (loop.train: its sampler, batches, stop flag and saves), each of its steps counted:
+    loop.recorded_step, which the loop calls by its module's name, wrapped to switch the counter on around it."""
     result, args = argv[0], parse_args(argv[1:])
     cfg, ds = load_and_validate(args.config, args.deepspeed_config, args.set, 1)
     run = build_run(cfg, ds)
-    start_lr_schedule(run.engine)
-    sampler = GlobalBatchSampler(len(run.dataset), cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                                 run.dp_rank, run.dp_size, cfg.train.seed, shuffle=cfg.train.shuffle)
-    batches, meter, routers = micro_batches(run.dataset, sampler), step_meter(run), router_stats(run)
-    counter = Counter()
+    counter, steps, step = Counter(), [], loop.recorded_step
+
+    def counted(*step_args, **kwargs):
+        counter.active, counter.found = True, []
+        record, asked = step(*step_args, **kwargs)
+        counter.active = False
+        steps.append({"reads": counter.found, "record": record, "stop": asked,
+                      "balancer": run.balancer is not None, "mtp_depth": run.loss_fn.mtp_depth})
+        return record, asked
+
     counter.patch()
-    steps = []
-    with StopOnSignal(run.engine.device) as stop:
-        for step in range(1, cfg.train.steps + 1):
-            lr = run.engine.get_lr()[0]
-            counter.active, counter.found = True, []
-            record, asked = recorded_step(run, batches, sampler, meter, routers, step, lr, stop)
-            counter.active = False
-            steps.append({"reads": counter.found, "record": record, "stop": asked,
-                          "balancer": run.balancer is not None, "mtp_depth": run.loss_fn.mtp_depth})
+    loop.recorded_step = counted
+    try:
+        loop.train(run)
+    finally:
+        loop.recorded_step = step
     with open(result, "w") as f:
         json.dump(steps, f)
     return 0
