@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepseek_ds.models.layers import family_of
 from deepseek_ds.models.names import fuse_experts, hf_state_dict, per_expert_names, split_experts
 from deepseek_ds.models.pipeline import layer_specs, prepare_config
 from deepseek_ds.models.presets import build_model_config
+from deepseek_ds.models.registry import family_of
 
 pytestmark = pytest.mark.unit
 

@@ -19,6 +19,7 @@ from ..models.lora import lora_errors, lora_name_errors
 from ..models.moe import resolve_settings
 from ..models.pipeline import partition
 from ..models.presets import ModelConfigError, build_model_config, num_routed_experts
+from ..models.registry import family_of
 from ..models.tensor_parallel import tensor_parallel_errors
 from ..models.tiled import tiled_mlp_errors
 from ..parallel.degrees import layout_errors
@@ -366,7 +367,7 @@ def _moe_errors(cfg: RunConfig, ds: dict, mcfg) -> list[str]:
         return [f"moe.{k} = {v} but model {mcfg.model_type} is dense (no routed experts); remove it"
                 for k, v in dataclasses.asdict(cfg.moe).items() if v]
     errors = []
-    if settings.bias_update_speed > 0 and mcfg.model_type != "deepseek_v3":
+    if settings.bias_update_speed > 0 and not family_of(mcfg).has_router_bias:
         errors.append(f"moe.bias_update_speed = {settings.bias_update_speed}: {mcfg.model_type} routers have no "
                       "e_score_correction_bias (only DeepSeek-V3's do); set it to 0")
     for key in ("device_aux_alpha", "comm_aux_alpha"):

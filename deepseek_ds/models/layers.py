@@ -8,45 +8,19 @@ a stage read and write exactly its own tensors of an HF directory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import deepspeed
 import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask
-from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2
-from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
-from transformers.models.llama import modeling_llama as llama
-from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
 from ..utils.private_api import attention_implementation
 from .loss import Projection
-
-
-@dataclass(frozen=True)
-class Family:
-    causal_lm: type
-    decoder_layer: type
-    norm: type
-    rotary: type
-
-
-FAMILIES = {
-    "deepseek_v3": Family(v3.DeepseekV3ForCausalLM, v3.DeepseekV3DecoderLayer, v3.DeepseekV3RMSNorm, v3.DeepseekV3RotaryEmbedding),
-    "deepseek_v2": Family(v2.DeepseekV2ForCausalLM, v2.DeepseekV2DecoderLayer, v2.DeepseekV2RMSNorm, v2.DeepseekV2RotaryEmbedding),
-    "llama": Family(llama.LlamaForCausalLM, llama.LlamaDecoderLayer, llama.LlamaRMSNorm, llama.LlamaRotaryEmbedding),
-    # DeepSeek-R1-Distill-Qwen: Llama blocks with q/k/v biases (presets refuse its sliding-window layers).
-    "qwen2": Family(qwen2.Qwen2ForCausalLM, qwen2.Qwen2DecoderLayer, qwen2.Qwen2RMSNorm, qwen2.Qwen2RotaryEmbedding),
-}
-
-
-def family_of(config) -> Family:
-    return FAMILIES[config.model_type]
+from .registry import family_of
 
 
 def mtp_depth(config) -> int:
     """Number of multi-token-prediction modules (DeepSeek-V3's `num_nextn_predict_layers`; 0 for other models)."""
-    return int(getattr(config, "num_nextn_predict_layers", 0) or 0) if config.model_type == "deepseek_v3" else 0
+    return int(getattr(config, "num_nextn_predict_layers", 0) or 0) if family_of(config).has_mtp else 0
 
 
 def init_weights_(module: nn.Module, std: float, seed: int) -> None:

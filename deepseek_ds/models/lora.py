@@ -19,19 +19,11 @@ from torch import nn
 from .layers import LMHeadPipe
 from .names import hf_name
 from .pipeline import layer_specs, local_layers
+from .registry import FAMILIES, family_of
 
 ADAPTER = "default"  # peft's adapter name, in every adapter tensor's name
-# transformers' names of the projections LoRA adapts by default. DeepSeek: MLA's (q_proj where a model has no
-# q_lora_rank, as V2-Lite); its MLP projections cannot be targets (see MLP_NAMES); the routed experts are adapted
-# through lora.routed_experts.
-_MLA_TARGETS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
-_DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-DEFAULT_TARGETS = {
-    "deepseek_v3": _MLA_TARGETS,
-    "deepseek_v2": _MLA_TARGETS,
-    "llama": _DENSE_TARGETS,
-    "qwen2": _DENSE_TARGETS,  # its q/k/v biases stay frozen, as peft leaves a target's bias
-}
+# transformers' names of the projections LoRA adapts by default, by model_type (each family's lora_targets).
+DEFAULT_TARGETS = {model_type: f.lora_targets for model_type, f in FAMILIES.items()}
 # With transformers 5, peft (0.21) rewrites these target_modules of a DeepSeek model, on injection and so on every
 # PeftModel.from_pretrained, into the fused routed-expert parameters (transformers 4's expert names): the dense and
 # shared-expert MLPs lose them. An adapter on those MLPs would therefore not load back through peft.
@@ -54,7 +46,7 @@ def lora_errors(r: int, target_modules: list[str] | str | None, routed_experts: 
                         "model.path to the base model's HF directory (with its safetensors weights)")
     named = [] if isinstance(target_modules, str) else target_modules or ()  # all-linear leaves the MLPs out
     mlp = sorted({t.rsplit(".", 1)[-1] for t in named} & set(MLP_NAMES))
-    if mlp and model_type.startswith("deepseek"):
+    if mlp and family_of(model_type).is_moe:
         problems.append(f"lora.target_modules {mlp} on a DeepSeek model: peft (with transformers 5) maps these names "
                         "to the fused routed experts whenever it loads an adapter, so adapters on the dense and "
                         "shared-expert MLPs would not load back; remove them (attention is the default) and set "
@@ -90,7 +82,7 @@ def _all_linear(config) -> list[str]:
     """peft's `all-linear` on this model: the last name of every linear layer but the output head; on DeepSeek
     models without the MLP names, which peft would map to the fused routed experts (MLP_NAMES)."""
     names = {name.rsplit(".", 1)[-1] for name, linear in model_modules(config) if linear}
-    if config.model_type.startswith("deepseek"):
+    if family_of(config).is_moe:
         names -= set(MLP_NAMES)
     return sorted(names)
 

@@ -28,16 +28,11 @@ from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkR
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 from ..utils.private_api import in_backward
+from .registry import family_of
 
 HF_ROUTERS = (DeepseekV3TopkRouter, DeepseekV2TopkRouter)
 BIAS = "e_score_correction_bias"
 
-# The published settings (DeepSeek-V3 tech report sec. 4.2; DeepSeek-V2 paper sec. 3.1.2), used where the run
-# config leaves a key null. V2's routers have no correction bias; its device-level loss needs device groups.
-FAMILY_DEFAULTS = {
-    "deepseek_v3": {"bias_update_speed": 1e-3, "seq_aux_alpha": 1e-4, "device_aux_alpha": 0.0, "comm_aux_alpha": 0.0},
-    "deepseek_v2": {"bias_update_speed": 0.0, "seq_aux_alpha": 3e-3, "device_aux_alpha": 0.05, "comm_aux_alpha": 0.02},
-}
 # The balance losses, in the order balance_losses returns them; logged as aux_loss_<name>.
 AUX_TERMS = ("seq", "device", "comm")
 
@@ -65,7 +60,9 @@ class BalanceSettings:
 
 def resolve_settings(section, config) -> BalanceSettings | None:
     """Concrete settings from the run config's `moe` section (null: the family default); None for dense models."""
-    defaults = FAMILY_DEFAULTS.get(config.model_type)
+    # The published settings (each family's moe_defaults), used where the run config leaves a key null.
+    family = family_of(config)
+    defaults = family.moe_defaults
     if defaults is None:
         return None
     groups = int(getattr(config, "n_group", 1) or 1)
@@ -74,7 +71,7 @@ def resolve_settings(section, config) -> BalanceSettings | None:
         if getattr(section, key) is None and groups == 1:
             values[key] = 0.0  # one device group: the loss is a constant
     return BalanceSettings(**values, device_groups=groups, device_limit=int(getattr(config, "topk_group", 1) or groups),
-                           score_func="sigmoid" if config.model_type == "deepseek_v3" else "softmax",
+                           score_func=family.score_func,
                            num_experts=int(config.n_routed_experts), top_k=int(config.num_experts_per_tok))
 
 

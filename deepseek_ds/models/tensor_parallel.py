@@ -25,38 +25,21 @@ from deepspeed.utils import groups
 from torch import nn
 
 from ..utils.private_api import init_tensor_parallel_mesh
+from .registry import family_of
 
 # Column-parallel: the output features (whole heads, whole MLP channels) are split; row-parallel: the input features,
-# followed by an all-reduce of the output. Every other weight is replicated in the TP group.
+# followed by an all-reduce of the output. Every other weight is replicated in the TP group. The attention's specs are
+# each family's (tp_attention_specs).
 _MLP_SPECS = [
     # Dense MLP (the dense first layers of V2/V3, every Llama / Qwen2 layer) and DeepSeekMoE's shared experts.
     {"patterns": [r".*\.mlp\.(shared_experts\.)?(gate|up)_proj\.weight$"], "partition_type": "column"},
     {"patterns": [r".*\.mlp\.(shared_experts\.)?down_proj\.weight$"], "partition_type": "row"},
 ]
-_FAMILY_SPECS = {
-    # Llama and Qwen2 (whose q/k/v biases split with their weights: split_dim).
-    "llama": [
-        {"patterns": [r".*\.self_attn\.[qkv]_proj\.weight$"], "partition_type": "column"},
-        {"patterns": [r".*\.self_attn\.o_proj\.weight$"], "partition_type": "row"},
-    ],
-    # MLA, split by heads: the up-projections from the latents are column-parallel (q_proj without q_lora_rank, as
-    # in V2-Lite), the low-rank down-projections and their norms replicated (they feed every head).
-    "mla": [
-        {"patterns": [r".*\.self_attn\.(q_b_proj|kv_b_proj|q_proj)\.weight$"], "partition_type": "column"},
-        {"patterns": [r".*\.self_attn\.o_proj\.weight$"], "partition_type": "row"},
-        {"patterns": [r".*\.self_attn\.(q_a_proj|kv_a_proj_with_mqa)\.weight$"], "partition_type": "skip"},
-    ],
-}
-_MLA_TYPES = ("deepseek_v2", "deepseek_v3")
-
-
-def _family(model_type: str) -> str:
-    return "mla" if model_type in _MLA_TYPES else "llama"
 
 
 def partition_config(model_type: str) -> dict:
     """AutoTP's `partition_config` for a model family (only these specs: DeepSpeed's defaults are not merged)."""
-    return {"use_default_specs": False, "layer_specs": _FAMILY_SPECS[_family(model_type)] + _MLP_SPECS}
+    return {"use_default_specs": False, "layer_specs": list(family_of(model_type).tp_attention_specs) + _MLP_SPECS}
 
 
 def tensor_parallel_section(model_type: str, tp: int) -> dict:

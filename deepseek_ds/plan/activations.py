@@ -20,6 +20,7 @@ from __future__ import annotations
 from ..models.layers import mtp_depth
 from ..models.loss import CHUNK_LOGITS
 from ..models.presets import is_moe
+from ..models.registry import family_of
 
 FP32 = 4
 INDEX_BYTES = 8  # int64 token ids and expert indices
@@ -84,7 +85,7 @@ def router_bytes(mcfg, f: int) -> int:
     """Per token, what an MoE block's router keeps: its logits, their fp32 sigmoid (V3) or softmax (V2) scores, V3's
     group-limited choice mask, the top-k indices and weights and the token permutation."""
     k, e = mcfg.num_experts_per_tok, mcfg.n_routed_experts
-    mask = e if mcfg.model_type == "deepseek_v3" else 0
+    mask = e if family_of(mcfg).router_group_mask else 0
     return f * e + FP32 * e + mask + 5 * INDEX_BYTES * k
 
 

@@ -16,6 +16,7 @@ from torch import nn
 from ..models.layers import DecoderLayerPipe, mtp_depth
 from ..models.moe import ExpertLoad, LoadReader, router_bias
 from ..models.presets import is_moe
+from ..models.registry import family_of
 
 BIAS_STATS = ("min", "max", "mean", "std")
 
@@ -38,7 +39,7 @@ class RouterStats:
                  counts_load: bool = True):
         self.layers = moe_layer_indices(config)
         self.num_experts = int(config.n_routed_experts)
-        self.has_bias = config.model_type == "deepseek_v3"  # V2's softmax router has no correction bias
+        self.has_bias = family_of(config).has_router_bias  # V2's softmax router has no correction bias
         # Every data-parallel replica holds the same bias: one replica (dp rank 0) reports it, the MAX over ranks.
         self.reports_bias = reports_bias
         self.counts_load = counts_load
