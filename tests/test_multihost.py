@@ -1,6 +1,7 @@
 """Multi-host launches for real, on a test cluster of network-namespace hosts with their own sshd
 (launch/testcluster.sh): preflight, a host dying mid-run, the --no_ssh per-node mode, training
-across 4 hosts against the same run on 4 local ranks, and `data prepare` over 2 and 4 hosts against one.
+across 4 hosts against the same run on 4 local ranks, kill -9 of `deepseek-ds train` across 2 hosts leaving nothing
+of the job anywhere, and `data prepare` over 2 and 4 hosts against one.
 
 The cluster is built once for the whole session and removed at the end. Needs root, iproute2,
 openssh-server and pdsh (launch/install_test_deps.sh); skipped with the reason otherwise (`-rs` prints it), and
@@ -322,3 +323,76 @@ def test_data_prepare_on_two_and_four_hosts_is_byte_identical_to_one_and_resumes
     left, total = map(int, rerun.stdout.split("data prepare: ", 1)[1].split(" shards")[0].split(" of "))
     assert 0 < left < total, rerun.stdout  # only what the dead host left
     assert tree(four) == reference
+
+
+# ---------------------------------------------------------------- kill -9 of `deepseek-ds train` across hosts
+
+JOB_MARKERS = ("launch.py", "deepspeed.launcher.launch", "deepseek_ds.training.main", "train.py")
+LEFT_AFTER_S = 15.0  # issue 46: no process of the job within 15 s of kill -9 of the CLI
+
+
+def job_processes(cluster: Cluster, hosts: tuple[str, ...], run_marker: str) -> list[str]:
+    """'HOST: cmdline' of every process of the job: in each host's namespace, whatever runs launch.py or the
+    training module (pdsh's remote shell included); on the launching host (outside every namespace), whatever
+    carries the run's unique output directory in its argv (the deepspeed runner, pdsh and its ssh clients)."""
+    in_host = {int(pid): name for name in hosts
+               for pid in subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()}
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue  # a zombie runs nothing: its parent has yet to reap it
+            host = in_host.get(int(entry.name), "launching host")
+            ours = run_marker in cmdline or (host != "launching host" and any(m in cmdline for m in JOB_MARKERS))
+            if ours:
+                found.append(f"{host}: {cmdline}")
+    return found
+
+
+def test_kill_9_of_deepseek_ds_train_leaves_no_process_of_the_job_on_any_host(cluster, tmp_path):
+    """issue 46 across hosts: the CLI dies (kill -9 of its process group); its runner's parent-death signal makes
+    DeepSpeed's multi-node runner stop pdsh and pkill launch.py on every host, and each remote rank also watches
+    its launch.py (launcher/lifeline.py). Nothing of the job may be left on the launching host or on any host."""
+    shutil.copy(cluster.env_file, tmp_path / ".deepspeed_env")
+    hosts = cluster.hosts[:2]
+    output_dir = tmp_path / "run"
+    log = tmp_path / "train.log"
+    command = [PYTHON, "-m", "deepseek_ds", "train", "--config", str(REPO / "recipes" / "tiny-v3.yaml"),
+               "--hostfile", str(cluster.hostfile), "--include", "@".join(hosts), "--master_port", "29659",
+               "--set", "train.steps=100000", "--set", "train.log_interval=1", "--set", "checkpoint.interval=0",
+               "--set", "eval.interval=0", "--set", f"data.cache_dir={REPO / 'data_cache'}",
+               "--set", f"train.output_dir={output_dir}"]
+    with log.open("w") as sink:
+        job = subprocess.Popen(command, cwd=tmp_path, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+                               env={**os.environ, "PDSH_SSH_ARGS_APPEND": FAST_KEEPALIVE})
+    try:
+        metrics = output_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 600
+        while not (metrics.is_file() and metrics.read_text().strip()):  # a step done: the ranks are training
+            assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-6000:]
+            time.sleep(0.2)
+        running = job_processes(cluster, hosts, str(output_dir))
+        for host in hosts:  # the job really spans both hosts (launch.py and a rank on each) before the kill
+            assert sum(r.startswith(f"{host}: ") and "training.main" in r for r in running) >= 2, "\n".join(running)
+        os.killpg(job.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        job.wait()
+        while (left := job_processes(cluster, hosts, str(output_dir))) and time.monotonic() - killed < LEFT_AFTER_S:
+            time.sleep(0.2)
+        took = time.monotonic() - killed
+        assert left == [], (f"{len(left)} processes of the job still run {LEFT_AFTER_S:.0f} s after kill -9 of "
+                            "`deepseek-ds train`:\n" + "\n".join(line[:200] for line in left))
+        print(f"kill -9 of deepseek-ds train on {len(hosts)} hosts: no process of the job left after {took:.1f} s")
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+        for entry in Path("/proc").iterdir():
+            with contextlib.suppress(OSError, ValueError):
+                if entry.name.isdigit() and str(output_dir).encode() in (entry / "cmdline").read_bytes():
+                    os.kill(int(entry.name), signal.SIGKILL)  # leftovers; reset_host clears the rest
+        for index in range(len(hosts)):
+            cluster.reset_host(index)
