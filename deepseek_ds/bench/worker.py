@@ -203,11 +203,13 @@ def instrument(engine, clock: PhaseClock, probe: StateProbe) -> list:
         engine.step = clock.wrap("optimizer", engine.step, around=probe.snapshot)
     # ZeRO-2 frees its gradient bucket at the end of every backward (DeepSpeed's IPG epilogue), before any
     # optimizer call; ZeRO 1 and 3 keep theirs. The first parameter's gradient is the stage's last (autograd
-    # runs backwards), and its hook fires before that epilogue: every stage's buffers are seen at the height of
-    # its backward. Only the buffers: mid-backward ZeRO-3 holds gathered parameters, working memory like the
-    # activations, which the model-state categories (taken around the optimizer step, at rest) leave out.
+    # runs backwards), and its hook fires before that epilogue: ZeRO 1/2's buffers are seen at the height of
+    # the backward. Not ZeRO-3's: its bucket is still held around the optimizer step, and walking its optimizer
+    # while its backward hooks partition gradients aborted a rank (std::terminate) in one CI run of the suite.
     first = next((p for p in engine.module.parameters() if p.requires_grad), None)
-    return [first.register_hook(lambda grad: probe.snapshot(("buffers",)))] if first is not None else []
+    if first is None or engine.zero_optimization_stage() == 3:
+        return []
+    return [first.register_hook(lambda grad: probe.snapshot(("buffers",)))]
 
 
 def peak_memory_bytes(device: torch.device) -> int:

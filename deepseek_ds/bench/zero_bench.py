@@ -210,8 +210,9 @@ partition size with DeepSpeed's padding (ZeRO 1/2: the flat group padded to a mu
 parameter padded to a multiple of N): it must hold exactly.
 
 **How it is measured.** After the timed steps one more step runs with snapshots at the same points for every
-stage: around every optimizer-step call (all categories) and, for "other buffers", also at the end of every
-micro-batch's backward (the hook on the stage's last gradient, before DeepSpeed's reduction epilogue). Each
+stage: around every optimizer-step call (all categories) and, for "other buffers" under ZeRO 1/2, also at the end
+of every micro-batch's backward (the hook on the stage's last gradient, before DeepSpeed's reduction epilogue;
+ZeRO-3 holds its bucket around the optimizer step too). Each
 category is the most the rank held at its snapshots, counting each distinct storage once: parameters (ZeRO 1/2:
 the flat buffer they are views of; ZeRO-3: the `ds_tensor` partitions plus the parameters it keeps whole, not
 those gathered for a forward or backward), gradients (`.grad`, DeepSpeed's accumulation and partition buffers),
