@@ -38,11 +38,6 @@ from .setup import Run
 from .signals import StopOnSignal
 
 
-def _all_reduce(value: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    dist.all_reduce(value, op=op, group=group)
-    return value
-
-
 def _local_step(run: Run, micro_batches: list) -> torch.Tensor:
     """One optimizer step on this rank's share of the global batch, nothing read to the host (Objective.local_step)."""
     return objective_of(run).local_step(run, micro_batches)
@@ -55,7 +50,8 @@ def train_step(run: Run, micro_batches: list) -> float:
     if run.pipeline:
         return float(total)
     # The scaled micro losses sum to (dp x sp x gas) x this rank's share of the token-weighted global loss.
-    return float(_all_reduce(total, run.layout.gradient_group).item() / (run.layout.gradient_size * run.grad_accum))
+    dist.all_reduce(total, group=run.layout.gradient_group)
+    return float(total.item() / (run.layout.gradient_size * run.grad_accum))
 
 
 def recorded_step(run: Run, batches, sampler: GlobalBatchSampler, meter: StepMeter, routers: RouterStats | None,
