@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from deepspeed.runtime.lr_schedules import WarmupCosineLR
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4TopKRouter
 
 from deepseek_ds.config import RunConfig
 from deepseek_ds.models.hf_io import hf_state_dict, to_hf_model
@@ -92,8 +93,13 @@ def mtp_reference_loss(main, mtp, input_ids, labels, weight: float) -> tuple[tor
 # expert i was under-loaded, -= gamma where over-loaded), eq. 17-20 (sequence-wise balance loss); sec. 4.2 gives
 # gamma = 0.001, alpha = 0.0001. DeepSeek-V2 (arXiv:2405.04434): eq. 12-14 (expert-level), 15-17 (device-level) and
 # 18-20 (communication) balance losses, alpha1 = 0.003, alpha2 = 0.05, alpha3 = 0.02 (sec. 3.1.2); V2 has no bias.
-PUBLISHED = {"deepseek_v3": (1e-3, 1e-4, 0.0, 0.0), "deepseek_v2": (0.0, 3e-3, 0.05, 0.02)}
-ROUTERS = (DeepseekV3TopkRouter, DeepseekV2TopkRouter)
+# DeepSeek-V4: V3's rule and loss on its top-k layers, on sqrt(softplus) affinities; its hash layers route by a fixed
+# token table, which neither moves.
+PUBLISHED = {"deepseek_v3": (1e-3, 1e-4, 0.0, 0.0), "deepseek_v2": (0.0, 3e-3, 0.05, 0.02),
+             "deepseek_v4": (1e-3, 1e-4, 0.0, 0.0)}
+ROUTERS = (DeepseekV3TopkRouter, DeepseekV2TopkRouter, DeepseekV4TopKRouter)
+AFFINITY = {"deepseek_v3": torch.sigmoid, "deepseek_v2": lambda x: x.softmax(-1),
+            "deepseek_v4": lambda x: F.softplus(x).sqrt()}
 BIAS = "e_score_correction_bias"
 # A layout sums in another order than the reference, so its routing scores differ from the reference's: up to ~5e-7
 # measured (EP=2 against ZeRO-1, MTP, with the tests' Adam eps of 1e-5; several 1e-6 at eps 1e-8). A token whose
@@ -103,17 +109,17 @@ ROUTING_TIE = 2e-6
 
 
 def routing_margin(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, groups: int, limit: int,
-                   sigmoid: bool) -> float:
-    """The smallest gap, over the tokens of router logits (..., N), at which routing decides (transformers' V3/V2
+                   model_type: str) -> float:
+    """The smallest gap, over the tokens of router logits (..., N), at which routing decides (transformers' V2/V3/V4
     routers): between the limit-th and the next device group (group-limited routing), and between the k-th and the
     next expert of the kept groups. Group scores are V3's sum of a group's top two (sigmoid + bias) or V2's max."""
     n = logits.shape[-1]
-    s = logits.detach().float().reshape(-1, n)
-    s = s.sigmoid() + (bias.float() if bias is not None else 0.0) if sigmoid else s.softmax(-1)
+    s = AFFINITY[model_type](logits.detach().float().reshape(-1, n))
+    s = s + (bias.float() if bias is not None else 0.0)
     gaps = []
     if limit < groups:
         per_group = s.view(-1, groups, n // groups)
-        g = per_group.topk(2, -1)[0].sum(-1) if sigmoid else per_group.amax(-1)
+        g = per_group.topk(2, -1)[0].sum(-1) if model_type == "deepseek_v3" else per_group.amax(-1)
         ranked = g.sort(-1, descending=True)[0]
         gaps.append(ranked[:, limit - 1] - ranked[:, limit])
         kept = torch.zeros_like(g).scatter_(1, g.topk(limit, -1)[1], 1.0).repeat_interleave(n // groups, 1)
@@ -132,14 +138,14 @@ def assert_clear_of_routing_ties(moe_log: list[dict]) -> None:
 
 
 def balance_terms(logits: torch.Tensor, experts: torch.Tensor, alphas: list[float], top_k: int, groups: int,
-                  limit: int, sigmoid: bool) -> torch.Tensor:
+                  limit: int, model_type: str) -> torch.Tensor:
     """(B, 3) from router logits (B, T, N) and chosen experts (B, T, K): per sequence alpha * sum_i f_i P_i (V3
     sequence-wise = V2 expert-level), alpha2 * sum_d f'_d P'_d (device) and alpha3 * sum_d f''_d P''_d
     (communication), with f_i = N / (K T) * count_t(i chosen), P_i = mean_t s'_{i,t}, s' the affinities
-    (sigmoid or softmax) normalised over the experts, and for the D device groups f'_d = mean of their f_i,
+    (sigmoid, softmax or sqrt-softplus) normalised over the experts, and for the D device groups f'_d = mean of their f_i,
     P'_d = P''_d = sum of their P_i, f''_d = D / (M T) * count_t(token t sent to group d), M = limit."""
     b, t, n = logits.shape
-    s = logits.float().sigmoid() if sigmoid else logits.float().softmax(-1)
+    s = AFFINITY[model_type](logits.float())
     p = (s / s.sum(-1, keepdim=True)).mean(1)
     chosen = F.one_hot(experts, n).sum(2).float()  # (B, T, N): 1 where token t chose expert i
     f = chosen.sum(1) * (n / (top_k * t))  # in eq. 18's order: MTP runs' Adam steps amplify even a last-bit change
@@ -163,7 +169,7 @@ class Balancing:
         defaults = [gamma, alphas[0]] + [a if groups > 1 else 0.0 for a in alphas[1:]]
         self.gamma, *self.alphas = [float(d if g is None else g) for g, d in zip(given, defaults)]
         self.groups, self.limit = groups, int(getattr(config, "topk_group", 1) or groups)
-        self.sigmoid = config.model_type == "deepseek_v3"
+        self.model_type = config.model_type
         self.experts, self.top_k = config.n_routed_experts, config.num_experts_per_tok
         self.global_batch_size = global_batch_size
         self.routers = {name: m.gate for name, m in model.named_modules()
@@ -182,14 +188,14 @@ class Balancing:
         return self
 
     def loss(self) -> torch.Tensor:
-        args = (self.alphas, self.top_k, self.groups, self.limit, self.sigmoid)
+        args = (self.alphas, self.top_k, self.groups, self.limit, self.model_type)
         total = sum(balance_terms(logits, experts, *args).sum(0) for _, logits, experts in self.seen)
         self.terms += total.detach()
         return total.sum() / self.global_batch_size
 
     def after_step(self) -> dict:
         """The step's logged balance losses and, with gamma > 0, b_i += gamma * sign(mean load - load_i)."""
-        args = (self.top_k, self.groups, self.limit, self.sigmoid)
+        args = (self.top_k, self.groups, self.limit, self.model_type)
         log = {"routing_margin": min(routing_margin(logits, getattr(self.routers[block], BIAS, None), *args)
                                      for block, logits, _ in self.seen)}
         if any(a > 0 for a in self.alphas):

@@ -230,7 +230,7 @@ def test_sft_v2_lite_recipe_fits_8_gpus_of_80gb_on_the_meta_device(tmp_path):
 
 
 def test_unknown_preset():
-    assert refused(cfg(model={"preset": "tiny-v4"}), ds(), 2, r"unknown preset 'tiny-v4'")
+    assert refused(cfg(model={"preset": "tiny-v9"}), ds(), 2, r"unknown preset 'tiny-v9'")
 
 
 def test_explicit_ds_value_contradicting_run_config():

@@ -1,6 +1,7 @@
 """Distributed equivalence, the core promise: the same seed, data and global batch give the same losses
 under every parallel layout, and those equal a single-process transformers + torch AdamW reference (tiny-v3 in
-every layout; the R1-Distill-Qwen layout, tiny-qwen2, under ZeRO-3, PP=2 and LoRA, in the same 2-rank launch)."""
+every layout; the R1-Distill-Qwen layout, tiny-qwen2, under ZeRO-3, PP=2 and LoRA, and DeepSeek-V4 under ZeRO-1,
+ZeRO-3, PP=2 and PP=4, in the launches of their rank counts)."""
 
 import pytest
 import torch
@@ -25,6 +26,12 @@ SETS = [f"train.steps={STEPS}", "train.micro_batch_size=2", "train.global_batch_
 # and LoRA on it (the family's default targets, attention and MLP; the biases frozen) from an HF directory.
 QWEN2 = ["model.preset=tiny-qwen2"]
 QWEN2_LORA = ["model.preset=null", "model.path={qwen2_base}", "lora.r=4", "lora.alpha=8"]
+
+
+# DeepSeek-V4: tiny-v4 (sliding, CSA and HCA attention, 2 hyper-connection streams) with two hash-routed layers, so
+# that a split can put one after the first stage (it needs the token ids carried there).
+V4 = ["model.preset=tiny-v4", "model.attn_implementation=eager",
+      "model.overrides.mlp_layer_types=[hash_moe, hash_moe, moe, moe]"]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +70,7 @@ def reference(data_dir, qwen2_base):
 
     def losses(extra: list[str]) -> tuple[list[float], list[float]]:
         model = tuple(s for s in _filled(extra, qwen2_base)
-                      if s.startswith(("model.preset=", "model.path=", "model.overrides.", "lora.")))
+                      if s.startswith(("model.preset=", "model.path=", "model.overrides.", "model.attn_", "lora.")))
         if model not in done:
             cfg = load_run_config("recipes/tiny-v3.yaml", SETS + [*model, f"data.path={data_dir}"])
             norms: list[float] = []
@@ -89,6 +96,13 @@ LAYOUTS = [
     ("qwen2-zero3", 2, "ds_configs/zero3.json", QWEN2),
     ("qwen2-pp2-zero1", 2, "ds_configs/zero1_pp.json", [*QWEN2, "parallel.pipeline_stages=2"]),
     ("qwen2-lora-zero3", 2, "ds_configs/zero3.json", QWEN2_LORA),
+    ("v4-zero1", 2, "ds_configs/zero1.json", V4),
+    ("v4-zero3", 2, "ds_configs/zero3.json", V4),
+    # Stage 1 starts at the second hash layer (specs: embedding, layers 0-3, norm, head).
+    ("v4-pp2-zero1", 2, "ds_configs/zero1_pp.json", [*V4, "parallel.pipeline_stages=2",
+                                                     "model.partition_method=0,2,7"]),
+    ("v4-pp4-zero1", 4, "ds_configs/zero1_pp.json", [*V4, "parallel.pipeline_stages=4",
+                                                     "model.partition_method=0,2,3,5,7"]),
 ]
 
 

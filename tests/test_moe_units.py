@@ -83,15 +83,17 @@ def test_bias_update_equals_hand_computation():
     assert torch.equal(bias, want)
 
 
-def hand_balance_loss(logits, chosen, k, alpha, device_alpha=0.0, groups=1, sigmoid=True, comm_alpha=0.0,
+def hand_balance_loss(logits, chosen, k, alpha, device_alpha=0.0, groups=1, score_func="sigmoid", comm_alpha=0.0,
                       limit=1) -> list[float]:
-    """DeepSeek-V3 eq. 17-20 and DeepSeek-V2 eq. 12-20 for one sequence, written out with Python loops:
-    [sequence-wise / expert-level, device-level, communication]."""
+    """DeepSeek-V3 eq. 17-20 and DeepSeek-V2 eq. 12-20 for one sequence (DeepSeek-V4: V3's on sqrt(softplus)
+    affinities), written out with Python loops: [sequence-wise / expert-level, device-level, communication]."""
     t, e = len(logits), len(logits[0])
     s = []
     for row in logits:
-        if sigmoid:
+        if score_func == "sigmoid":
             raw = [1 / (1 + math.exp(-v)) for v in row]
+        elif score_func == "sqrtsoftplus":
+            raw = [math.sqrt(math.log1p(math.exp(v))) for v in row]
         else:
             z = sum(math.exp(v) for v in row)
             raw = [math.exp(v) / z for v in row]
@@ -110,7 +112,8 @@ def hand_balance_loss(logits, chosen, k, alpha, device_alpha=0.0, groups=1, sigm
 
 
 @pytest.mark.parametrize("score_func,device_alpha,comm_alpha", [("sigmoid", 0.0, 0.0), ("softmax", 0.0, 0.0),
-                                                                ("softmax", 0.05, 0.0), ("softmax", 0.05, 0.02)])
+                                                                ("softmax", 0.05, 0.0), ("softmax", 0.05, 0.02),
+                                                                ("sqrtsoftplus", 0.0, 0.0)])
 def test_balance_loss_equals_hand_computation(score_func, device_alpha, comm_alpha):
     gen = torch.Generator().manual_seed(3)
     b, t, e, k, groups, limit = 2, 5, 8, 3, 4, 2
@@ -121,7 +124,7 @@ def test_balance_loss_equals_hand_computation(score_func, device_alpha, comm_alp
     got = balance_losses(logits, chosen, s)
     for i in range(b):
         want = hand_balance_loss(logits[i].tolist(), chosen[i].tolist(), k, 0.01, device_alpha, groups,
-                                 sigmoid=score_func == "sigmoid", comm_alpha=comm_alpha, limit=limit)
+                                 score_func=score_func, comm_alpha=comm_alpha, limit=limit)
         assert got[i].tolist() == pytest.approx(want, rel=1e-6)
     # Perfect balance gives alpha exactly (sum_i f_i P_i = 1): the loss measures imbalance, not scale. So does the
     # communication loss when every token's experts span exactly M groups, equally often.
@@ -130,7 +133,8 @@ def test_balance_loss_equals_hand_computation(score_func, device_alpha, comm_alp
     assert uniform[0].tolist() == pytest.approx([0.01, 0.0, 0.02], rel=1e-6)
 
 
-@pytest.mark.parametrize("score_func,device_alpha,comm_alpha", [("sigmoid", 0.0, 0.0), ("softmax", 0.05, 0.02)])
+@pytest.mark.parametrize("score_func,device_alpha,comm_alpha", [("sigmoid", 0.0, 0.0), ("softmax", 0.05, 0.02),
+                                                                ("sqrtsoftplus", 0.0, 0.0)])
 def test_reference_balance_losses_equal_hand_computation(score_func, device_alpha, comm_alpha):
     """tests/reference.py's own balance losses (the single-process reference's, written from the papers) against
     the same hand computation."""
@@ -138,10 +142,11 @@ def test_reference_balance_losses_equal_hand_computation(score_func, device_alph
     b, t, e, k, groups, limit = 2, 5, 8, 3, 4, 2
     logits = torch.randn(b, t, e, generator=gen, dtype=torch.float64)
     chosen = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(b * t)]).view(b, t, k)
-    got = balance_terms(logits, chosen, [0.01, device_alpha, comm_alpha], k, groups, limit, score_func == "sigmoid")
+    model_type = {"sigmoid": "deepseek_v3", "softmax": "deepseek_v2", "sqrtsoftplus": "deepseek_v4"}[score_func]
+    got = balance_terms(logits, chosen, [0.01, device_alpha, comm_alpha], k, groups, limit, model_type)
     for i in range(b):
         want = hand_balance_loss(logits[i].tolist(), chosen[i].tolist(), k, 0.01, device_alpha, groups,
-                                 sigmoid=score_func == "sigmoid", comm_alpha=comm_alpha, limit=limit)
+                                 score_func=score_func, comm_alpha=comm_alpha, limit=limit)
         assert got[i].tolist() == pytest.approx(want, rel=1e-6)
 
 

@@ -13,13 +13,9 @@ from ..data.blend import blend_errors
 from ..data.layout import MASKED_FORMATS, PREFERENCE_FORMAT, TOKENIZER_DIR, dataset_format
 from ..data.sft import dataset_option_errors
 from ..data.tokenizer import dataset_tokenizer_hashes, describe, directory_tokenizer
-from ..models.hf_io import has_weights, pickled_weights
+from ..models.hf_io import has_weights
 from ..models.layers import mtp_depth
-from ..models.lora import lora_errors, lora_name_errors
-from ..models.moe import resolve_settings
-from ..models.pipeline import partition
 from ..models.presets import ModelConfigError, build_model_config, num_routed_experts
-from ..models.registry import family_of
 from ..models.tensor_parallel import tensor_parallel_errors
 from ..models.tiled import tiled_mlp_errors
 from ..parallel.degrees import layout_errors
@@ -27,7 +23,6 @@ from ..parallel.sequence import sequence_parallel_errors
 from .deepspeed_json import (
     asynchronous_checkpoint_engines,
     deepspeed_refusals,
-    expert_gradient_path_errors,
     missing_monitor_packages,
     precision,
     resolve_ds_config,
@@ -35,6 +30,7 @@ from .deepspeed_json import (
     unknown_top_level_keys,
     zero_stage,
 )
+from .model_rules import model_errors
 from .schema import ConfigError, RunConfig
 
 
@@ -47,7 +43,7 @@ def validate(cfg: RunConfig, ds: dict, world_size: int, cuda_available: bool | N
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()
     errors = (unknown_top_level_keys(ds) + _layout_errors(cfg, world_size) + _deepspeed_errors(cfg, ds, cuda_available)
-              + _model_errors(cfg, ds, files) + (_blend_or_data_errors(cfg) if files else []) + _task_errors(cfg, files)
+              + model_errors(cfg, ds, files) + (_blend_or_data_errors(cfg) if files else []) + _task_errors(cfg, files)
               + _nan_policy_errors(cfg, ds) + missing_monitor_packages(ds)
               + asynchronous_checkpoint_engines(ds) + _tensor_parallel_errors(cfg, ds)
               + _sequence_parallel_errors(cfg)
@@ -123,47 +119,6 @@ def _deepspeed_errors(cfg: RunConfig, ds: dict, cuda_available: bool) -> list[st
         errors.append("deepspeed_config bf16.loss_scale is not a DeepSpeed field (bf16 needs no loss scaling); "
                       "remove it")
     return errors
-
-
-def _model_errors(cfg: RunConfig, ds: dict, files: bool = True) -> list[str]:
-    """The model (its path, or its preset with overrides) against the layout, the sequence length and the MoE and
-    MTP settings."""
-    p = cfg.parallel
-    if cfg.model.path and not os.path.isdir(cfg.model.path):
-        return [f"model.path {cfg.model.path!r} does not exist; point it at a local HF model directory"]
-    pickled = pickled_weights(cfg.model.path) if files and cfg.model.path and not has_weights(cfg.model.path) else []
-    if pickled:
-        return [f"model.path {cfg.model.path!r} holds only PyTorch pickle weights ({pickled[0]}), "
-                "which deepseek-ds does not read (training would start from random weights); convert it once with "
-                "`AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(DIR, safe_serialization=True)`"]
-    try:
-        mcfg = build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides)
-    except (ModelConfigError, TypeError, ValueError) as e:
-        return [str(e)]
-    errors = []
-    n_layers = mcfg.num_hidden_layers + 3  # + embedding, final norm, head
-    if p.pipeline_stages > n_layers:
-        errors.append(f"parallel.pipeline_stages ({p.pipeline_stages}) exceeds the number of pipeline layers "
-                      f"({n_layers}: {mcfg.num_hidden_layers} decoder layers + embedding, norm, head)")
-    experts = num_routed_experts(mcfg)
-    if p.expert_parallel > 1 and not experts:
-        errors.append(f"parallel.expert_parallel = {p.expert_parallel} but model {mcfg.model_type} is dense; "
-                      "set it to 1")
-    elif experts and experts % p.expert_parallel:
-        errors.append(f"routed experts ({experts}) are not divisible by parallel.expert_parallel "
-                      f"({p.expert_parallel}); choose a divisor of {experts}")
-    # A preset trains from scratch, so its positions can simply grow; a checkpoint's RoPE was trained for its length,
-    # and reading past it needs RoPE scaling (YaRN, linear) besides the larger limit.
-    if cfg.data.seq_len > mcfg.max_position_embeddings and not cfg.model.path:
-        errors.append(f"data.seq_len ({cfg.data.seq_len}) exceeds the model's max_position_embeddings "
-                      f"({mcfg.max_position_embeddings}): lower data.seq_len, or --set "
-                      "model.overrides.max_position_embeddings=N (N >= data.seq_len)")
-    elif cfg.data.seq_len > mcfg.max_position_embeddings:
-        errors.append(f"data.seq_len ({cfg.data.seq_len}) exceeds the model's max_position_embeddings "
-                      f"({mcfg.max_position_embeddings}): lower data.seq_len, or extend the checkpoint's context with "
-                      "RoPE scaling: --set model.overrides.rope_parameters=... (e.g. yarn with a factor) and "
-                      "model.overrides.max_position_embeddings=N")
-    return errors + _moe_errors(cfg, ds, mcfg) + _mtp_errors(cfg, mcfg) + _lora_errors(cfg, ds, mcfg, files)
 
 
 def _blend_or_data_errors(cfg: RunConfig) -> list[str]:
@@ -334,67 +289,3 @@ def _nan_policy_errors(cfg: RunConfig, ds: dict) -> list[str]:
                 f"ZeRO stage {zero_stage(ds)} in {precision(ds)} does not do (the update would be applied); use "
                 "ZeRO >= 1 (e.g. ds_configs/zero1.json) or train.nan_policy: stop"]
     return []
-
-
-def _lora_errors(cfg: RunConfig, ds: dict, mcfg, files: bool = True) -> list[str]:
-    p = cfg.parallel
-    return lora_errors(cfg.lora.r, cfg.lora.target_modules, cfg.lora.routed_experts, p.expert_parallel,
-                       not files or bool(cfg.model.path and has_weights(cfg.model.path)), mcfg.model_type,
-                       bool(num_routed_experts(mcfg)), mtp_depth(mcfg), zero_stage(ds)) + lora_name_errors(cfg.lora, mcfg)
-
-
-def _mtp_errors(cfg: RunConfig, mcfg) -> list[str]:
-    requested = int(getattr(mcfg, "num_nextn_predict_layers", 0) or 0)
-    depth = mtp_depth(mcfg)
-    if requested < 0:
-        return [f"num_nextn_predict_layers = {requested}: the MTP depth must be >= 0 (model.overrides)"]
-    if requested and not depth:
-        return [f"num_nextn_predict_layers = {requested} but multi-token prediction is DeepSeek-V3's (model_type "
-                f"deepseek_v3), not {mcfg.model_type}'s; remove it from model.overrides"]
-    if depth and cfg.train.objective == "dpo":  # the preference loss reads the main head only: MTP would not train
-        return [f"train.objective: dpo trains no MTP module (the model has {depth}): set "
-                "model.overrides.num_nextn_predict_layers: 0"]
-    if depth and cfg.train.mtp_loss_weight == 0:
-        return [f"train.mtp_loss_weight = 0 leaves the model's {depth} MTP module(s) untrained; give it a weight "
-                "(DeepSeek-V3 used 0.3, then 0.1) or set model.overrides.num_nextn_predict_layers: 0"]
-    return []
-
-
-def _moe_errors(cfg: RunConfig, ds: dict, mcfg) -> list[str]:
-    """Load-balancing settings that the model cannot use, and expert parallelism set in the wrong place."""
-    settings = resolve_settings(cfg.moe, mcfg)
-    if settings is None:
-        return [f"moe.{k} = {v} but model {mcfg.model_type} is dense (no routed experts); remove it"
-                for k, v in dataclasses.asdict(cfg.moe).items() if v]
-    errors = []
-    if settings.bias_update_speed > 0 and not family_of(mcfg).has_router_bias:
-        errors.append(f"moe.bias_update_speed = {settings.bias_update_speed}: {mcfg.model_type} routers have no "
-                      "e_score_correction_bias (only DeepSeek-V3's do); set it to 0")
-    for key in ("device_aux_alpha", "comm_aux_alpha"):
-        if getattr(settings, key) > 0 and settings.device_groups == 1:
-            errors.append(f"moe.{key} = {getattr(settings, key)} needs device groups, but the model's n_group is 1 "
-                          "(one group: the loss is a constant); set it to 0 or model.overrides.n_group")
-    if "expert_parallel" in ds:
-        errors.append("deepspeed_config has an 'expert_parallel' section: set parallel.expert_parallel in the run "
-                      "YAML instead (deepseek-ds writes the AutoEP section for the model)")
-    if cfg.parallel.expert_parallel > 1 and cfg.parallel.pipeline_stages > 1:
-        errors += _stages_without_experts(cfg, mcfg)
-    if cfg.parallel.expert_parallel > 1 and zero_stage(ds) in (1, 2):
-        errors += expert_gradient_path_errors(ds)
-    return errors
-
-
-def _stages_without_experts(cfg: RunConfig, mcfg) -> list[str]:
-    """AutoEP refuses a pipeline stage that holds no MoE layer (it finds nothing to replace)."""
-    try:
-        parts = partition(mcfg, cfg.parallel.pipeline_stages, cfg.model.partition_method, cfg.data.seq_len)
-    except ValueError as e:
-        return [str(e)]
-    # Spec i (embedding at 0) is decoder layer i - 1; MoE from first_k_dense_replace on.
-    moe_specs = set(range(mcfg.first_k_dense_replace + 1, mcfg.num_hidden_layers + 1))
-    empty = [st for st in range(len(parts) - 1) if not moe_specs & set(range(parts[st], parts[st + 1]))]
-    if not empty:
-        return []
-    return [f"parallel.expert_parallel = {cfg.parallel.expert_parallel} needs an MoE layer on every pipeline stage, "
-            f"but stage(s) {empty} of partition {parts} hold none; change model.partition_method (e.g. "
-            "counts:a,b,...) or parallel.pipeline_stages"]

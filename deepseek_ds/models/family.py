@@ -35,6 +35,15 @@ class Family:
     override_notes: dict[str, str] = field(default_factory=dict)
     # What the layers cannot run exactly: (config, source) -> the refusal's message, or None.
     refusal: Callable[[Any, str], str | None] | None = None
+    # The run options (a config.RunConfig) its layers cannot train exactly: (run config, model config) -> messages.
+    run_refusals: Callable[[Any, Any], list[str]] | None = None
+    # DeepSeek-V4's pipeline needs, read by models/layers.py (None / False for the other families):
+    streams_head: type | None = None  # hyper-connections: the module collapsing config.hc_mult streams before the norm
+    carries_token_ids: bool = False   # every stage gets the input ids (hash-routed MoE layers)
+    # The decoder layer's keyword arguments: (config, rotary, hidden, position_ids, input_ids) -> kwargs.
+    layer_kwargs: Callable[..., dict] | None = None
+    # After a layer's shared initialisation: (module, seed or None) -> None; the family's own init and frozen parts.
+    prepare_layer: Callable[[Any, int | None], None] | None = None
 
     @property
     def is_moe(self) -> bool:

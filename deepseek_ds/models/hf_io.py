@@ -53,12 +53,14 @@ def to_hf_model(layers, config, lora=None) -> nn.Module:
     missing = [k for k in missing if not k.endswith("inv_freq")]
     if missing or unexpected:
         raise KeyError(f"weights do not match {type(model).__name__}: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    # Non-persistent buffers (rotary tables) were left on meta: rebuild them on the CPU.
+    # Non-persistent buffers (rotary tables: inv_freq, or DeepSeek-V4's main_/compress_inv_freq) were left on meta:
+    # rebuild them on the CPU.
     for module in model.modules():
-        if hasattr(module, "inv_freq") and module.inv_freq.device.type == "meta":
+        stale = [n for n, b in module.named_buffers(recurse=False) if n.endswith("inv_freq") and b.device.type == "meta"]
+        if stale:
             fresh = type(module)(config)
-            module.inv_freq = fresh.inv_freq
-            module.original_inv_freq = fresh.original_inv_freq
+            for name in stale:
+                setattr(module, name, getattr(fresh, name))
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     return model.eval()

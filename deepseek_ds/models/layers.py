@@ -37,6 +37,15 @@ def init_weights_(module: nn.Module, std: float, seed: int) -> None:
             b.zero_()
 
 
+def _initialise(module: nn.Module, config, seed: int | None) -> None:
+    """The shared initialisation from the layer's seed (None: weights to be loaded), then the family's own."""
+    if seed is not None:
+        init_weights_(module, config.initializer_range, seed)
+    prepare = family_of(config).prepare_layer
+    if prepare is not None:
+        prepare(module, seed)
+
+
 def _init_parameters(module: nn.Module, std: float, gen: torch.Generator) -> None:
     for name, p in module.named_parameters():
         if p.device.type == "meta":
@@ -54,9 +63,13 @@ def _init_parameters(module: nn.Module, std: float, gen: torch.Generator) -> Non
 class EmbeddingPipe(nn.Module):
     def __init__(self, config, seed: int | None = None):
         super().__init__()
+        fam = family_of(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, getattr(config, "pad_token_id", None))
         self.mtp_depth = mtp_depth(config)
-        self.carry_ids = self.mtp_depth > 0  # the MTP modules on the last stage embed the input tokens again
+        # The MTP modules on the last stage embed the input tokens again; hash-routed layers route by them.
+        self.carry_ids = self.mtp_depth > 0 or fam.carries_token_ids
+        # Hyper-connections (DeepSeek-V4): each token enters the layers as hc_mult copies of its embedding.
+        self.streams = config.hc_mult if fam.streams_head else 0
         self.defer_logits = False  # as a tied head in training: a Projection for the chunked loss (defer_logits)
         self.sequence_shard = None  # sequence parallelism: inputs are this shard of each sequence (parallel.sequence)
         if seed is not None:
@@ -72,6 +85,8 @@ class EmbeddingPipe(nn.Module):
             input_ids = input_ids[:, :-self.mtp_depth]
             position_ids = None if position_ids is None else position_ids[:, :-self.mtp_depth]
         hidden = self.embed_tokens(input_ids)
+        if self.streams:
+            hidden = hidden.unsqueeze(2).expand(-1, -1, self.streams, -1).contiguous()
         one_document = position_ids is None
         if one_document:
             # A sequence shard's positions are its place in the whole sequence.
@@ -99,18 +114,21 @@ class DecoderLayerPipe(nn.Module):
         self.config = config
         self.layer = fam.decoder_layer(config, layer_idx)
         self.rotary = fam.rotary(config)
+        self.layer_kwargs = fam.layer_kwargs
         self.sequence_shard = None  # sequence parallelism: attention spans the group's shards (parallel.sequence)
-        if seed is not None:
-            init_weights_(self, config.initializer_range, seed)
+        _initialise(self, config, seed)
 
-    def run_layer(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def run_layer(self, hidden: torch.Tensor, position_ids: torch.Tensor,
+                  input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if self.layer_kwargs is not None:  # the family's own (DeepSeek-V4)
+            return self.layer(hidden, **self.layer_kwargs(self.config, self.rotary, hidden, position_ids, input_ids))
         position_embeddings = self.rotary(hidden, position_ids)
         return self.layer(hidden, position_ids=position_ids, position_embeddings=position_embeddings,
                           **document_attention(self.config, hidden, position_ids, self.sequence_shard))
 
     def forward(self, inputs):
         hidden, position_ids, *ids = inputs
-        return self.run_layer(hidden, position_ids), position_ids, *ids
+        return self.run_layer(hidden, position_ids, *ids), position_ids, *ids
 
 
 def document_attention(config, hidden: torch.Tensor, position_ids: torch.Tensor, shard=None) -> dict:
@@ -162,14 +180,19 @@ def _varlen_kwargs(position_ids: torch.Tensor) -> dict:
 class FinalNormPipe(nn.Module):
     def __init__(self, config, seed: int | None = None):
         super().__init__()
-        self.norm = family_of(config).norm(config.hidden_size, eps=config.rms_norm_eps)
-        if seed is not None:
-            init_weights_(self, config.initializer_range, seed)
+        fam = family_of(config)
+        self.norm = fam.norm(config.hidden_size, eps=config.rms_norm_eps)
+        # Hyper-connections (DeepSeek-V4): the head collapsing the streams into one hidden state, before the norm.
+        self.hc_head = fam.streams_head(config) if fam.streams_head else None
+        self.mtp = mtp_depth(config) > 0
+        _initialise(self, config, seed)
 
     def forward(self, inputs):
         hidden, *rest = inputs
+        if self.hc_head is not None:
+            hidden = self.hc_head(hidden)
         # With MTP modules the positions and input ids go on to them (in training; see mtp_embed_forward).
-        return (self.norm(hidden), *rest) if len(rest) == 2 else self.norm(hidden)
+        return (self.norm(hidden), *rest) if self.mtp else self.norm(hidden)
 
 
 class LMHeadPipe(nn.Module):

@@ -26,11 +26,14 @@ from deepspeed.moe.ep_router import TokenChoiceTopKRouter
 from torch import nn
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HashRouter, DeepseekV4TopKRouter
 
 from ..utils.private_api import in_backward
 from .registry import family_of
 
-HF_ROUTERS = (DeepseekV3TopkRouter, DeepseekV2TopkRouter)
+# Each returns (logits, weights, chosen experts). V4's hash routers choose by a fixed token table (tid2eid): their load
+# is counted, but no balance loss or bias moves a choice they do not make.
+HF_ROUTERS = (DeepseekV3TopkRouter, DeepseekV2TopkRouter, DeepseekV4TopKRouter, DeepseekV4HashRouter)
 BIAS = "e_score_correction_bias"
 
 # The balance losses, in the order balance_losses returns them; logged as aux_loss_<name>.
@@ -45,7 +48,7 @@ class BalanceSettings:
     comm_aux_alpha: float      # V2 communication balance loss factor; 0: off
     device_groups: int         # experts split into this many contiguous device groups (the model's n_group)
     device_limit: int          # M: the most device groups one token's experts may span (the model's topk_group)
-    score_func: str            # "sigmoid" (V3) or "softmax" (V2)
+    score_func: str            # "sigmoid" (V3), "softmax" (V2) or "sqrtsoftplus" (V4)
     num_experts: int
     top_k: int
 
@@ -75,6 +78,16 @@ def resolve_settings(section, config) -> BalanceSettings | None:
                            num_experts=int(config.n_routed_experts), top_k=int(config.num_experts_per_tok))
 
 
+# The routers' affinity of an expert to a token, from its logit.
+AFFINITY = {"sigmoid": torch.sigmoid, "softmax": lambda x: x.softmax(-1),
+            "sqrtsoftplus": lambda x: torch.nn.functional.softplus(x).sqrt()}
+
+
+def fixed_routing(router: nn.Module) -> bool:
+    """A hash router (DeepSeek-V4's first layers): its experts come from a frozen token table."""
+    return isinstance(router, DeepseekV4HashRouter)
+
+
 # ----------------------------------------------------------------------------------------------- the losses
 def balance_losses(logits: torch.Tensor, indices: torch.Tensor, s: BalanceSettings, shard=None) -> torch.Tensor:
     """Each sequence's balance losses, weighted by their alphas, in AUX_TERMS order: logits (B, T, E), indices
@@ -86,8 +99,8 @@ def balance_losses(logits: torch.Tensor, indices: torch.Tensor, s: BalanceSettin
     shard: the tokens are one shard of each sequence (sequence parallelism, parallel.sequence.SequenceShard): the
     statistics are the whole sequence's, summed over the group, and the gradient reaches this shard's tokens."""
     b, t, e = logits.shape
-    scores = logits.float().sigmoid() if s.score_func == "sigmoid" else logits.float().softmax(-1)
-    if s.score_func == "sigmoid":
+    scores = AFFINITY[s.score_func](logits.float())
+    if s.score_func != "softmax":
         scores = scores / scores.sum(-1, keepdim=True)  # V3's s'_{i,t}; softmax scores already sum to 1
     if shard is None:
         p = scores.mean(1)
@@ -200,7 +213,7 @@ class ExpertLoad:
             logits, indices = (router.gate(args[0]) if self.keep_routing else None), output[1]
         if not in_backward():  # activation checkpointing's re-run forward: not new traffic
             self.total[row] += torch.bincount(indices.reshape(-1), minlength=self.num_experts)
-        if self.keep_routing:
+        if self.keep_routing and not fixed_routing(router):
             self._routed[row] = (logits, indices)
 
     def routing(self, row: int) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -252,8 +265,9 @@ class LoadBalancer:
         self.routers = [router for _, router in self.blocks.values()]
         self.aux_sums = torch.zeros(len(AUX_TERMS), dtype=torch.float64, device=device)
         if settings.has_aux:
-            for row, (block, _) in enumerate(self.blocks.values()):
-                block.register_forward_hook(partial(self._on_block, row))
+            for row, (block, router) in enumerate(self.blocks.values()):
+                if not fixed_routing(router):
+                    block.register_forward_hook(partial(self._on_block, row))
 
     @property
     def counts(self) -> torch.Tensor:
@@ -302,7 +316,8 @@ class LoadBalancer:
             steps = torch.sign(load.mean(1, keepdim=True) - load) * self.s.bias_update_speed
             for row, router in enumerate(self.routers):
                 bias = router_bias(router)
-                bias.add_(steps[row].to(bias.dtype))
+                if bias is not None:  # a hash router has none
+                    bias.add_(steps[row].to(bias.dtype))
 
 
 # ----------------------------------------------------------------------------------------------- expert parallelism

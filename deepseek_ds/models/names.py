@@ -19,8 +19,10 @@ import torch
 from torch import nn
 
 from .layers import DecoderLayerPipe, EmbeddingPipe, FinalNormPipe, LMHeadPipe, MTPLayerPipe, mtp_depth
+from .registry import family_of
 
 _DECODER = "model.layers.{i}."
+_HC_HEAD = "model.hc_head."  # DeepSeek-V4's hyper-connection head, on the stage with the final norm
 
 # Layer type -> ((prefix of our key, prefix of the HF name or None), ...); the first matching prefix wins.
 TO_HF: dict[type, tuple[tuple[str, str | None], ...]] = {
@@ -29,7 +31,7 @@ TO_HF: dict[type, tuple[tuple[str, str | None], ...]] = {
     MTPLayerPipe: (("layer.", _DECODER), ("rotary.", None), ("enorm.", _DECODER + "enorm."),
                    ("hnorm.", _DECODER + "hnorm."), ("eh_proj.", _DECODER + "eh_proj."),
                    ("shared_head.norm.", _DECODER + "shared_head.norm.")),
-    FinalNormPipe: (("norm.", "model.norm."),),
+    FinalNormPipe: (("norm.", "model.norm."), ("hc_head.", _HC_HEAD)),
     LMHeadPipe: (("lm_head.", "lm_head."),),
 }
 # The published MTP modules' own copies of the shared embedding and head (below the module's prefix); transformers'
@@ -79,10 +81,11 @@ def model_hf_prefixes(config) -> set[str]:
     layers = config.num_hidden_layers + mtp_depth(config)
     top = {"model.embed_tokens.", "model.norm."} | ({"lm_head."} if not getattr(config, "tie_word_embeddings", False)
                                                      else set())
+    top |= {_HC_HEAD} if family_of(config).streams_head else set()
     return top | {_DECODER.format(i=i) for i in range(layers)}
 
 
-_LAYER_PREFIX = re.compile(r"(model\.layers\.\d+\.|model\.embed_tokens\.|model\.norm\.|lm_head\.)")
+_LAYER_PREFIX = re.compile(r"(model\.layers\.\d+\.|model\.embed_tokens\.|model\.norm\.|model\.hc_head\.|lm_head\.)")
 
 
 def owner_prefix(name: str) -> str | None:

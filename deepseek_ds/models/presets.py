@@ -109,5 +109,10 @@ def is_moe(config: PretrainedConfig) -> bool:
     return family_of(config).is_moe
 
 
+def first_moe_layer(config: PretrainedConfig) -> int:
+    """The first decoder layer with routed experts (V2/V3: first_k_dense_replace; V4: every layer is MoE)."""
+    return int(getattr(config, "first_k_dense_replace", 0) or 0)
+
+
 def num_routed_experts(config: PretrainedConfig) -> int:
     return getattr(config, "n_routed_experts", 0) or 0 if is_moe(config) else 0

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..models.layers import DecoderLayerPipe, mtp_depth
 from ..models.moe import ExpertLoad, LoadReader, router_bias
-from ..models.presets import is_moe
+from ..models.presets import first_moe_layer, is_moe
 from ..models.registry import family_of
 
 BIAS_STATS = ("min", "max", "mean", "std")
@@ -26,7 +26,7 @@ def moe_layer_indices(config) -> list[int]:
     MTP modules' (numbered on after the decoder layers, as in the published checkpoints)."""
     if not is_moe(config):
         return []
-    return list(range(config.first_k_dense_replace, config.num_hidden_layers + mtp_depth(config)))
+    return list(range(first_moe_layer(config), config.num_hidden_layers + mtp_depth(config)))
 
 
 class RouterStats:

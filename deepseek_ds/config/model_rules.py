@@ -1,0 +1,125 @@
+"""The model's rules of validate(): its path or preset with overrides against the layout, the sequence length, the
+family's own refusals, and the MoE, MTP and LoRA settings."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from ..models.hf_io import has_weights, pickled_weights
+from ..models.layers import mtp_depth
+from ..models.lora import lora_errors, lora_name_errors
+from ..models.moe import resolve_settings
+from ..models.pipeline import partition
+from ..models.presets import ModelConfigError, build_model_config, first_moe_layer, num_routed_experts
+from ..models.registry import family_of
+from .deepspeed_json import expert_gradient_path_errors, zero_stage
+from .schema import RunConfig
+
+
+def model_errors(cfg: RunConfig, ds: dict, files: bool = True) -> list[str]:
+    """The model (its path, or its preset with overrides) against the layout, the sequence length and the MoE and
+    MTP settings."""
+    p = cfg.parallel
+    if cfg.model.path and not os.path.isdir(cfg.model.path):
+        return [f"model.path {cfg.model.path!r} does not exist; point it at a local HF model directory"]
+    pickled = pickled_weights(cfg.model.path) if files and cfg.model.path and not has_weights(cfg.model.path) else []
+    if pickled:
+        return [f"model.path {cfg.model.path!r} holds only PyTorch pickle weights ({pickled[0]}), "
+                "which deepseek-ds does not read (training would start from random weights); convert it once with "
+                "`AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(DIR, safe_serialization=True)`"]
+    try:
+        mcfg = build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides)
+    except (ModelConfigError, TypeError, ValueError) as e:
+        return [str(e)]
+    errors = []
+    n_layers = mcfg.num_hidden_layers + 3  # + embedding, final norm, head
+    if p.pipeline_stages > n_layers:
+        errors.append(f"parallel.pipeline_stages ({p.pipeline_stages}) exceeds the number of pipeline layers "
+                      f"({n_layers}: {mcfg.num_hidden_layers} decoder layers + embedding, norm, head)")
+    experts = num_routed_experts(mcfg)
+    if p.expert_parallel > 1 and not experts:
+        errors.append(f"parallel.expert_parallel = {p.expert_parallel} but model {mcfg.model_type} is dense; "
+                      "set it to 1")
+    elif experts and experts % p.expert_parallel:
+        errors.append(f"routed experts ({experts}) are not divisible by parallel.expert_parallel "
+                      f"({p.expert_parallel}); choose a divisor of {experts}")
+    # A preset trains from scratch, so its positions can simply grow; a checkpoint's RoPE was trained for its length,
+    # and reading past it needs RoPE scaling (YaRN, linear) besides the larger limit.
+    if cfg.data.seq_len > mcfg.max_position_embeddings and not cfg.model.path:
+        errors.append(f"data.seq_len ({cfg.data.seq_len}) exceeds the model's max_position_embeddings "
+                      f"({mcfg.max_position_embeddings}): lower data.seq_len, or --set "
+                      "model.overrides.max_position_embeddings=N (N >= data.seq_len)")
+    elif cfg.data.seq_len > mcfg.max_position_embeddings:
+        errors.append(f"data.seq_len ({cfg.data.seq_len}) exceeds the model's max_position_embeddings "
+                      f"({mcfg.max_position_embeddings}): lower data.seq_len, or extend the checkpoint's context with "
+                      "RoPE scaling: --set model.overrides.rope_parameters=... (e.g. yarn with a factor) and "
+                      "model.overrides.max_position_embeddings=N")
+    run_refusals = family_of(mcfg).run_refusals
+    errors += run_refusals(cfg, mcfg) if run_refusals else []
+    return errors + _moe_errors(cfg, ds, mcfg) + _mtp_errors(cfg, mcfg) + _lora_errors(cfg, ds, mcfg, files)
+
+
+def _lora_errors(cfg: RunConfig, ds: dict, mcfg, files: bool = True) -> list[str]:
+    p = cfg.parallel
+    return lora_errors(cfg.lora.r, cfg.lora.target_modules, cfg.lora.routed_experts, p.expert_parallel,
+                       not files or bool(cfg.model.path and has_weights(cfg.model.path)), mcfg.model_type,
+                       bool(num_routed_experts(mcfg)), mtp_depth(mcfg), zero_stage(ds)) + lora_name_errors(cfg.lora, mcfg)
+
+
+def _mtp_errors(cfg: RunConfig, mcfg) -> list[str]:
+    requested = int(getattr(mcfg, "num_nextn_predict_layers", 0) or 0)
+    depth = mtp_depth(mcfg)
+    if requested < 0:
+        return [f"num_nextn_predict_layers = {requested}: the MTP depth must be >= 0 (model.overrides)"]
+    if requested and not depth:
+        return [f"num_nextn_predict_layers = {requested}: deepseek-ds trains multi-token prediction for DeepSeek-V3 "
+                f"(model_type deepseek_v3) only; transformers builds no MTP module for {mcfg.model_type}, so its MTP "
+                "weights would be neither trained nor exported; set model.overrides.num_nextn_predict_layers: 0"]
+    if depth and cfg.train.objective == "dpo":  # the preference loss reads the main head only: MTP would not train
+        return [f"train.objective: dpo trains no MTP module (the model has {depth}): set "
+                "model.overrides.num_nextn_predict_layers: 0"]
+    if depth and cfg.train.mtp_loss_weight == 0:
+        return [f"train.mtp_loss_weight = 0 leaves the model's {depth} MTP module(s) untrained; give it a weight "
+                "(DeepSeek-V3 used 0.3, then 0.1) or set model.overrides.num_nextn_predict_layers: 0"]
+    return []
+
+
+def _moe_errors(cfg: RunConfig, ds: dict, mcfg) -> list[str]:
+    """Load-balancing settings that the model cannot use, and expert parallelism set in the wrong place."""
+    settings = resolve_settings(cfg.moe, mcfg)
+    if settings is None:
+        return [f"moe.{k} = {v} but model {mcfg.model_type} is dense (no routed experts); remove it"
+                for k, v in dataclasses.asdict(cfg.moe).items() if v]
+    errors = []
+    if settings.bias_update_speed > 0 and not family_of(mcfg).has_router_bias:
+        errors.append(f"moe.bias_update_speed = {settings.bias_update_speed}: {mcfg.model_type} routers have no "
+                      "e_score_correction_bias (only DeepSeek-V3's do); set it to 0")
+    for key in ("device_aux_alpha", "comm_aux_alpha"):
+        if getattr(settings, key) > 0 and settings.device_groups == 1:
+            errors.append(f"moe.{key} = {getattr(settings, key)} needs device groups, but the model's n_group is 1 "
+                          "(one group: the loss is a constant); set it to 0 or model.overrides.n_group")
+    if "expert_parallel" in ds:
+        errors.append("deepspeed_config has an 'expert_parallel' section: set parallel.expert_parallel in the run "
+                      "YAML instead (deepseek-ds writes the AutoEP section for the model)")
+    if cfg.parallel.expert_parallel > 1 and cfg.parallel.pipeline_stages > 1:
+        errors += _stages_without_experts(cfg, mcfg)
+    if cfg.parallel.expert_parallel > 1 and zero_stage(ds) in (1, 2):
+        errors += expert_gradient_path_errors(ds)
+    return errors
+
+
+def _stages_without_experts(cfg: RunConfig, mcfg) -> list[str]:
+    """AutoEP refuses a pipeline stage that holds no MoE layer (it finds nothing to replace)."""
+    try:
+        parts = partition(mcfg, cfg.parallel.pipeline_stages, cfg.model.partition_method, cfg.data.seq_len)
+    except ValueError as e:
+        return [str(e)]
+    # Spec i (embedding at 0) is decoder layer i - 1; MoE from first_k_dense_replace on.
+    moe_specs = set(range(first_moe_layer(mcfg) + 1, mcfg.num_hidden_layers + 1))
+    empty = [st for st in range(len(parts) - 1) if not moe_specs & set(range(parts[st], parts[st + 1]))]
+    if not empty:
+        return []
+    return [f"parallel.expert_parallel = {cfg.parallel.expert_parallel} needs an MoE layer on every pipeline stage, "
+            f"but stage(s) {empty} of partition {parts} hold none; change model.partition_method (e.g. "
+            "counts:a,b,...) or parallel.pipeline_stages"]
