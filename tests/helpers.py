@@ -227,12 +227,13 @@ def train(nproc: int, output_dir: str, sets: list[str], ds_config: str | None = 
 
 
 def train_layouts(nproc: int, root: Path, layouts: list, sets: list[str], worker: str = "tests/layouts_worker.py",
-                  config: str = "recipes/tiny-v3.yaml", timeout: int = 900) -> dict[str, Path]:
+                  config: str = "recipes/tiny-v3.yaml", timeout: int = 900,
+                  worker_args: tuple[str, ...] = ()) -> dict[str, Path]:
     """Every layout (name, deepspeed config, extra --set values) trained in ONE launch of `worker` (layouts_worker.py
     or one built on it), one after the other: one start-up instead of one per layout. Returns each layout's
     train.output_dir (root / name)."""
     spec = [[ds_config, extra + [f"train.output_dir={root / name}"]] for name, ds_config, extra in layouts]
-    args = [worker, "--config", config, "--layouts", json.dumps(spec)]
+    args = [worker, "--config", config, "--layouts", json.dumps(spec), *worker_args]
     for s in sets:
         args += ["--set", s]
     run_ranks(nproc, args, timeout=timeout)

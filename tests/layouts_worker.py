@@ -18,8 +18,9 @@ import sys
 from collections.abc import Callable
 
 import deepspeed
+import torch
 import torch.distributed as dist
-from deepspeed.utils import groups
+from deepspeed.utils import groups, safe_get_full_grad
 
 from deepseek_ds.config import load_and_validate
 from deepseek_ds.training.loop import train
@@ -53,6 +54,27 @@ def tear_down(run: Run) -> None:
             handler.close()
 
 
+def train_recording_first_gradients(run: Run) -> dict:
+    """The real training loop, observed: at its first optimizer step, before clipping, each rank saves the full
+    gradient of every trainable parameter it holds by HF name (deepspeed.utils.safe_get_full_grad gathers ZeRO's
+    partitions) to first_grads.rank<R>.pt in the run's output_dir. The plain engine clips in clip_fp32_gradients
+    before its optimizer steps, the ZeRO optimizers inside their step: whichever comes first records."""
+    engine, names, taken = run.engine, run.hf_names, []
+
+    def record():
+        if taken:
+            return
+        taken.append(True)
+        grads = {names[key]: g.detach().float().cpu().clone() for key, p in engine.module.named_parameters()
+                 if p.requires_grad and key in names and (g := safe_get_full_grad(p)) is not None}
+        torch.save(grads, os.path.join(run.cfg.train.output_dir, f"first_grads.rank{dist.get_rank()}.pt"))
+
+    for owner, method in ((engine, "clip_fp32_gradients"), (engine.optimizer, "step")):
+        original = getattr(owner, method)
+        setattr(owner, method, lambda *a, _original=original, **k: (record(), _original(*a, **k))[1])
+    return train(run)
+
+
 def run_layouts(argv: list[str], train_one: Callable[[Run], object] = train,
                 around: Callable[[list[str]], contextlib.AbstractContextManager] = lambda layout: contextlib.nullcontext()) -> int:
     """argv: train.py's arguments that every layout shares, and --layouts JSON: [[deepspeed_config, [--set values]],
@@ -60,7 +82,10 @@ def run_layouts(argv: list[str], train_one: Callable[[Run], object] = train,
     down before the next."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--layouts", required=True, type=json.loads)
+    parser.add_argument("--first-grads", action="store_true", help="record step 1's gradients (see above)")
     ours, shared = parser.parse_known_args(argv)
+    if ours.first_grads:
+        train_one = train_recording_first_gradients
     for ds_config, sets in ours.layouts:
         layout = shared + ["--deepspeed_config", ds_config] + [a for s in sets for a in ("--set", s)]
         with around(layout):

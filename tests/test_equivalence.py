@@ -6,6 +6,7 @@ ZeRO-3, PP=2 and PP=4, in the launches of their rank counts)."""
 import pytest
 import torch
 
+from deepseek_ds.checkpoint.state import read_buffers
 from deepseek_ds.config import load_run_config
 from deepseek_ds.models.hf_io import hf_state_dict
 from deepseek_ds.models.lora import apply_lora
@@ -63,19 +64,21 @@ def _filled(extra: list[str], qwen2_base: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference(data_dir, qwen2_base):
-    """reference(extra) -> (losses, gradient norms before clipping): the single-process run of the model a layout's
-    overrides choose (model.preset, model.path, model.overrides; tiny-v3 by default) and, with lora.r > 0, of
-    transformers + peft, each computed once."""
-    done: dict[tuple, tuple[list[float], list[float]]] = {}
+    """reference(extra) -> (losses, gradient norms before clipping, step 1's gradients by HF name): the single-process
+    run of the model a layout's overrides choose (model.preset, model.path, model.overrides; tiny-v3 by default) and,
+    with lora.r > 0, of transformers + peft (no gradients then), each computed once."""
+    done: dict[tuple, tuple[list[float], list[float], dict]] = {}
 
-    def losses(extra: list[str]) -> tuple[list[float], list[float]]:
+    def losses(extra: list[str]) -> tuple[list[float], list[float], dict]:
         model = tuple(s for s in _filled(extra, qwen2_base)
                       if s.startswith(("model.preset=", "model.path=", "model.overrides.", "model.attn_", "lora.")))
         if model not in done:
             cfg = load_run_config("recipes/tiny-v3.yaml", SETS + [*model, f"data.path={data_dir}"])
             norms: list[float] = []
+            grads: dict[str, torch.Tensor] = {}
             done[model] = (lora_reference_losses(cfg, cfg.model.path, data_dir, initial_adapters(cfg), norms)
-                           if cfg.lora.r else reference_losses(cfg, data_dir, grad_norms=norms)), norms
+                           if cfg.lora.r else reference_losses(cfg, data_dir, grad_norms=norms, first_grads=grads)), \
+                norms, grads
         return done[model]
     return losses
 
@@ -106,26 +109,36 @@ LAYOUTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, data_dir, qwen2_base):
-    """records(ranks, name): the metrics records of a layout. On first use of a rank count, all its layouts train in
-    one launch of tests/layouts_worker.py (the real training loop, as train.py runs it), one start-up for all."""
-    done: dict[int, dict] = {}
+class LayoutRuns:
+    """runs(ranks, name): the metrics records of a layout; runs.output_dir(ranks, name): its train.output_dir. On first
+    use of a rank count, all its layouts train in one launch of tests/layouts_worker.py (the real training loop, as
+    train.py runs it), one start-up for all."""
 
-    def records(ranks: int, name: str) -> list[dict]:
-        if ranks not in done:
-            mine = [(n, ds, _filled(extra, qwen2_base)) for n, r, ds, extra in LAYOUTS if r == ranks]
-            done[ranks] = train_layouts(ranks, tmp_path_factory.mktemp(f"ranks{ranks}"), mine,
-                                        SETS + [f"data.path={data_dir}"])
-        return read_metrics(str(done[ranks][name]))
-    return records
+    def __init__(self, root_factory, sets: list[str], qwen2_base: str):
+        self.root_factory, self.sets, self.qwen2_base = root_factory, sets, qwen2_base
+        self.done: dict[int, dict] = {}
+
+    def output_dir(self, ranks: int, name: str):
+        if ranks not in self.done:
+            mine = [(n, ds, _filled(extra, self.qwen2_base)) for n, r, ds, extra in LAYOUTS if r == ranks]
+            self.done[ranks] = train_layouts(ranks, self.root_factory(f"ranks{ranks}"), mine, self.sets,
+                                             worker_args=("--first-grads",))
+        return self.done[ranks][name]
+
+    def __call__(self, ranks: int, name: str) -> list[dict]:
+        return read_metrics(str(self.output_dir(ranks, name)))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_dir, qwen2_base) -> LayoutRuns:
+    return LayoutRuns(tmp_path_factory.mktemp, SETS + [f"data.path={data_dir}"], qwen2_base)
 
 
 @pytest.mark.launch
 @pytest.mark.parametrize("name,ranks,ds_config,extra", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
 def test_losses_equal_single_process_reference(name, ranks, ds_config, extra, reference, runs):
     records = runs(ranks, name)
-    reference, reference_norms = reference(extra)
+    reference, reference_norms, reference_grads = reference(extra)
     losses, norms = [r["loss"] for r in records], [r["grad_norm"] for r in records]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     # Step 1 checks the forward pass and loss; steps 2-3 check that gradients, clipping and AdamW agree.
@@ -134,6 +147,37 @@ def test_losses_equal_single_process_reference(name, ranks, ds_config, extra, re
     # Adam normalises a gradient's size away, so the losses are nearly blind to a gradient off by a factor (one
     # rank's contribution x (1 + 1e-4) moves them by less than 1e-6): each step's norm before clipping is not.
     assert norms == pytest.approx(reference_norms, rel=1e-5), f"{name}: grad norms {norms} vs {reference_norms}"
+    # And step 1's gradient of every parameter (the reference's trainable ones; LoRA's reference records none).
+    if not reference_grads:
+        return
+    grads: dict[str, torch.Tensor] = {}
+    for path in sorted(runs.output_dir(ranks, name).glob("first_grads.rank*.pt")):
+        grads.update(torch.load(path))
+    assert set(grads) == set(reference_grads), \
+        f"{name}: parameters with a gradient differ: {sorted(set(grads) ^ set(reference_grads))[:5]}"
+    # Relative to each gradient's largest entry, or for the few far smaller than the whole (V4's hyper-connection
+    # scales: ~1e-5, sums that cancel, whose fp32 roundoff is ~1e-10) to 1e-4 of the whole gradient's norm.
+    floor = 1e-4 * torch.sqrt(sum(g.double().norm() ** 2 for g in reference_grads.values())).item()
+    for param, want in reference_grads.items():
+        error = (grads[param] - want).abs().max().item() / max(want.abs().max().item(), floor)
+        assert error <= 1e-5, f"{name}: step 1's gradient of {param} is off by {error:.2e} of its largest entry"
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("name,ranks", [("v4-zero3", 2), ("v4-pp2-zero1", 2)])
+def test_v4_hash_tables_are_saved_unchanged_by_training(name, ranks, runs, data_dir):
+    """The hash-routed layers' token -> experts tables (buffers, no gradient) in the final checkpoint of a V4 layout
+    equal, bitwise, those the model was built with: training, ZeRO-3's partitioning and the pipeline left them."""
+    records = runs(ranks, name)
+    tag = records[-1]["step"]
+    cfg = load_run_config("recipes/tiny-v3.yaml", SETS + V4 + [f"data.path={data_dir}"])
+    mcfg = prepare_config(build_model_config(cfg.model.preset, None, cfg.model.overrides), "eager")
+    built = {n: t for n, t in hf_state_dict(local_layers(build_model(mcfg, 1, cfg.train.seed))).items()
+             if n.endswith("tid2eid")}
+    saved = read_buffers(str(runs.output_dir(ranks, name) / "checkpoints" / f"step{tag:08d}"))
+    assert len(built) == 2 and {n: saved[n] for n in built}.keys() == built.keys()
+    for n, table in built.items():
+        assert torch.equal(saved[n], table), n
 
 
 @pytest.mark.unit
