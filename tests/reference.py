@@ -17,6 +17,7 @@ from deepspeed.runtime.lr_schedules import WarmupCosineLR
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4TopKRouter
+from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32TopkRouter
 
 from deepseek_ds.config import RunConfig
 from deepseek_ds.models.hf_io import hf_state_dict, to_hf_model
@@ -95,10 +96,11 @@ def mtp_reference_loss(main, mtp, input_ids, labels, weight: float) -> tuple[tor
 # 18-20 (communication) balance losses, alpha1 = 0.003, alpha2 = 0.05, alpha3 = 0.02 (sec. 3.1.2); V2 has no bias.
 # DeepSeek-V4: V3's rule and loss on its top-k layers, on sqrt(softplus) affinities; its hash layers route by a fixed
 # token table, which neither moves.
+# DeepSeek-V3.2 keeps V3's MoE.
 PUBLISHED = {"deepseek_v3": (1e-3, 1e-4, 0.0, 0.0), "deepseek_v2": (0.0, 3e-3, 0.05, 0.02),
-             "deepseek_v4": (1e-3, 1e-4, 0.0, 0.0)}
-ROUTERS = (DeepseekV3TopkRouter, DeepseekV2TopkRouter, DeepseekV4TopKRouter)
-AFFINITY = {"deepseek_v3": torch.sigmoid, "deepseek_v2": lambda x: x.softmax(-1),
+             "deepseek_v4": (1e-3, 1e-4, 0.0, 0.0), "deepseek_v32": (1e-3, 1e-4, 0.0, 0.0)}
+ROUTERS = (DeepseekV3TopkRouter, DeepseekV2TopkRouter, DeepseekV4TopKRouter, DeepseekV32TopkRouter)
+AFFINITY = {"deepseek_v3": torch.sigmoid, "deepseek_v32": torch.sigmoid, "deepseek_v2": lambda x: x.softmax(-1),
             "deepseek_v4": lambda x: F.softplus(x).sqrt()}
 BIAS = "e_score_correction_bias"
 # A layout sums in another order than the reference, so its routing scores differ from the reference's: up to ~5e-7
@@ -119,7 +121,7 @@ def routing_margin(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, 
     gaps = []
     if limit < groups:
         per_group = s.view(-1, groups, n // groups)
-        g = per_group.topk(2, -1)[0].sum(-1) if model_type == "deepseek_v3" else per_group.amax(-1)
+        g = per_group.topk(2, -1)[0].sum(-1) if model_type != "deepseek_v2" else per_group.amax(-1)
         ranked = g.sort(-1, descending=True)[0]
         gaps.append(ranked[:, limit - 1] - ranked[:, limit])
         kept = torch.zeros_like(g).scatter_(1, g.topk(limit, -1)[1], 1.0).repeat_interleave(n // groups, 1)

@@ -1,7 +1,7 @@
 """Distributed equivalence, the core promise: the same seed, data and global batch give the same losses
 under every parallel layout, and those equal a single-process transformers + torch AdamW reference (tiny-v3 in
-every layout; the R1-Distill-Qwen layout, tiny-qwen2, under ZeRO-3, PP=2 and LoRA, and DeepSeek-V4 under ZeRO-1,
-ZeRO-3, PP=2 and PP=4, in the launches of their rank counts)."""
+every layout; the R1-Distill-Qwen layout, tiny-qwen2, under ZeRO-3, PP=2 and LoRA, DeepSeek-V4 under ZeRO-1, ZeRO-3,
+PP=2 and PP=4, and DeepSeek-V3.2 under ZeRO-1, ZeRO-3 and PP=2, in the launches of their rank counts)."""
 
 import pytest
 import torch
@@ -33,6 +33,8 @@ QWEN2_LORA = ["model.preset=null", "model.path={qwen2_base}", "lora.r=4", "lora.
 # that a split can put one after the first stage (it needs the token ids carried there).
 V4 = ["model.preset=tiny-v4", "model.attn_implementation=eager",
       "model.overrides.mlp_layer_types=[hash_moe, hash_moe, moe, moe]"]
+# DeepSeek-V3.2 (its lightning indexer frozen): tiny-v32 keeps 16 of the 64 tokens' keys per query.
+V32 = ["model.preset=tiny-v32"]
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +108,9 @@ LAYOUTS = [
                                                      "model.partition_method=0,2,7"]),
     ("v4-pp4-zero1", 4, "ds_configs/zero1_pp.json", [*V4, "parallel.pipeline_stages=4",
                                                      "model.partition_method=0,2,3,5,7"]),
+    ("v32-zero1", 2, "ds_configs/zero1.json", V32),
+    ("v32-zero3", 2, "ds_configs/zero3.json", V32),
+    ("v32-pp2-zero1", 2, "ds_configs/zero1_pp.json", [*V32, "parallel.pipeline_stages=2"]),
 ]
 
 

@@ -96,7 +96,7 @@ def test_a_string_other_than_all_linear_is_refused():
 
 # The guide's list of each family's default targets: "`type` and `type` (what): `name`, `name`, ...;" up to the
 # first "." or ";".
-_DOCUMENTED = re.compile(r"((?:`\w+`(?: and |, )?)+) \([^)]*\): ((?:`\w+`(?:, )?)+)[.;]")
+_DOCUMENTED = re.compile(r"((?:`\w+`(?: and |, )?)+) \([^)]*\): ((?:`[\w.]+`(?:, )?)+)[.;]")
 
 
 def documented_default_targets(text: str) -> dict[str, tuple[str, ...]]:
@@ -106,7 +106,7 @@ def documented_default_targets(text: str) -> dict[str, tuple[str, ...]]:
     span = " ".join(text[start:text.index("lora.routed_experts: true", start)].split())  # lines joined
     for types, names in _DOCUMENTED.findall(span):
         for model_type in re.findall(r"`(\w+)`", types):
-            out[model_type] = tuple(re.findall(r"`(\w+)`", names))
+            out[model_type] = tuple(re.findall(r"`([\w.]+)`", names))
     return out
 
 

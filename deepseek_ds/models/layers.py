@@ -52,10 +52,10 @@ def _init_parameters(module: nn.Module, std: float, gen: torch.Generator) -> Non
             continue
         with torch.no_grad():
             leaf = name.rsplit(".", 1)[-1]
-            if "norm" in name and p.dim() == 1:
-                p.fill_(1.0)
-            elif leaf == "bias":
+            if leaf == "bias":  # a LayerNorm's too (DeepSeek-V3.2's indexer)
                 p.zero_()
+            elif "norm" in name and p.dim() == 1:
+                p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std).to(p.dtype))
 

@@ -27,13 +27,15 @@ from torch import nn
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HashRouter, DeepseekV4TopKRouter
+from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32TopkRouter
 
 from ..utils.private_api import in_backward
 from .registry import family_of
 
 # Each returns (logits, weights, chosen experts). V4's hash routers choose by a fixed token table (tid2eid): their load
 # is counted, but no balance loss or bias moves a choice they do not make.
-HF_ROUTERS = (DeepseekV3TopkRouter, DeepseekV2TopkRouter, DeepseekV4TopKRouter, DeepseekV4HashRouter)
+HF_ROUTERS = (DeepseekV3TopkRouter, DeepseekV2TopkRouter, DeepseekV32TopkRouter, DeepseekV4TopKRouter,
+              DeepseekV4HashRouter)
 BIAS = "e_score_correction_bias"
 
 # The balance losses, in the order balance_losses returns them; logged as aux_loss_<name>.

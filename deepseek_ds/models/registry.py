@@ -3,11 +3,12 @@ folder and a line here."""
 
 from __future__ import annotations
 
-from . import deepseek_v2, deepseek_v3, deepseek_v4, dense, qwen2
+from . import deepseek_v2, deepseek_v3, deepseek_v4, deepseek_v32, dense, qwen2
 from .family import Family
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     deepseek_v4.FAMILY,
+    deepseek_v32.FAMILY,
     deepseek_v3.FAMILY,
     deepseek_v2.FAMILY,
     dense.FAMILY,

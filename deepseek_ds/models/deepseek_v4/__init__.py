@@ -45,7 +45,7 @@ def _interleaved(n: int) -> list[str]:
 PRESETS = {
     "tiny-v4": Preset(DeepseekV4Config, TINY_V4,
                       "DeepSeek-V4 architecture (sliding/CSA/HCA attention, 2 hyper-connection streams, a hash-routed "
-                      "and 3 top-k MoE layers of 1 shared + 8 routed experts), ~2.9M params"),
+                      "and 3 top-k MoE layers of 1 shared + 8 routed experts), ~1.6M params"),
     "deepseek-v4-flash": Preset(DeepseekV4Config, dict(
         _V4_COMMON, hidden_size=4096, moe_intermediate_size=2048, num_hidden_layers=43, num_attention_heads=64,
         n_routed_experts=256, routed_scaling_factor=1.5, o_groups=8, layer_types=_interleaved(43),
@@ -56,8 +56,13 @@ PRESETS = {
         mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 58), "DeepSeek-V4-Pro 1.6T (49B active)"),
 }
 
-# LoRA's default targets: the attention's projections (the compressors and the frozen indexer are left as they are).
-V4_LORA_TARGETS = ("q_a_proj", "q_b_proj", "kv_proj", "o_b_proj")
+# LoRA's default targets: the attention's projections, named with their parent (peft matches dotted suffixes) so that
+# the compressors' and the frozen indexers' kv_proj / q_b_proj are left as they are. The shared experts' MLP names
+# are refused for every DeepSeek family (models/lora.py MLP_NAMES).
+V4_LORA_TARGETS = ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_proj", "self_attn.o_b_proj")
+# Modules an adapter cannot go on: the grouped output projection (an nn.Linear whose forward peft's LoRA delta does
+# not follow) and the frozen indexers (no gradient reaches them).
+_NO_ADAPTER = ("o_a_proj", "indexer")
 
 
 def run_refusals(cfg, config) -> list[str]:
@@ -76,6 +81,11 @@ def run_refusals(cfg, config) -> list[str]:
         errors.append("data.packing / data.document_mask: DeepSeek-V4's compressors take their windows and positions "
                       "from each row's absolute positions, so a packed document would differ from the same document "
                       "alone; set data.packing: false and data.document_mask: false (one sample per sequence)")
+    targets = cfg.lora.target_modules if cfg.lora.r else None
+    if targets == "all-linear" or any(part in _NO_ADAPTER for t in targets or () for part in t.split(".")):
+        errors.append(f"lora.target_modules {targets!r}: DeepSeek-V4's grouped output projection (o_a_proj) and "
+                      "frozen lightning indexers cannot take adapters; name the targets (e.g. self_attn.q_b_proj, "
+                      "self_attn.o_b_proj) or leave it null for the attention projections")
     p = cfg.parallel
     if p.sequence_parallel > 1:
         errors.append("parallel.sequence_parallel: DeepSeek-V4's compressors need whole, window-aligned sequences on "

@@ -16,6 +16,8 @@ from torch import nn
 from transformers.masking_utils import create_sliding_window_causal_mask
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
+from ..family import cached_on
+
 ROPE_KINDS = ("main", "compress")
 # transformers' V4 initialisation of the parameters that do not follow normal(0, std): zeros for the attention sinks,
 # the compressors' position biases and the hyper-connections' biases, ones for their scales.
@@ -58,14 +60,6 @@ def layer_kwargs(config, rotary: nn.Module, hidden: torch.Tensor, position_ids: 
 
 
 def _sliding_window_mask(config, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-    """Every V4 layer kind uses it (the compressed entries get their own causal bias inside attention). Kept on the
-    position ids under the tag the shared layers keep their masks under (models.layers.document_attention), so it
-    is built once per stage and micro-batch."""
-    key = ("sliding_window", hidden.dtype)
-    cached = getattr(position_ids, "_document_attention", None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    mask = create_sliding_window_causal_mask(config=config, inputs_embeds=hidden[:, :, 0], attention_mask=None,
-                                             cache=None, position_ids=position_ids)
-    position_ids._document_attention = (key, mask)
-    return mask
+    """Every V4 layer kind uses it (the compressed entries get their own causal bias inside attention)."""
+    return cached_on(position_ids, ("sliding_window", hidden.dtype), lambda: create_sliding_window_causal_mask(
+        config=config, inputs_embeds=hidden[:, :, 0], attention_mask=None, cache=None, position_ids=position_ids))
