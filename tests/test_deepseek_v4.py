@@ -128,3 +128,31 @@ def test_lora_adapts_the_attention_projections_as_peft_does_on_transformers():
                 param.copy_(ours_adapters[name])
     ids = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
     assert torch.allclose(ours(ids), hf(input_ids=ids).logits, rtol=0, atol=1e-6)
+
+
+def test_routers_score_in_fp32_under_bf16():
+    """In bf16 the routers choose the experts an fp32 computation of the same (bf16) weights and inputs chooses, as
+    DeepSeek's code does; transformers' own bf16 scoring chooses differently for some tokens."""
+    config = tiny()
+    model = build_model(config, 1, seed=7).to(torch.bfloat16)
+    routers = [m for m in model.modules() if isinstance(m, v4.DeepseekV4TopKRouter)]
+    seen = []
+    for r in routers:
+        r.register_forward_hook(lambda m, args, out: seen.append((m, args[0].detach(), out)))
+    ids = torch.randint(0, config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        model(ids)
+    differs = 0
+    for router, hidden, (logits, weights, indices) in seen:
+        flat = hidden.reshape(-1, config.hidden_size).float()
+        scores = F.softplus(flat @ router.weight.float().T).sqrt()
+        want = torch.topk(scores + router.e_score_correction_bias, config.num_experts_per_tok, dim=-1).indices
+        assert logits.dtype == torch.float32
+        assert torch.equal(indices.sort(-1).values, want.sort(-1).values)
+        chosen = scores.gather(1, indices)
+        assert torch.equal(weights, (chosen / (chosen.sum(-1, keepdim=True) + 1e-20) * config.routed_scaling_factor)
+                           .to(torch.bfloat16))
+        in_bf16 = torch.topk(F.softplus(F.linear(hidden.reshape(-1, config.hidden_size), router.weight)).sqrt()
+                             + router.e_score_correction_bias, config.num_experts_per_tok, dim=-1).indices
+        differs += int((in_bf16.sort(-1).values != want.sort(-1).values).any(-1).sum())
+    assert differs > 0  # the fp32 scoring matters at these sizes

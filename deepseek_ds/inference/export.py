@@ -27,6 +27,7 @@ from ..models.hf_io import mtp_hf_state_dict, to_hf_model
 from ..models.names import hf_names
 from ..models.pipeline import layer_specs, prepare_config
 from ..models.presets import build_model_config, is_moe
+from ..models.registry import family_of
 from ..utils.errors import UserError
 from ..utils.private_api import ONNX_REGISTRATION_LOGGER, keep_in_fp32_modules, own_tensor_stores
 from .export_lora import is_lora_checkpoint, merged_model_from_checkpoint
@@ -50,13 +51,15 @@ def _checkpoint_layers(checkpoint: str, work_dir: str, experts_implementation: s
     """(every pipeline layer of the checkpoint's model holding its fp32 weights, the model config, the metadata)."""
     tag_dir = tag_dir_of(checkpoint)
     meta = read_meta(tag_dir)
-    config = prepare_config(build_model_config(path=tag_dir), "sdpa", experts_implementation)
+    config = build_model_config(path=tag_dir)
+    config = prepare_config(config, family_of(config).export_attention, experts_implementation)
     weights = read_weights(tag_dir, config, work_dir)
     with torch.device("meta"):
         layers = [spec.build() for spec in layer_specs(config, seed=None)
                   if not (isinstance(spec, TiedLayerSpec) and spec.forward_fn is not None)]
-    for layer in layers:
-        layer.load_state_dict({k: weights[hf].float() for k, hf in hf_names(layer).items()}, strict=False, assign=True)
+    for layer in layers:  # integer buffers (DeepSeek-V4's hash tables, tid2eid) keep their dtype
+        layer.load_state_dict({k: weights[hf].float() if weights[hf].is_floating_point() else weights[hf]
+                               for k, hf in hf_names(layer).items()}, strict=False, assign=True)
     return layers, config, meta
 
 
@@ -172,8 +175,10 @@ def model_for_tracing(source: str, work_dir: str) -> nn.Module:
     """fp32 LogitsOnly model from a training checkpoint or an HF directory (e.g. one `export hf` wrote)."""
     is_hf_dir = os.path.isfile(os.path.join(source, "config.json")) and not os.path.isfile(os.path.join(source, META))
     if is_hf_dir:
-        kwargs = {"experts_implementation": TRACE_EXPERTS} if is_moe(AutoConfig.from_pretrained(source)) else {}
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, attn_implementation="sdpa", **kwargs)
+        config = AutoConfig.from_pretrained(source)
+        kwargs = {"experts_implementation": TRACE_EXPERTS} if is_moe(config) else {}
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32,
+                                                     attn_implementation=family_of(config).export_attention, **kwargs)
     else:
         model, _ = hf_model_from_checkpoint(source, work_dir, experts_implementation=TRACE_EXPERTS)
     return LogitsOnly(model.float()).eval()

@@ -21,6 +21,7 @@ from ..models.lora import ADAPTER, lora_config
 from ..models.moe import BIAS, HF_ROUTERS
 from ..models.pipeline import layer_specs, prepare_config
 from ..models.presets import build_model_config
+from ..models.registry import family_of
 from ..utils.errors import UserError
 from .hf_files import readable_by_all, save_tokenizer, training_tokenizer
 
@@ -54,7 +55,8 @@ def peft_model_from_checkpoint(checkpoint: str, experts_implementation: str = "g
     if not base_path or not os.path.isdir(base_path):
         raise LoraExportError(f"the LoRA checkpoint {tag_dir} holds no base weights and its model.path {base_path!r} "
                               "is not a directory; put the base model back there (checkpoints keep only adapters)")
-    config = prepare_config(build_model_config(path=tag_dir), "sdpa", experts_implementation)
+    config = build_model_config(path=tag_dir)
+    config = prepare_config(config, family_of(config).export_attention, experts_implementation)
     layers = [spec.build() for spec in layer_specs(config, seed=None)
               if not (isinstance(spec, TiedLayerSpec) and spec.forward_fn is not None)]
     load_hf_weights(layers, base_path, config)

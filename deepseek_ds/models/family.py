@@ -55,7 +55,18 @@ class Family:
     layer_kwargs: Callable[..., dict] | None = None
     # After a layer's shared initialisation: (module, seed or None) -> None; the family's own init and frozen parts.
     prepare_layer: Callable[[Any, int | None], None] | None = None
+    # The attn_implementations its layers run (export and tracing pick one); None: any transformers has.
+    attention_kernels: tuple[str, ...] | None = None
+    # Checkpoints name its tensors as transformers' conversion_mapping sources (published names, which its
+    # save_pretrained writes), not as in memory: loading resolves them with that mapping (checkpoint_names.py).
+    renamed_on_disk: bool = False
 
     @property
     def is_moe(self) -> bool:
         return self.moe_defaults is not None
+
+    @property
+    def export_attention(self) -> str:
+        """The attn_implementation exports and traces run: SDPA unless its layers run only other kernels."""
+        kernels = self.attention_kernels
+        return "sdpa" if kernels is None or "sdpa" in kernels else kernels[0]

@@ -20,7 +20,8 @@ from safetensors import safe_open
 from torch import nn
 
 from ..utils.errors import UserError
-from .fp8 import FP8_DTYPES, SCALE_SUFFIX, BlockFP8, QuantizationError, read_quantization
+from .checkpoint_names import CheckpointNames
+from .fp8 import QUANTIZED_DTYPES, SCALE_SUFFIX, BlockFP8, QuantizationError, read_quantization
 from .layers import EmbeddingPipe, LMHeadPipe, MTPLayerPipe, family_of
 from .lora import ADAPTER, lora_config
 from .names import (
@@ -135,9 +136,10 @@ def _unused_mtp_module(owner: str | None, weight_map: dict[str, str], config) ->
 
 
 def _check_one_for_one(plan: dict[str, list[str]], layers, weight_map: dict[str, str], hf_dir: str, config,
-                       scales: bool) -> None:
+                       scales: bool, renamed: CheckpointNames | None) -> None:
     """Every tensor of this rank's layers on disk feeds a parameter and every parameter has its tensors; a tensor
-    that belongs to no layer of any stage is refused on every rank. Tensors of other stages' layers are theirs."""
+    that belongs to no layer of any stage is refused on every rank. Tensors of other stages' layers are theirs.
+    renamed: the directory's names resolved to in-memory ones, for families whose checkpoints rename them."""
     missing = sorted(n for names in plan.values() for n in names if n not in weight_map)
     if missing:
         raise WeightsMismatchError(f"{hf_dir}: parameters of this {config.model_type} model with no tensor in "
@@ -152,7 +154,9 @@ def _check_one_for_one(plan: dict[str, list[str]], layers, weight_map: dict[str,
     whole_model = model_hf_prefixes(config)
     unmapped = []
     for name in sorted(set(weight_map) - consumed - copies):
-        owner = owner_prefix(name)
+        if renamed is not None and renamed.ignored(name):
+            continue
+        owner = owner_prefix(renamed.in_memory(name) if renamed is not None else name)
         if name.endswith(_ROTARY_TABLE) or (owner in whole_model and owner not in local):
             continue
         if owner in local or not _unused_mtp_module(owner, weight_map, config):
@@ -170,7 +174,7 @@ def _dequantized(name: str, raw: dict[str, torch.Tensor], fp8: BlockFP8 | None, 
     tensor, scale = raw.pop(name), raw.pop(name + SCALE_SUFFIX, None)
     if scale is not None:
         return fp8.dequantize(name, tensor, scale, dtype)
-    if tensor.dtype in FP8_DTYPES:
+    if tensor.dtype in QUANTIZED_DTYPES:
         raise QuantizationError(f"tensor {name} is stored as {tensor.dtype} without its {name}{SCALE_SUFFIX}; "
                                 "casting it without its scales would give wrong weights")
     return tensor
@@ -188,14 +192,15 @@ def load_hf_weights(layers, hf_dir: str, config) -> int:
     A mismatch rank 0 finds is raised on every rank, after the gathers, so no rank is left waiting in one."""
     layers = list(layers)
     if not any(is_zero_param(p) for layer in layers for p in layer.parameters()):
-        return _load_layers(layers, hf_dir, config)
-    read, error = 0, None
+        return _load_layers(layers, hf_dir, config, _Directory(hf_dir, config))
+    read, error, directory = 0, None, None
     device = get_accelerator().current_device_name()
     for layer in layers:
         with deepspeed.zero.GatheredParameters(list(layer.parameters()), modifier_rank=0):
             if dist.get_rank() == 0 and error is None:
                 try:
-                    read += _load_layers([layer], hf_dir, config)
+                    directory = directory or _Directory(hf_dir, config)
+                    read += _load_layers([layer], hf_dir, config, directory)
                 except UserError as e:  # raised below on every rank
                     error = e
         for buffer in layer.buffers():
@@ -211,12 +216,28 @@ def load_hf_weights(layers, hf_dir: str, config) -> int:
     return read
 
 
-def _load_layers(layers: list, hf_dir: str, config) -> int:
-    weight_map = _weight_map(hf_dir)
-    fp8 = read_quantization(hf_dir)
+class _Directory:
+    """What loading needs of a directory's index, read once per load (ZeRO-3 loads layer by layer): its tensors'
+    files, FP8 layout, and for families whose checkpoints rename tensors, their names resolved (CheckpointNames)."""
+
+    def __init__(self, hf_dir: str, config):
+        self.weight_map = _weight_map(hf_dir)
+        self.fp8 = read_quantization(hf_dir)
+        family = family_of(config)
+        self.renamed = (CheckpointNames(family.causal_lm, config, self.weight_map, quantized=self.fp8 is not None)
+                        if family.renamed_on_disk else None)
+        if self.renamed is not None:
+            self.weight_map = self.renamed.weight_map
+
+
+def _load_layers(layers: list, hf_dir: str, config, directory: _Directory) -> int:
+    weight_map, fp8, renamed = directory.weight_map, directory.fp8, directory.renamed
     wanted = hf_state_dict(layers, keep_vars=True)  # hf name -> destination tensor
-    plan = {name: _disk_names(name, weight_map, num_routed_experts(config)) for name in wanted}
-    _check_one_for_one(plan, layers, weight_map, hf_dir, config, scales=fp8 is not None)
+    if renamed is not None:
+        plan = {name: renamed.sources(name) for name in wanted}
+    else:
+        plan = {name: _disk_names(name, weight_map, num_routed_experts(config)) for name in wanted}
+    _check_one_for_one(plan, layers, weight_map, hf_dir, config, fp8 is not None, renamed)
     reads = {n for names in plan.values() for n in names}
     reads |= {n + SCALE_SUFFIX for n in reads if fp8 and n + SCALE_SUFFIX in weight_map}
     by_file: dict[str, list[str]] = {}
@@ -227,12 +248,15 @@ def _load_layers(layers: list, hf_dir: str, config) -> int:
     for fname, names in sorted(by_file.items()):
         with safe_open(os.path.join(hf_dir, fname), "pt") as f:
             for n in sorted(names):
-                raw[n] = f.get_tensor(n)
+                raw[n] = f.get_tensor(renamed.on_disk(n) if renamed is not None else n)
                 read += raw[n].numel() * raw[n].element_size()
     with torch.no_grad():
         for name, dest in wanted.items():
             parts = [_dequantized(n, raw, fp8, dest.dtype) for n in plan[name]]
-            src = parts[0] if plan[name] == [name] else fuse_experts(name, parts, num_routed_experts(config))
+            if renamed is not None:
+                src = renamed.assemble(name, parts)
+            else:
+                src = parts[0] if plan[name] == [name] else fuse_experts(name, parts, num_routed_experts(config))
             if src.shape != dest.shape:
                 raise WeightsMismatchError(f"{hf_dir}: tensor {name} has shape {tuple(src.shape)}, the model "
                                            f"expects {tuple(dest.shape)}; is config.json the one these weights "

@@ -88,6 +88,8 @@ PRIVATE: tuple[tuple[str, str, str], ...] = (
     ("torch.onnx", "_internal", "the ONNX exporter's package, whose registration logger is quieted"),
     ("torch.onnx._internal.exporter", "_registration", "its logger, quieted: it warns about operators no language "
      "model uses"),
+    ("transformers.PreTrainedModel", "_keys_to_ignore_on_load_unexpected", "the checkpoint tensors from_pretrained "
+     "skips (DeepSeek-V4's mtp.*): a stage-local load skips the same"),
     ("transformers.PreTrainedModel", "_keep_in_fp32_modules_strict", "the modules from_pretrained keeps in fp32, "
      "which export's cast keeps too"),
     ("torch.utils.cpp_extension", "_get_build_directory", "where JIT builds lock (torch's own rule for the "
@@ -280,6 +282,11 @@ def keep_in_fp32_modules(model) -> list[str]:
     """The module name patterns transformers keeps in fp32 whatever the dtype (from_pretrained(dtype=...)); none for
     a model without them."""
     return getattr(model, "_keep_in_fp32_modules_strict", None) or []
+
+
+def keys_ignored_on_load(model) -> list[str]:
+    """The name patterns of checkpoint tensors transformers' from_pretrained skips (e.g. DeepSeek-V4's `mtp.*`)."""
+    return list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
 
 
 # The ONNX exporter's operator registration logs here (warnings about operators no language model uses).

@@ -110,5 +110,5 @@ FAMILY = Family(
     override_notes={"hc_mult": "hyper-connection streams are DeepSeek-V4's",
                     "layer_types": "compressed attention layers are DeepSeek-V4's"},
     run_refusals=run_refusals, streams_head=v4.DeepseekV4HyperHead, carries_token_ids=True,
-    layer_kwargs=layer_kwargs, prepare_layer=prepare_layer,
+    layer_kwargs=layer_kwargs, prepare_layer=prepare_layer, attention_kernels=("eager",), renamed_on_disk=True,
 )

@@ -5,13 +5,14 @@ models/layers.py, call these through the family record):
   compressed ones), the sliding-window causal mask (built once per stage and micro-batch) and the input ids, which
   the hash-routed MoE layers look their experts up by wherever a split puts them;
 - the initialisation transformers gives the parameters that do not follow normal(0, std), and a hash table;
-- the frozen lightning indexers.
+- the frozen lightning indexers, and routers that score in fp32 under bf16.
 """
 
 from __future__ import annotations
 
 import deepspeed
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.masking_utils import create_sliding_window_causal_mask
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
@@ -49,6 +50,27 @@ def prepare_layer(module: nn.Module, seed: int | None) -> None:
     for m in module.modules():
         if isinstance(m, v4.DeepseekV4Indexer):
             m.requires_grad_(False)
+        if isinstance(m, (v4.DeepseekV4TopKRouter, v4.DeepseekV4HashRouter)):
+            m.register_forward_hook(_route_in_fp32)
+
+
+def _route_in_fp32(router: nn.Module, args: tuple, output: tuple):
+    """DeepSeek scores its experts in fp32 (its V4 code; transformers' V3 router too), transformers' V4 router in the
+    weight's dtype: under bf16 its choices would drift. Written here because transformers has no fp32 V4 router:
+    the same formula recomputed in fp32 (the fp32 correction bias included) whenever the weight is not fp32."""
+    if router.weight.dtype == torch.float32:
+        return None
+    hidden = args[0]
+    logits = F.linear(hidden.reshape(-1, router.hidden_dim).float(), router.weight.float())
+    scores = router.score_fn(logits)
+    if isinstance(router, v4.DeepseekV4HashRouter):
+        indices = router.tid2eid[args[1].reshape(-1)].long()
+    else:
+        biased = scores + router.e_score_correction_bias.float()
+        indices = torch.topk(biased, router.top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, indices)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return logits, (weights * router.routed_scaling_factor).to(hidden.dtype), indices
 
 
 def layer_kwargs(config, rotary: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor,
