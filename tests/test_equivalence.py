@@ -12,7 +12,7 @@ from deepseek_ds.models.hf_io import hf_state_dict
 from deepseek_ds.models.lora import apply_lora
 from deepseek_ds.models.pipeline import build_model, local_layers, prepare_config
 from deepseek_ds.models.presets import build_model_config
-from helpers import read_metrics, train, train_layouts
+from helpers import cli, read_metrics, train, train_layouts
 from reference import lora_reference_losses, reference_losses, reference_model
 from reference_data import StreamSamples, step_batch
 
@@ -170,19 +170,34 @@ def test_losses_equal_single_process_reference(name, ranks, ds_config, extra, re
 
 @pytest.mark.launch
 @pytest.mark.parametrize("name,ranks", [("v4-zero3", 2), ("v4-pp2-zero1", 2)])
-def test_v4_hash_tables_are_saved_unchanged_by_training(name, ranks, runs, data_dir):
+def test_v4_hash_tables_are_saved_and_exported_unchanged_by_training(name, ranks, runs, data_dir, tmp_path):
     """The hash-routed layers' token -> experts tables (buffers, no gradient) in the final checkpoint of a V4 layout
-    equal, bitwise, those the model was built with: training, ZeRO-3's partitioning and the pipeline left them."""
+    equal, bitwise, those the model was built with (training, ZeRO-3's partitioning and the pipeline left them), and
+    so do those of its `export hf`, which transformers loads as deepseek_v4, and its frozen indexers."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
     records = runs(ranks, name)
-    tag = records[-1]["step"]
+    tag = runs.output_dir(ranks, name) / "checkpoints" / f"step{records[-1]['step']:08d}"
     cfg = load_run_config("recipes/tiny-v3.yaml", SETS + V4 + [f"data.path={data_dir}"])
     mcfg = prepare_config(build_model_config(cfg.model.preset, None, cfg.model.overrides), "eager")
-    built = {n: t for n, t in hf_state_dict(local_layers(build_model(mcfg, 1, cfg.train.seed))).items()
-             if n.endswith("tid2eid")}
-    saved = read_buffers(str(runs.output_dir(ranks, name) / "checkpoints" / f"step{tag:08d}"))
-    assert len(built) == 2 and {n: saved[n] for n in built}.keys() == built.keys()
+    initial = hf_state_dict(local_layers(build_model(mcfg, 1, cfg.train.seed)))
+    built = {n: t for n, t in initial.items() if n.endswith("tid2eid")}
+    saved = read_buffers(str(tag))
+    assert len(built) == 2
     for n, table in built.items():
         assert torch.equal(saved[n], table), n
+    out = tmp_path / "hf"
+    assert cli(["export", "hf", str(tag), "--out", str(out), "--dtype", "fp32", "--work-dir", str(tmp_path)]) == 0
+    model = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    exported = load_file(out / "model.safetensors")
+    for n, table in built.items():
+        on_disk = n.replace(".mlp.", ".ffn.")  # transformers' save_pretrained writes V4's published module names
+        assert exported[on_disk].dtype == table.dtype and torch.equal(exported[on_disk], table), n
+        assert torch.equal(model.get_submodule(n.removesuffix(".tid2eid")).tid2eid, table), n
+    # The frozen lightning indexers (no optimizer state: DeepSpeed saves them apart) are exported as they started.
+    indexers = {n: t for n, t in model.state_dict().items() if ".indexer." in n and "rotary" not in n}
+    assert indexers and all(torch.equal(t, initial[n]) for n, t in indexers.items())
 
 
 @pytest.mark.unit

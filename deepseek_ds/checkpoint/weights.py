@@ -43,6 +43,9 @@ def read_weights(tag_dir: str, config: PretrainedConfig, work_dir: str, scheme: 
     entries = container_entries(config, source, saved.autoep)
     out = hf_tensors(weights, entries)
     out.update(read_buffers(tag_dir))
+    missing = {entry.hf for entry in entries.values()} - set(out)
+    if missing and saved.zero_stage > 0 and saved.tensor_parallel == 1:
+        out.update({n: t for n, t in _frozen_weights(tag_dir, saved, config).items() if n in missing})
     missing = sorted({entry.hf for entry in entries.values()} - set(out))
     if missing:
         raise CheckpointError(f"{tag_dir} lacks {len(missing)} tensors of its model, e.g. {missing[:3]}; the "
@@ -50,6 +53,26 @@ def read_weights(tag_dir: str, config: PretrainedConfig, work_dir: str, scheme: 
     if scheme is None:
         return out
     return {name: out[hf] for name, hf in layout_names(config, scheme).items()}
+
+
+def _frozen_weights(tag_dir: str, saved: Layout, config: PretrainedConfig) -> dict[str, torch.Tensor]:
+    """The model's frozen parameters (e.g. DeepSeek-V4's and V3.2's lightning indexers), which a universal conversion
+    leaves out (it is made of optimizer states; they have none), by HF name, from what DeepSpeed saved of them: a
+    pipeline's per-layer files, ZeRO-2/3's frozen-parameter fragments (zero_to_fp32 gathers them), ZeRO-1's module."""
+    with torch.device("meta"):
+        layers = [spec.build() for spec in layer_specs(config, seed=None)]
+    frozen = {f"layers.{i}.{key}": hf_name(layer, key) for i, layer in enumerate(layers)
+              for key, p in layer.named_parameters() if not p.requires_grad}
+    if not frozen:
+        return {}
+    if saved.pipeline_stages > 1:
+        container = {f"layers.{i}.{k}": v for i, state in _pipeline_layer_files(tag_dir) for k, v in state.items()}
+    elif saved.zero_stage >= 2:
+        container = get_fp32_state_dict_from_zero_checkpoint(os.path.dirname(tag_dir), os.path.basename(tag_dir))
+    else:
+        container = torch.load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), map_location="cpu",
+                               weights_only=True)["module"]
+    return {hf: container[key].float() for key, hf in frozen.items() if key in container}
 
 
 def _universal_weights(tag_dir: str, saved: Layout, config: PretrainedConfig, work_dir: str
