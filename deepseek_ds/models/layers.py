@@ -1,9 +1,11 @@
 """Pipeline-stage layers built from transformers' own DeepSeek / Llama / Qwen2 modules.
 
 Only `(hidden_states, position_ids)` travels between stages (plus `input_ids` when the model has multi-token
-prediction modules, which embed future tokens on the last stage); every decoder layer rebuilds its rotary
-embedding locally (it has no parameters), and each stage its document mask (see `document_attention`). The HF names of each layer's tensors are in names.py, which is what lets
-a stage read and write exactly its own tensors of an HF directory.
+prediction modules, which embed future tokens on the last stage, or hash-routed layers: DeepSeek-V4, whose hidden
+states are its hyper-connection streams); every decoder layer rebuilds its rotary embedding locally (it has no
+parameters), and each stage its document mask (see `document_attention`; a family's own through its layer_kwargs).
+The HF names of each layer's tensors are in names.py, which is what lets a stage read and write exactly its own
+tensors of an HF directory.
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ class DecoderLayerPipe(nn.Module):
 
     def run_layer(self, hidden: torch.Tensor, position_ids: torch.Tensor,
                   input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if self.layer_kwargs is not None:  # the family's own (DeepSeek-V4)
+        if self.layer_kwargs is not None:  # the family's own (DeepSeek-V4, V3.2)
             return self.layer(hidden, **self.layer_kwargs(self.config, self.rotary, hidden, position_ids, input_ids))
         position_embeddings = self.rotary(hidden, position_ids)
         return self.layer(hidden, position_ids=position_ids, position_embeddings=position_embeddings,
