@@ -156,3 +156,23 @@ def test_routers_score_in_fp32_under_bf16():
                              + router.e_score_correction_bias, config.num_experts_per_tok, dim=-1).indices
         differs += int((in_bf16.sort(-1).values != want.sort(-1).values).any(-1).sum())
     assert differs > 0  # the fp32 scoring matters at these sizes
+
+
+def test_right_padded_samples_equal_each_sample_alone():
+    """One chat sample per sequence, right-padded (data.packing false): every real token's logits equal those of the
+    sample alone in transformers' model, whatever the padding after it (the compressors' windows over the padding
+    only reach later positions)."""
+    config = tiny()
+    ours = build_model(config, 1, seed=7).eval()
+    hf = transformers_twin(ours, config).eval()
+    gen = torch.Generator().manual_seed(5)
+    lengths = [64, 37, 33, 9]
+    batch = torch.zeros(len(lengths), 64, dtype=torch.long)  # pad id 0, as the chat data pads
+    samples = [torch.randint(1, config.vocab_size, (n,), generator=gen) for n in lengths]
+    for row, sample in enumerate(samples):
+        batch[row, :len(sample)] = sample
+    with torch.no_grad():
+        logits = ours(batch)
+        for row, sample in enumerate(samples):
+            alone = hf(input_ids=sample.unsqueeze(0)).logits[0]
+            assert torch.allclose(logits[row, :len(sample)], alone, rtol=0, atol=1e-5), lengths[row]

@@ -11,11 +11,13 @@ from .layers import layer_kwargs, prepare_layer
 
 # Every layer kind of V4 in four layers (hash MoE, sliding, CSA and HCA), at sizes where each kind matters within a
 # 64-token sequence: a window of 8, CSA entries every 4 tokens of which the indexer keeps 4, HCA entries every 8.
+# 8 indexer heads: an entry's score is a sum of ReLUs, exactly 0 for many entries with 2 heads, and top-k breaks
+# such ties by position, so the same tokens could select differently in a longer (e.g. right-padded) sequence.
 TINY_V4 = dict(
     vocab_size=2048, hidden_size=128, moe_intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
     num_key_value_heads=1, head_dim=32, q_lora_rank=64, partial_rotary_factor=0.5, n_routed_experts=8,
     n_shared_experts=1, num_experts_per_tok=2, hc_mult=2, hc_sinkhorn_iters=20, sliding_window=8, o_groups=2,
-    o_lora_rank=32, index_n_heads=2, index_head_dim=16, index_topk=4, num_nextn_predict_layers=0,
+    o_lora_rank=32, index_n_heads=8, index_head_dim=16, index_topk=4, num_nextn_predict_layers=0,
     layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
                  "compressed_sparse_attention"],
     mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
