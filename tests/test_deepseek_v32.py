@@ -52,10 +52,11 @@ def test_the_indexer_selects_and_is_frozen():
 
 
 @pytest.mark.parametrize("option,match", [
-    ({"model": {"attn_implementation": "flash_attention_2"}}, r"sparse attention runs on transformers' sdpa or eager"),
+    ({"model": {"attn_implementation": "flash_attention_2"}},
+     r"deepseek_v32 runs on transformers' sdpa or eager attention only.*FlashMLA.*set model.attn_implementation: sdpa"),
     ({"parallel": {"sequence_parallel": 2}}, r"parallel.sequence_parallel: DeepSeek-V3.2's indexer"),
     ({"parallel": {"tensor_parallel": 2}}, r"parallel.tensor_parallel: DeepSeek-V3.2's indexer"),
-    ({"parallel": {"expert_parallel": 2}}, r"AutoEP has no DeepSeek-V3.2 preset"),
+    ({"parallel": {"expert_parallel": 2}}, r"AutoEP has no DeepSeek-V3.2 preset.*set parallel.expert_parallel: 1"),
 ], ids=["flash", "sp", "tp", "ep"])
 def test_options_v32_cannot_train_exactly_are_refused(option, match):
     sections = {"model": {"preset": "tiny-v32"}, "train": {"micro_batch_size": 2, "global_batch_size": 8}}

@@ -76,12 +76,14 @@ def test_hash_tables_and_indexers_are_frozen():
 
 
 @pytest.mark.parametrize("option,match", [
-    ({"model": {"attn_implementation": "sdpa"}}, r"model.attn_implementation 'sdpa'.*set model.attn_implementation: eager"),
+    ({"model": {"attn_implementation": "sdpa"}}, r"model.attn_implementation 'sdpa': deepseek_v4 runs on transformers' "
+                                                 r"eager attention only.*set model.attn_implementation: eager"),
     ({"data": {"packing": True}}, r"data.packing / data.document_mask.*set data.packing: false"),
     ({"data": {"document_mask": True}}, r"data.packing / data.document_mask"),
     ({"parallel": {"sequence_parallel": 2}}, r"parallel.sequence_parallel: DeepSeek-V4.*set parallel.sequence_parallel: 1"),
     ({"parallel": {"tensor_parallel": 2}}, r"parallel.tensor_parallel: DeepSeek-V4.*set parallel.tensor_parallel: 1"),
-    ({"parallel": {"expert_parallel": 2}}, r"parallel.expert_parallel: DeepSpeed's AutoEP has no DeepSeek-V4"),
+    ({"parallel": {"expert_parallel": 2}}, r"parallel.expert_parallel: DeepSpeed's AutoEP has no DeepSeek-V4.*"
+                                           r"set parallel.expert_parallel: 1"),
     ({"model": {"overrides": {"num_nextn_predict_layers": 1}}},
      r"num_nextn_predict_layers = 1.*no MTP module for deepseek_v4.*num_nextn_predict_layers: 0"),
     ({"lora": {"r": 4, "target_modules": "all-linear"}}, r"lora.target_modules 'all-linear': DeepSeek-V4's grouped"),

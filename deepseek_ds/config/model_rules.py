@@ -55,9 +55,22 @@ def model_errors(cfg: RunConfig, ds: dict, files: bool = True) -> list[str]:
                       f"({mcfg.max_position_embeddings}): lower data.seq_len, or extend the checkpoint's context with "
                       "RoPE scaling: --set model.overrides.rope_parameters=... (e.g. yarn with a factor) and "
                       "model.overrides.max_position_embeddings=N")
-    run_refusals = family_of(mcfg).run_refusals
-    errors += run_refusals(cfg, mcfg) if run_refusals else []
+    errors += _family_refusals(cfg, mcfg)
     return errors + _moe_errors(cfg, ds, mcfg) + _mtp_errors(cfg, mcfg) + _lora_errors(cfg, ds, mcfg, files)
+
+
+def _family_refusals(cfg: RunConfig, mcfg) -> list[str]:
+    """What the model family's layers cannot run exactly: attention kernels, parallelism, its own run options."""
+    fam, errors = family_of(mcfg), []
+    kernels, attn = fam.attention_kernels, cfg.model.attn_implementation
+    if kernels is not None and attn not in kernels:
+        errors.append(f"model.attn_implementation {attn!r}: {mcfg.model_type} runs on transformers' "
+                      f"{' or '.join(kernels)} attention only ({fam.attention_note}); set model.attn_implementation: "
+                      f"{kernels[0]}")
+    for degree, why in fam.refused_parallelism.items():
+        if getattr(cfg.parallel, degree) > 1:
+            errors.append(f"parallel.{degree}: {why}; set parallel.{degree}: 1")
+    return errors + (fam.run_refusals(cfg, mcfg) if fam.run_refusals else [])
 
 
 def _lora_errors(cfg: RunConfig, ds: dict, mcfg, files: bool = True) -> list[str]:

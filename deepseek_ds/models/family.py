@@ -48,6 +48,9 @@ class Family:
     refusal: Callable[[Any, str], str | None] | None = None
     # The run options (a config.RunConfig) its layers cannot train exactly: (run config, model config) -> messages.
     run_refusals: Callable[[Any, Any], list[str]] | None = None
+    # Parallelism its layers cannot split exactly: a `parallel` field (e.g. "tensor_parallel") -> why (config's
+    # model_rules refuses it above 1, naming the field, the reason and the fix).
+    refused_parallelism: dict[str, str] = field(default_factory=dict)
     # DeepSeek-V4's pipeline needs, read by models/layers.py (None / False for the other families):
     streams_head: type | None = None  # hyper-connections: the module collapsing config.hc_mult streams before the norm
     carries_token_ids: bool = False   # every stage gets the input ids (hash-routed MoE layers)
@@ -55,8 +58,10 @@ class Family:
     layer_kwargs: Callable[..., dict] | None = None
     # After a layer's shared initialisation: (module, seed or None) -> None; the family's own init and frozen parts.
     prepare_layer: Callable[[Any, int | None], None] | None = None
-    # The attn_implementations its layers run (export and tracing pick one); None: any transformers has.
+    # The attn_implementations its layers run (export and tracing pick one; model.attn_implementation is refused
+    # outside them, with attention_note's reason); None: any transformers has.
     attention_kernels: tuple[str, ...] | None = None
+    attention_note: str = ""
     # Checkpoints name its tensors as transformers' conversion_mapping sources (published names, which its
     # save_pretrained writes), not as in memory: loading resolves them with that mapping (checkpoint_names.py).
     renamed_on_disk: bool = False

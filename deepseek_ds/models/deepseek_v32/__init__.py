@@ -48,26 +48,6 @@ def layer_kwargs(config, rotary: nn.Module, hidden: torch.Tensor, position_ids: 
     return {"position_ids": position_ids, "position_embeddings": rotary(hidden, position_ids), "attention_mask": mask}
 
 
-def run_refusals(cfg, config) -> list[str]:
-    """The run options the indexer's layers cannot train exactly, one line each with the fix."""
-    errors = []
-    if cfg.model.attn_implementation not in ("sdpa", "eager"):
-        errors.append(f"model.attn_implementation {cfg.model.attn_implementation!r}: DeepSeek-V3.2's sparse attention "
-                      "runs on transformers' sdpa or eager path (its flash path needs the FlashMLA kernel); set "
-                      "model.attn_implementation: sdpa")
-    p = cfg.parallel
-    if p.sequence_parallel > 1:
-        errors.append("parallel.sequence_parallel: DeepSeek-V3.2's indexer scores each query against every earlier "
-                      "token of the whole sequence; set parallel.sequence_parallel: 1")
-    if p.tensor_parallel > 1:
-        errors.append("parallel.tensor_parallel: DeepSeek-V3.2's indexer has no tensor-parallel split in deepseek-ds; "
-                      "set parallel.tensor_parallel: 1 (use ZeRO-3 or pipeline stages)")
-    if p.expert_parallel > 1:
-        errors.append("parallel.expert_parallel: DeepSpeed's AutoEP has no DeepSeek-V3.2 preset; set "
-                      "parallel.expert_parallel: 1 (ZeRO-3 partitions the experts instead)")
-    return errors
-
-
 FAMILY = Family(
     "deepseek_v32", DeepseekV32Config, v32.DeepseekV32ForCausalLM, v32.DeepseekV32DecoderLayer,
     v32.DeepseekV32RMSNorm, v32.DeepseekV32RotaryEmbedding, PRESETS, MLA_LORA_TARGETS, (),
@@ -75,5 +55,12 @@ FAMILY = Family(
     moe_defaults={"bias_update_speed": 1e-3, "seq_aux_alpha": 1e-4, "device_aux_alpha": 0.0, "comm_aux_alpha": 0.0},
     score_func="sigmoid", has_router_bias=True, router_group_mask=True,
     override_notes={"index_topk": "the lightning indexer is DeepSeek-V3.2's (and V4's CSA layers')"},
-    run_refusals=run_refusals, layer_kwargs=layer_kwargs, prepare_layer=prepare_layer,
+    layer_kwargs=layer_kwargs, prepare_layer=prepare_layer,
+    attention_kernels=("sdpa", "eager"), attention_note="its flash path hands the indexer's choice to the FlashMLA kernel",
+    refused_parallelism={
+        "sequence_parallel": "DeepSeek-V3.2's indexer scores each query against every earlier token of the whole "
+                             "sequence",
+        "tensor_parallel": "DeepSeek-V3.2's indexer has no tensor-parallel split in deepseek-ds (use ZeRO-3 or "
+                           "pipeline stages)",
+        "expert_parallel": "DeepSpeed's AutoEP has no DeepSeek-V3.2 preset (ZeRO-3 partitions the experts instead)"},
 )

@@ -68,17 +68,11 @@ _NO_ADAPTER = ("o_a_proj", "indexer")
 
 
 def run_refusals(cfg, config) -> list[str]:
-    """The run options V4's layers cannot train exactly, one line each with the fix. The reasons:
-    - attention is transformers' eager kernel only (head_dim 512 is past flash-attention's limit, SDPA has no sinks);
-    - the compressors take their windows and rotary positions from absolute row positions, so a packed document (or
-      a sequence shard) would see its neighbours' windows: packing, document masks and sequence parallelism differ;
-    - one shared KV head and the compressors' whole-sequence windows leave nothing for tensor parallelism to split;
-    - DeepSpeed's AutoEP has no V4 preset (no hash routing, no sqrt-softplus scores, no clamped SwiGLU).
-    Its MTP layer is refused with the other families' (config.validate: transformers builds no V4 MTP module)."""
+    """The run options V4's layers cannot train exactly besides the kernels and parallelism (FAMILY), one line each
+    with the fix: the compressors take their windows and rotary positions from absolute row positions, so a packed
+    document would see its neighbours' windows; LoRA cannot go on the grouped output projection or the indexers.
+    Its MTP layer is refused with the other families' (config.model_rules: transformers builds no V4 MTP module)."""
     errors = []
-    if cfg.model.attn_implementation != "eager":
-        errors.append(f"model.attn_implementation {cfg.model.attn_implementation!r}: DeepSeek-V4 runs only "
-                      "transformers' eager attention (head_dim 512, attention sinks); set model.attn_implementation: eager")
     if cfg.data.packing or cfg.data.document_mask:
         errors.append("data.packing / data.document_mask: DeepSeek-V4's compressors take their windows and positions "
                       "from each row's absolute positions, so a packed document would differ from the same document "
@@ -88,18 +82,6 @@ def run_refusals(cfg, config) -> list[str]:
         errors.append(f"lora.target_modules {targets!r}: DeepSeek-V4's grouped output projection (o_a_proj) and "
                       "frozen lightning indexers cannot take adapters; name the targets (e.g. self_attn.q_b_proj, "
                       "self_attn.o_b_proj) or leave it null for the attention projections")
-    p = cfg.parallel
-    if p.sequence_parallel > 1:
-        errors.append("parallel.sequence_parallel: DeepSeek-V4's compressors need whole, window-aligned sequences on "
-                      "each rank; set parallel.sequence_parallel: 1")
-    if p.tensor_parallel > 1:
-        errors.append("parallel.tensor_parallel: DeepSeek-V4 has one KV head shared by every query head and "
-                      "whole-sequence compressors, nothing tensor parallelism splits exactly; set "
-                      "parallel.tensor_parallel: 1 (use ZeRO-3 or pipeline stages)")
-    if p.expert_parallel > 1:
-        errors.append("parallel.expert_parallel: DeepSpeed's AutoEP has no DeepSeek-V4 router (hash routing, "
-                      "sqrt-softplus scores, clamped SwiGLU experts); set parallel.expert_parallel: 1 (ZeRO-3 "
-                      "partitions the experts instead)")
     return errors
 
 
@@ -112,5 +94,12 @@ FAMILY = Family(
     override_notes={"hc_mult": "hyper-connection streams are DeepSeek-V4's",
                     "layer_types": "compressed attention layers are DeepSeek-V4's"},
     run_refusals=run_refusals, streams_head=v4.DeepseekV4HyperHead, carries_token_ids=True,
-    layer_kwargs=layer_kwargs, prepare_layer=prepare_layer, attention_kernels=("eager",), renamed_on_disk=True,
+    layer_kwargs=layer_kwargs, prepare_layer=prepare_layer, renamed_on_disk=True,
+    attention_kernels=("eager",), attention_note="head_dim 512 is past flash attention's limit, SDPA has no sinks",
+    refused_parallelism={
+        "sequence_parallel": "DeepSeek-V4's compressors need whole, window-aligned sequences on each rank",
+        "tensor_parallel": "DeepSeek-V4 has one KV head shared by every query head and whole-sequence compressors, "
+                           "nothing tensor parallelism splits exactly (use ZeRO-3 or pipeline stages)",
+        "expert_parallel": "DeepSpeed's AutoEP has no DeepSeek-V4 router (hash routing, sqrt-softplus scores, clamped "
+                           "SwiGLU experts; ZeRO-3 partitions the experts instead)"},
 )
