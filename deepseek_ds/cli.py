@@ -34,7 +34,8 @@ from .launcher.hostfile import read_hostfile, select_slots
 from .launcher.remote import LOCAL_HOSTS
 from .launcher.supervise import read_stop_record, run_launcher
 from .launcher.world import world_size
-from .models.pipeline import partition, partition_table, prepare_config
+from .models.flops import model_size
+from .models.pipeline import layer_costs, partition, partition_table, prepare_config
 from .models.presets import PRESETS, build_model_config
 from .plan import cli as plan_cli
 from .utils.cli_args import add_master_port, add_run_args, add_slot_filters, add_world_args, positive_int, spellings
@@ -118,10 +119,21 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_models_list(args: argparse.Namespace) -> int:
+    """Each preset with its parameters and active parameters per token, counted from its configuration."""
     width = max(map(len, PRESETS))
+    print(f"{'preset':<{width}}  {'model_type':<12} {'params':>8} {'active':>8}  description")
     for name, p in PRESETS.items():
-        print(f"{name:<{width}}  {p.config_cls.model_type:<12} {p.description}")
+        total, active = model_size(layer_costs(prepare_config(build_model_config(name))))
+        print(f"{name:<{width}}  {p.config_cls.model_type:<12} {_count(total):>8} {_count(active):>8}  {p.description}")
     return 0
+
+
+def _count(n: int) -> str:
+    """1.6T, 284.3B, 773.9K: a parameter count as `models list` prints it."""
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
 
 
 def cmd_models_partition(args: argparse.Namespace) -> int:

@@ -71,7 +71,8 @@ def test_reference_covers_every_field_command_and_refusal(gen_docs):
         for flag in action.option_strings if not isinstance(action, argparse._HelpAction) else []:
             assert f"`{flag}`" in pages["cli.md"], flag
 
-    source = (ROOT_PATH / "deepseek_ds" / "config" / "validate.py").read_text()
+    source = "".join((ROOT_PATH / "deepseek_ds" / "config" / name).read_text() for name in ("validate.py",
+                                                                                              "model_rules.py"))
     for fragment in ("cannot be combined", "fp16 needs a CUDA GPU", "holds only PyTorch pickle weights",
                      "is never scored with eval.interval 0", "needs an MoE layer on every pipeline stage"):
         assert fragment in source and fragment in pages["refusals.md"], fragment
@@ -170,7 +171,7 @@ QUOTED_PLANS = [
      _V3_LORA + "true --deepspeed_config ds_configs/zero1_bf16.json --gpus 32 --gpu h100 --layout pp=1,ep=32,zero=1"),
     ("README.md", "119.30 GiB (85%)",
      _V3_LORA + "true --deepspeed_config ds_configs/zero1_bf16.json --gpus 16 --gpu h200 --layout pp=1,ep=16,zero=1"),
-    ("README.md", "64.54 GiB (81%)",
+    ("README.md", "64.55 GiB (81%)",
      _V3_LORA + "true --deepspeed_config ds_configs/zero3_bf16.json --gpus 24 --gpu h100 --layout pp=1,ep=1,zero=3"),
     ("docs/guides/plan.md", "EP=16 on 32 GPUs needs 117.57 GiB",
      _V3_LORA + "true --deepspeed_config ds_configs/zero1_bf16.json --gpus 32 --gpu h100 --layout pp=1,ep=16,zero=1"),

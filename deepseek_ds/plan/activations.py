@@ -12,7 +12,8 @@ Without a fused kernel an attention block's backward also holds two more score m
 softmax's output and of the scores): a transient, once per rank, with the recomputed layer if checkpointed.
 The loss: with ZeRO 0-2 a micro-batch of more than CHUNK_LOGITS / vocab tokens takes the chunked loss
 (models/loss.py), which keeps the head's input and the targets and holds one chunk's logits at a time; otherwise the
-full logits' fp32 log-softmax.
+full logits' fp32 log-softmax. DeepSeek-V4's layers (hyper-connection streams, compressed attention) are counted
+in activations_v4.py.
 """
 
 from __future__ import annotations
@@ -21,9 +22,20 @@ from ..models.layers import mtp_depth
 from ..models.loss import CHUNK_LOGITS
 from ..models.presets import is_moe
 from ..models.registry import family_of
+from . import activations_v4
 
 FP32 = 4
 INDEX_BYTES = 8  # int64 token ids and expert indices
+
+
+def has_streams(mcfg) -> bool:
+    """DeepSeek-V4: hc_mult residual streams between layers, and its own layers' activations."""
+    return family_of(mcfg).streams_head is not None
+
+
+def stream_width(mcfg) -> int:
+    """Elements per token of what a decoder layer takes and gives: the hidden state, or V4's hc_mult streams."""
+    return mcfg.hidden_size * (mcfg.hc_mult if has_streams(mcfg) else 1)
 
 
 def _norm(width: int, f: int) -> int:
@@ -59,7 +71,9 @@ def attention_work_bytes(mcfg, seq_len: int, f: int, tp: int, fused: bool) -> in
     """Per token (of the rank's shard under SP, seq_len the whole sequence's), what one attention block's backward
     holds beside what its forward saved: without a fused kernel (MLA on the CPU, eager attention) the gradients of
     the softmax's output and of the scores, two score matrices (heads x seq_len each); a fused kernel works in tiles.
-    Only MLA's score matrix is modelled (attention_bytes): other attention takes a fused kernel here."""
+    Only MLA's and DeepSeek-V4's (eager only) score matrices are modelled: other attention takes a fused kernel here."""
+    if has_streams(mcfg):
+        return activations_v4.work_bytes(mcfg, seq_len, f)
     if fused or not hasattr(mcfg, "kv_lora_rank"):
         return 0
     return 2 * f * (mcfg.num_attention_heads // tp) * seq_len
@@ -98,6 +112,8 @@ def layer_kinds(mcfg) -> list[str]:
 def spec_bytes(mcfg, seq_len: int, f: int, tp: int, fused: bool, sp: int = 1, tiled: bool = False) -> list[float]:
     """Per token, the bytes each spec of models.pipeline.layer_specs keeps (embedding, decoder layers, norm, [MTP
     embedding and modules,] head), without checkpointing and without the loss."""
+    if has_streams(mcfg):
+        return activations_v4.spec_bytes(mcfg, seq_len, f, tiled)
     attn = attention_bytes(mcfg, seq_len, f, tp, fused, sp)
     layers = [attn + mlp_bytes(mcfg, kind == "moe", f, tp, tiled) for kind in layer_kinds(mcfg)]
     depth = mtp_depth(mcfg)
@@ -147,7 +163,7 @@ def stage_micro_batch_bytes(mcfg, bounds: list[int], stage: int, tokens: int, se
     saved, recompute = 0.0, 0.0
     for i in mine:
         if checkpointed(i, interval, i in decoder):
-            saved += f * mcfg.hidden_size  # the layer's input, kept for the recomputation
+            saved += f * stream_width(mcfg)  # the layer's input, kept for the recomputation
             recompute = max(recompute, per_spec[i])
         else:
             saved += per_spec[i]
@@ -156,7 +172,9 @@ def stage_micro_batch_bytes(mcfg, bounds: list[int], stage: int, tokens: int, se
     transient = int((recompute + work) * tokens)
     if tiled_mlp:  # a tile's MLP activations, whole, while backward recomputes it
         kinds = set(layer_kinds(mcfg))
-        transient = max(transient, int(max(mlp_bytes(mcfg, k == "moe", f, tp) for k in kinds) * min(tiled_mlp, tokens)))
+        mlp = (activations_v4.mlp_bytes(mcfg, f) if has_streams(mcfg)
+               else max(mlp_bytes(mcfg, k == "moe", f, tp) for k in kinds))
+        transient = max(transient, int(mlp * min(tiled_mlp, tokens)))
     if with_loss and stage == len(bounds) - 2:
         chunked = chunked_loss(mcfg, tokens, zero)
         saved += loss_bytes(mcfg, f, chunked)

@@ -158,7 +158,7 @@ def estimate(cfg: RunConfig, ds: dict, layout: Layout, gpu_memory: int, fused_at
     # A sequence rank holds seq_len / sp tokens of each sequence, and attends over the whole sequence for heads / sp
     # heads: per token of its own, what a rank without SP keeps per token (the score matrix's seq_len columns too).
     tokens = layout.micro * cfg.data.seq_len // layout.sp
-    boundary = tokens * mcfg.hidden_size * f
+    boundary = tokens * activations.stream_width(mcfg) * f
     ranks = []
     for stage in range(layout.pp):
         params = rank_params(model, bounds, stage, ep, layout.tp, cfg.lora)

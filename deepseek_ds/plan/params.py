@@ -4,7 +4,9 @@ layers; expert parallelism (AutoEP) keeps 1/EP of each MoE layer's routed expert
 tensor parallelism (AutoTP) keeps 1/TP of each matrix models.tensor_parallel splits. With LoRA, the whole model is built
 on the meta device and models.lora.apply_lora adapts it as training does: its requires_grad flags are the trainable
 parameters (adapters on the targets and the routed experts, lora.modules_to_save in full); under AutoEP the routed
-experts' adapters go with their experts, 1/EP per rank in the expert group."""
+experts' adapters go with their experts, 1/EP per rank in the expert group. Parameters a layer itself freezes
+(DeepSeek-V4's lightning indexers, requires_grad False from the family's prepare_layer) are frozen as LoRA's base is:
+no gradient, no optimizer state, outside ZeRO's flat groups."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ class Param:
     name: str
     numel: int     # elements this rank holds (after the EP / TP split)
     expert: bool   # a routed-expert weight in AutoEP's own parameter group (expert_parallel > 1)
-    trainable: bool = True  # False: a base weight LoRA freezes (no gradient, no optimizer state)
+    trainable: bool = True  # False: a base weight LoRA freezes or a frozen layer part (no gradient or optimizer state)
 
 
 class SpecParams:
@@ -40,7 +42,7 @@ class SpecParams:
     def __init__(self, mcfg):
         self.mcfg = mcfg
         self.specs = layer_specs(mcfg, seed=None)
-        self._built: dict[int, list[tuple[str, int]]] = {}
+        self._built: dict[int, list[tuple[str, int, bool]]] = {}
         self._bounds: dict[tuple, list[int]] = {}
         self._costs: list[LayerCost] | None = None
         self._lora: dict[tuple, list[list[tuple[str, int, bool]]]] = {}
@@ -57,11 +59,12 @@ class SpecParams:
             self._bounds[key] = [0, len(self.specs)] if pp == 1 else partition(self.mcfg, pp, method, seq_len)
         return self._bounds[key]
 
-    def __getitem__(self, index: int) -> list[tuple[str, int]]:
+    def __getitem__(self, index: int) -> list[tuple[str, int, bool]]:
+        """(name, elements, trainable) of spec `index`'s parameters, trainable as the built layer's requires_grad."""
         if index not in self._built:
             with torch.device("meta"):
                 layer = self.specs[index].build()
-            self._built[index] = [(name, p.numel()) for name, p in layer.named_parameters()]
+            self._built[index] = [(name, p.numel(), p.requires_grad) for name, p in layer.named_parameters()]
         return self._built[index]
 
     def lora(self, section) -> list[list[tuple[str, int, bool]]]:
@@ -105,7 +108,7 @@ def rank_params(model: SpecParams, bounds: list[int], stage: int, ep: int, tp: i
     tied, layers, seen = [], [], set()
     for i in range(a, b):
         spec = specs[i]
-        entries = adapted[i] if adapted else [(n, k, True) for n, k in model[i]]
+        entries = adapted[i] if adapted else model[i]
         if isinstance(spec, TiedLayerSpec):
             if spec.key in seen:
                 continue
@@ -128,7 +131,7 @@ def rank_params(model: SpecParams, bounds: list[int], stage: int, ep: int, tp: i
             replaced.append(Param(name, numel, expert=False))
         else:
             split = tp > 1 and split_dim(name, model.mcfg.model_type) is not None
-            out.append(Param(name, numel // tp if split else numel, expert=False))
+            out.append(Param(name, numel // tp if split else numel, expert=False, trainable=trainable))
     # AutoEP swaps each MoE block for its own module; given a list, DeepSpeed drops the swapped parameters (routed
     # experts and the router) from the optimizer's list and appends their replacements at its end, layer by layer.
     return out + replaced

@@ -69,14 +69,17 @@ def _overlapping(numels: list[int], start: int, end: int) -> int:
 def _zero12(numels: list[int], n: int, rank: int, z: ZeroSettings) -> tuple[int, int, int]:
     flat = zero12_flat_numel(numels, n)
     part = flat // n
-    # ZeRO-1: whole gradients in the parameters' .grad until the boundary; ZeRO-2: the partition buffer.
-    grads = z.param_bytes * (sum(numels) if z.stage == 1 else _overlapping(numels, rank * part, (rank + 1) * part))
+    # ZeRO-1: whole gradients in the parameters' .grad until the boundary; ZeRO-2: the partition buffer. On the last
+    # rank, the zeros that pad its gradient list to the partition at the step (a group not a multiple of 2 N long).
+    grads = z.param_bytes * ((sum(numels) if z.stage == 1 else _overlapping(numels, rank * part, (rank + 1) * part))
+                             + (flat - sum(numels) if rank == n - 1 else 0))
     return z.param_bytes * flat, grads, (MASTER_BYTES + ADAM_BYTES) * part
 
 
 def _zero3(numels: list[int], n: int, z: ZeroSettings) -> tuple[int, int, int]:
     part = zero3_partition_numel(numels, n)
-    persistent = sum(x for x in numels if x <= z.persistence_threshold)
+    # A persistent parameter stays gathered: a view of its all-gather buffer, N partitions long.
+    persistent = sum(-(-x // n) * n for x in numels if x <= z.persistence_threshold)
     return z.param_bytes * (part + persistent), z.param_bytes * part, (MASTER_BYTES + ADAM_BYTES) * part
 
 
@@ -98,8 +101,9 @@ def state_bytes(params: list[Param], z: ZeroSettings, dp: int, ep: int, dp_rank:
             got = _zero3(numels, n, z)
         total = [t + g for t, g in zip(total, got)]
     params_b, grads_b, optim_b = total
-    # Frozen (LoRA base) weights stay out of ZeRO's flat groups: whole on every rank, or 1/N each under ZeRO-3.
+    # Frozen weights (LoRA's base, V4's indexers) stay out of ZeRO's flat groups: whole on every rank, or under
+    # ZeRO-3 partitioned like the others (1/N each, and whole besides up to the persistence threshold).
     frozen = [p.numel for p in params if not p.trainable]
-    params_b += z.param_bytes * (sum(-(-x // dp) for x in frozen) if z.stage == 3 else sum(frozen))
+    params_b += z.param_bytes * (_zero3(frozen, dp, z)[0] // z.param_bytes if z.stage == 3 else sum(frozen))
     offloaded = (optim_b if z.offload_optimizer else 0) + (params_b if z.offload_params else 0)
     return StateBytes(params_b, grads_b, optim_b, offloaded)
