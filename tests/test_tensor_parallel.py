@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from deepseek_ds.config import load_ds_config, load_run_config, resolve_ds_config
 from deepseek_ds.models.presets import build_model_config
 from deepseek_ds.models.tensor_parallel import split_dim, tensor_parallel_section
-from helpers import ROOT, checkpoint_sets, cli, fresh_ckpt_dir, losses, refused, snapshot, train
+from helpers import ROOT, checkpoint_sets, cli, fresh_ckpt_dir, losses, read_metrics, refused, train, train_layouts
 from reference import reference_losses, reference_model
 
 # Adam's eps and the seed: clear of routing near ties, as in test_equivalence.SETS.
@@ -63,35 +63,58 @@ def _check_against_reference(records, reference, cfg, out) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- launches
+EVAL_AT_4 = ["eval.interval=4", "eval.batches=2"]
+DENSE = "model.preset=tiny-dense"
+
+
 @pytest.fixture(scope="module")
-def v3_tp2(tmp_path_factory, data_dir) -> dict:
-    """tiny-v3, TP=2 on 2 ranks (dp 1), ZeRO-1, 4 steps, saves at 2 and 4."""
-    root = tmp_path_factory.mktemp("v3_tp2")
-    out = root / "out"
-    records = train(2, str(out), checkpoint_sets(data_dir, 4, 2, *SETS, *TP2))
-    return {"out": out, "records": records, "step2": snapshot(out / "checkpoints", "step00000002", root / "snap")}
+def tp2(tmp_path_factory, data_dir) -> dict:
+    """This file's 2-rank TP=2 runs (ZeRO-1), one after the other in ONE launch of tests/tp_worker.py (one start-up):
+    v3: tiny-v3, 4 steps, saves at 2 and 4; resumed: v3's step-2 checkpoint resumed to step 4, validating at 4;
+    lr0: tiny-v3 from an HF directory of scaled weights (in/), 1 step at lr 0; dense: tiny-dense, 3 steps."""
+    root = tmp_path_factory.mktemp("tp2")
+    model, _ = reference_model(_cfg("recipes/tiny-v3.yaml", data_dir, 1))
+    with torch.no_grad():  # weights the seeded init would not give: equality proves they went through
+        for p in model.parameters():
+            p.mul_(1.5)
+    model.save_pretrained(root / "in")
+    step2 = root / "v3" / "checkpoints" / "step00000002"
+    layouts = [
+        ("v3", "ds_configs/zero1.json", checkpoint_sets(data_dir, 4, 2)),
+        ("resumed", "ds_configs/zero1.json", checkpoint_sets(data_dir, 4, 2, *EVAL_AT_4,
+                                                              f"checkpoint.dir={root / 'resumed_ckpt'}")),
+        ("lr0", "ds_configs/zero1.json", checkpoint_sets(data_dir, 1, 0, f"model.path={root / 'in'}",
+                                                         "model.preset=null", "train.lr=0", "train.min_lr=0",
+                                                         "moe.bias_update_speed=0")),  # the bias moves without a lr
+        # tiny-dense.yaml's run, as tiny-v3.yaml + this preset (test_tiny_dense_tp2_equals_reference checks that).
+        ("dense", "ds_configs/zero1.json", checkpoint_sets(data_dir, 3, 0, DENSE)),
+    ]
+    outs = train_layouts(2, root, layouts, [*SETS, *TP2], worker="tests/tp_worker.py",
+                         worker_args=("--resume-from", str(root / "resumed_ckpt"), str(step2)))
+    return {"root": root, "step2": step2, **{name: (out, read_metrics(str(out))) for name, out in outs.items()}}
 
 
 @pytest.mark.launch
-def test_tiny_v3_tp2_equals_reference_and_splits_by_heads(v3_tp2, data_dir):
+def test_tiny_v3_tp2_equals_reference_and_splits_by_heads(tp2, data_dir):
     """MLA split by heads (q_b_proj / kv_b_proj column, o_proj row), shared experts split, routed experts whole:
     4 steps equal the reference (steps 2-4 check gradients, clipping, AdamW and the rope key's summed gradient),
     the balance loss too, and each rank holds half of the split matrices."""
     cfg = _cfg("recipes/tiny-v3.yaml", data_dir, 4)
+    out, records = tp2["v3"]
     moe_log = []
-    _check_against_reference(v3_tp2["records"], reference_losses(cfg, data_dir, moe_log=moe_log), cfg, v3_tp2["out"])
-    aux = [r["aux_loss"] for r in v3_tp2["records"]]
+    _check_against_reference(records, reference_losses(cfg, data_dir, moe_log=moe_log), cfg, out)
+    aux = [r["aux_loss"] for r in records]
     assert aux == pytest.approx([m["aux_loss"] for m in moe_log], rel=1e-5)
     # Both TP ranks route the replica's tokens: they are counted once (each goes to top_k experts).
     mcfg = build_model_config(cfg.model.preset)
     mean = cfg.train.global_batch_size * cfg.data.seq_len * mcfg.num_experts_per_tok / mcfg.n_routed_experts
-    for r in v3_tp2["records"]:
+    for r in records:
         for layer in range(mcfg.first_k_dense_replace, mcfg.num_hidden_layers):
             assert r[f"moe/layer{layer}/load_mean"] == mean
 
 
 @pytest.mark.launch
-def test_tiny_v3_tp2_resume_bitwise_reshard_to_tp1_and_export_gathers_the_shards(v3_tp2, data_dir, tmp_path):
+def test_tiny_v3_tp2_resume_bitwise_reshard_to_tp1_and_export_gathers_the_shards(tp2, data_dir, tmp_path):
     """Resuming the TP=2 checkpoint of step 2 repeats steps 3-4 bit for bit, and on TP=1 within 1e-5; the step-4
     validation of both agrees (the TP ranks of a replica count its tokens once); `export hf` of that checkpoint
     gathers the shards into whole matrices, and transformers' model from them computes step 3's logged loss."""
@@ -99,17 +122,14 @@ def test_tiny_v3_tp2_resume_bitwise_reshard_to_tp1_and_export_gathers_the_shards
 
     from helpers import training_loss
 
-    eval_at_4 = ["eval.interval=4", "eval.batches=2"]
-    ckpt = fresh_ckpt_dir(v3_tp2["step2"], tmp_path / "ckpt")
-    records = train(2, str(tmp_path / "out"), checkpoint_sets(data_dir, 4, 2, *SETS, *TP2, *eval_at_4,
-                                                              f"checkpoint.dir={ckpt}"))
+    _, records = tp2["resumed"]
     resumed = losses(records)
-    first = losses(v3_tp2["records"])
+    first = losses(tp2["v3"][1])
     assert resumed == {3: first[3], 4: first[4]}
     # TP=2 -> TP=1 on one rank: resharded through a universal checkpoint (AutoTP's own conversion info, saved with
     # the checkpoint, says which tensors are split); step 4 also checks that Adam's moments followed.
-    ckpt = fresh_ckpt_dir(v3_tp2["step2"], tmp_path / "ckpt_tp1")
-    records_tp1 = train(1, str(tmp_path / "out_tp1"), checkpoint_sets(data_dir, 4, 2, *SETS, *eval_at_4,
+    ckpt = fresh_ckpt_dir(tp2["step2"], tmp_path / "ckpt_tp1")
+    records_tp1 = train(1, str(tmp_path / "out_tp1"), checkpoint_sets(data_dir, 4, 2, *SETS, *EVAL_AT_4,
                                                                       f"checkpoint.dir={ckpt}"))
     resharded = losses(records_tp1)
     assert sorted(resharded) == [3, 4]
@@ -117,7 +137,7 @@ def test_tiny_v3_tp2_resume_bitwise_reshard_to_tp1_and_export_gathers_the_shards
     tp2_eval, tp1_eval = (next(r for r in recs if r.get("eval_loss") is not None) for recs in (records, records_tp1))
     assert tp2_eval["eval_tokens"] == tp1_eval["eval_tokens"] > 0
     assert tp2_eval["eval_loss"] == pytest.approx(tp1_eval["eval_loss"], rel=1e-5)
-    assert cli(["export", "hf", str(v3_tp2["step2"]), "--out", str(tmp_path / "hf"), "--dtype", "fp32",
+    assert cli(["export", "hf", str(tp2["step2"]), "--out", str(tmp_path / "hf"), "--dtype", "fp32",
                 "--work-dir", str(tmp_path)]) == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert model.model.layers[1].self_attn.q_b_proj.weight.shape[0] == 4 * 48  # all heads, not one rank's half
@@ -125,32 +145,27 @@ def test_tiny_v3_tp2_resume_bitwise_reshard_to_tp1_and_export_gathers_the_shards
 
 
 @pytest.mark.launch
-def test_export_of_a_tp2_checkpoint_gives_back_the_input_weights_bitwise(data_dir, tmp_path):
+def test_export_of_a_tp2_checkpoint_gives_back_the_input_weights_bitwise(tp2, tmp_path):
     """HF directory -> 1 step at lr 0 with TP=2 -> checkpoint -> `export hf`: every tensor equal, bit for bit."""
-    cfg = _cfg("recipes/tiny-v3.yaml", data_dir, 1)
-    model, _ = reference_model(cfg)
-    with torch.no_grad():  # weights the seeded init would not give: equality proves they went through
-        for p in model.parameters():
-            p.mul_(1.5)
-    model.save_pretrained(tmp_path / "in")
-    out = tmp_path / "run"
-    train(2, str(out), checkpoint_sets(data_dir, 1, 0, *SETS, *TP2, f"model.path={tmp_path / 'in'}",
-                                       "model.preset=null", "train.lr=0", "train.min_lr=0",
-                                       "moe.bias_update_speed=0"))  # the router bias would move without a lr
+    out, _ = tp2["lr0"]
     assert cli(["export", "hf", str(out / "checkpoints"), "--out", str(tmp_path / "hf"), "--dtype", "fp32",
                 "--work-dir", str(tmp_path)]) == 0
-    given, exported = load_file(tmp_path / "in" / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    given = load_file(tp2["root"] / "in" / "model.safetensors")
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
     assert sorted(exported) == sorted(given)
     assert all(torch.equal(exported[k], given[k]) for k in given), \
         [k for k in given if not torch.equal(exported[k], given[k])][:5]
 
 
 @pytest.mark.launch
-def test_tiny_dense_tp2_equals_reference(data_dir, tmp_path):
+def test_tiny_dense_tp2_equals_reference(tp2, data_dir):
     """Llama layout: q/k/v/gate/up column-parallel, o/down row-parallel; 3 steps equal the reference."""
     cfg = _cfg("recipes/tiny-dense.yaml", data_dir, 3)
-    out = tmp_path / "out"
-    records = train(2, str(out), checkpoint_sets(data_dir, 3, 0, *SETS, *TP2), config="recipes/tiny-dense.yaml")
+    # The launch trained tiny-v3.yaml with the dense preset: the run tiny-dense.yaml describes, field for field.
+    launched = [*SETS, *TP2, *checkpoint_sets(data_dir, 3, 0), "train.output_dir=out"]
+    assert (load_run_config(os.path.join(ROOT, "recipes/tiny-v3.yaml"), [*launched, DENSE])
+            == load_run_config(os.path.join(ROOT, "recipes/tiny-dense.yaml"), launched))
+    out, records = tp2["dense"]
     _check_against_reference(records, reference_losses(cfg, data_dir), cfg, out)
 
 
