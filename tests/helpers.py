@@ -311,17 +311,6 @@ def cli(argv: list[str]) -> int:
     return main(argv)
 
 
-def mask_prompt(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Labels with a prompt-like prefix masked (-100), as supervised fine-tuning data has: sample i loses its first
-    input_ids[i, 0] % (T / 2) labels, so micro-batches and ranks hold different numbers of valid tokens. A function
-    of each sample's own tokens: the same whichever rank or micro-batch the sample lands in."""
-    out = labels.clone()
-    half = labels.shape[1] // 2
-    for i, first in enumerate(input_ids[:, 0].tolist()):
-        out[i, :first % half] = IGNORE_INDEX
-    return out
-
-
 def training_loss(model, data_dir: str, step: int, seq_len: int = 128, global_batch: int = 16,
                   micro_batch: int = 8, seed: int = 1234) -> float:
     """The token-weighted (main-model) loss of the global batch that training step `step` used (training's

@@ -1,8 +1,8 @@
 """One rank of short MoE training runs under the `deepspeed` launcher, one run per layout in the same launch
 (layouts_worker.py): the real engine set-up (build_run) and the training loop's own step (loop.recorded_step: the
-step, its metrics and the router-bias update from the reduced loads), then DeepSpeed's own save_checkpoint. Rank 0 writes the per-step records; every rank writes its own router biases
-(a checkpoint holds only data-parallel rank 0's). Each sample's labels lose a prompt-like prefix
-(helpers.mask_prompt)."""
+step, its metrics and the router-bias update from the reduced loads) on the run's own batches, then DeepSpeed's own
+save_checkpoint. Rank 0 writes the per-step records; every rank writes its own router biases (a checkpoint holds only
+data-parallel rank 0's)."""
 
 import json
 import os
@@ -15,7 +15,6 @@ from deepseek_ds.models.moe import moe_blocks, router_bias
 from deepseek_ds.training.loop import recorded_step, router_stats, step_meter
 from deepseek_ds.training.schedule import start_lr_schedule
 from deepseek_ds.training.setup import Run
-from helpers import mask_prompt
 from layouts_worker import run_layouts
 
 
@@ -23,7 +22,7 @@ def train_moe(run: Run) -> None:
     engine, out, cfg = run.engine, run.cfg.train.output_dir, run.cfg
     start_lr_schedule(engine)  # as the training loop does: the first step is not at lr 0
     sampler = run.sampler()  # the run's own order, as the training loop takes it
-    batches = ([(x, mask_prompt(x, y)) for x, y in batch] for batch in micro_batches(run.dataset, sampler))
+    batches = micro_batches(run.dataset, sampler)
     meter, routers = step_meter(run), router_stats(run)
     records = [recorded_step(run, batches, sampler, meter, routers, step, engine.get_lr()[0])[0]
                for step in range(1, cfg.train.steps + 1)]

@@ -9,7 +9,8 @@ balancing (router bias update, balance losses) is written here from the papers, 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,7 @@ from deepseek_ds.models.hf_io import hf_state_dict, to_hf_model
 from deepseek_ds.models.layers import MTPLayerPipe
 from deepseek_ds.models.pipeline import build_model, local_layers, prepare_config
 from deepseek_ds.models.presets import build_model_config
-from reference_data import StreamSamples, step_batch
+from reference_data import ChatSamples, StreamSamples, step_batch
 
 
 def reference_model(cfg: RunConfig, with_mtp: bool = False):
@@ -230,14 +231,12 @@ def reference_optimizer(params: list, t) -> tuple:
 
 
 def reference_losses(cfg: RunConfig, data_dir: str, moe_log: list | None = None, mtp_log: list | None = None,
-                     label_mask: Callable | None = None, grad_norms: list | None = None,
-                     first_grads: dict | None = None) -> list[float]:
+                     grad_norms: list | None = None, first_grads: dict | None = None) -> list[float]:
     """moe_log: if given, gets each step's aux_loss (and its terms) and router biases (by block name); mtp_log: each
-    step's [L_main, L_1, ..., L_D] (MTP models); label_mask(input_ids, labels) -> labels: masks labels (-100) of
-    each global batch; grad_norms: each step's gradient norm before clipping; first_grads: every parameter's
-    gradient of step 1 by HF name, before clipping. With data.document_mask transformers gets the position ids
-    (attention within each document). An MoE reference must keep clear of routing ties
-    (assert_clear_of_routing_ties)."""
+    step's [L_main, L_1, ..., L_D] (MTP models); grad_norms: each step's gradient norm before clipping; first_grads:
+    every parameter's gradient of step 1 by HF name, before clipping. With data.document_mask transformers gets the
+    position ids (attention within each document); a chat dataset's prompt and padding labels are -100 as its files
+    say. An MoE reference must keep clear of routing ties (assert_clear_of_routing_ties)."""
     moe_log = [] if moe_log is None else moe_log
     torch.manual_seed(cfg.train.seed)
     model, mcfg, mtp = reference_model(cfg, with_mtp=True)
@@ -248,12 +247,10 @@ def reference_losses(cfg: RunConfig, data_dir: str, moe_log: list | None = None,
     balancing = balancing.attach() if balancing and balancing.active else None
     params = list({id(p): p for p in whole.parameters()}.values())  # the shared embedding and head once
     opt, sched = reference_optimizer(params, t)
-    data = StreamSamples(data_dir, cfg.data.seq_len, document_mask=cfg.data.document_mask)
+    data = _samples(data_dir, cfg)
     losses = []
     for step in range(1, t.steps + 1):
         (input_ids, labels, *positions), = step_batch(data, step, t.global_batch_size, t.seed, t.shuffle)
-        if label_mask is not None:
-            labels = label_mask(input_ids, labels)
         if mtp is not None:
             loss, parts = mtp_reference_loss(model, mtp, input_ids, labels, t.mtp_loss_weight)
             if mtp_log is not None:
@@ -276,6 +273,14 @@ def reference_losses(cfg: RunConfig, data_dir: str, moe_log: list | None = None,
     if balancing:
         assert_clear_of_routing_ties(moe_log)
     return losses
+
+
+def _samples(data_dir: str, cfg: RunConfig):
+    """The dataset's sequences read from its files: a chat dataset's (prompt and padding labels -100) or a text one's."""
+    meta = json.loads((Path(data_dir) / "meta.json").read_text())
+    if meta.get("format") == "chat":
+        return ChatSamples(data_dir, cfg.data.seq_len)
+    return StreamSamples(data_dir, cfg.data.seq_len, document_mask=cfg.data.document_mask)
 
 
 def lora_reference_losses(cfg: RunConfig, base_dir: str, data_dir: str, initial: dict[str, torch.Tensor],

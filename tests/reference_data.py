@@ -101,3 +101,38 @@ def step_batch(data: StreamSamples, step: int, global_batch: int, seed: int, shu
     with a data-parallel size of 1 reads it."""
     samples = step_samples(step, len(data), global_batch, seed, shuffle)
     return [stack(data, ids) for ids in rank_micro_batches(samples, 0, 1, micro_batch or global_batch)]
+
+
+class ChatSamples:
+    """The sequences of one split of a prepared chat dataset without packing, read straight from its files (layout.py:
+    meta.json's "dtype", "eos_id" and the split's shards in order; each shard's .bin tokens, .idx int64 sample bounds
+    and .mask uint8 per token, 1 where the loss is computed), as data/sft.py's module doc describes them: sample i is
+    the i-th conversation of at most seq_len tokens (longer ones are dropped: data.truncation drop) padded with EOS;
+    labels[t] is token t + 1 where that token's mask is 1, else -100 (so the last token and the padding predict
+    nothing); position ids count 0..n-1 over the conversation, then 0.. again over the padding."""
+
+    def __init__(self, data_dir: str, seq_len: int, split: str = "train"):
+        meta = json.loads((Path(data_dir) / "meta.json").read_text())
+        assert meta["format"] == "chat", meta.get("format")
+        dtype = np.dtype(meta["dtype"]).newbyteorder("<")
+        self.seq_len, self.eos, self.conversations = seq_len, int(meta["eos_id"]), []
+        for shard in meta["splits"][split]["shards"]:
+            tokens = np.fromfile(Path(data_dir) / f"{shard['name']}.bin", dtype=dtype).astype(np.int64)
+            bounds = np.fromfile(Path(data_dir) / f"{shard['name']}.idx", dtype="<i8")
+            trained = np.fromfile(Path(data_dir) / f"{shard['name']}.mask", dtype=np.uint8)
+            assert len(tokens) == len(trained) == bounds[-1] == shard["num_tokens"], shard["name"]
+            self.conversations += [(tokens[a:b], trained[a:b]) for a, b in zip(bounds[:-1], bounds[1:])
+                                   if b - a <= seq_len]
+
+    def __len__(self) -> int:
+        return len(self.conversations)
+
+    def sample(self, i: int) -> tuple[torch.Tensor, ...]:
+        """(input_ids, labels, position_ids) of sequence i."""
+        tokens, trained = self.conversations[i]
+        n, s = len(tokens), self.seq_len
+        inputs = torch.full((s,), self.eos, dtype=torch.int64)
+        labels = torch.full((s,), IGNORE_INDEX, dtype=torch.int64)
+        inputs[:n] = torch.from_numpy(tokens)
+        labels[:n - 1] = torch.from_numpy(np.where(trained[1:] == 1, tokens[1:], IGNORE_INDEX))
+        return inputs, labels, torch.cat([torch.arange(n), torch.arange(s - n)])
