@@ -1,7 +1,8 @@
 """One rank (started by tests/test_async_save.py with a one-rank launch's environment) that checks what a background
-save (checkpoint.async) holds when the training step after it runs while its state is still being copied: the copy
-is slowed down (Writes.copy starts 1 s after the step's last backward), so the step's update reaches the state
-before the copy ends unless the saver holds it. Saves on the real engine (build_run), steps through training.loop.train_step:
+save (checkpoint.async) holds when the training step after it runs while its state is still being copied: the
+background copy (Writes.copy in the writer thread) starts only once the step's update is due (it reached the saver's
+hold, or with the hold off it is done), so the update reaches the state before the copy unless the saver holds it.
+An order set in the run's own progress, not a delay: a faster or slower host copies at the same point. Saves on the real engine (build_run), steps through training.loop.train_step:
 
   step 1, sync save of step 1 (the reference), background save of step 2, step 2 -> held: the tags' tensors equal
   step 2 done, sync save of step 3 (its reference), background save of step 4 with the hold off, step 3 -> differ
@@ -13,7 +14,6 @@ import json
 import os
 import sys
 import threading
-import time
 
 import torch
 
@@ -23,8 +23,7 @@ from deepseek_ds.checkpoint.integrity import check_tag
 from deepseek_ds.config import load_and_validate
 from deepseek_ds.training.main import parse_args
 from deepseek_ds.training.setup import build_run
-
-COPY_DELAY_S = 1.0
+from deepseek_ds.utils.private_api import TAKE_MODEL_STEP
 
 
 def tensors(tag_dir: str) -> dict[str, torch.Tensor]:
@@ -60,30 +59,33 @@ def main(argv: list[str]) -> int:
     run = build_run(cfg, ds)
     step = training_steps(run)  # the loop's own train_step on the run's batches in order
 
-    copy, backward = saving.Writes.copy, run.engine.backward
-    backward_done = threading.Event()  # the step's last backward is done: its update comes next
+    copy, update, release = saving.Writes.copy, getattr(type(run.engine), TAKE_MODEL_STEP), async_save.AsyncSaver._release
+    update_due = threading.Event()  # the step's update reached the saver's hold (held) or is done (hold off)
 
-    def backward_then_signal(*a, **k):
-        out = backward(*a, **k)
-        if run.engine.is_gradient_accumulation_boundary():
-            backward_done.set()
+    def update_then_signal(self, *a, **k):
+        out = update(self, *a, **k)
+        update_due.set()
         return out
 
-    def slow_copy(self, *a, **k):
-        # From the step's last backward on, so that the update comes first unless the saver holds it, however long
-        # the forward and backward take on a busy machine.
-        backward_done.wait(timeout=600)
-        time.sleep(COPY_DELAY_S)
+    def release_then_signal(self):  # the held update releases the hold first, then waits for the copy
+        holding = self._held is not None  # the hold's own release (saver.wait() releases again, finding none)
+        release(self)
+        if holding:
+            update_due.set()
+
+    def late_copy(self, *a, **k):
+        if threading.current_thread() is not threading.main_thread():  # a background save's copy, not a sync one
+            assert update_due.wait(timeout=600), "the step after the background save never reached its update"
         return copy(self, *a, **k)
 
-    run.engine.backward = backward_then_signal
-
-    saving.Writes.copy = slow_copy
+    setattr(type(run.engine), TAKE_MODEL_STEP, update_then_signal)
+    async_save.AsyncSaver._release = release_then_signal
+    saving.Writes.copy = late_copy
     tag = lambda s: os.path.join(cfg.checkpoint_dir, f"step{s:08d}")  # noqa: E731
     out = {}
     step()
     saving.save(run, 1, 0)
-    backward_done.clear()
+    update_due.clear()
     saving.save(run, 2, 0, background=True)
     step()
     out["update_wait_s"] = run.saver.update_wait_s
@@ -92,7 +94,7 @@ def main(argv: list[str]) -> int:
     saving.save(run, 3, 0)
     out["step_changed_state"] = not same(tag(1), tag(3))
     async_save.AsyncSaver._hold_next_update = lambda self, engine: None  # the hold off: the copy races the update
-    backward_done.clear()
+    update_due.clear()
     saving.save(run, 4, 0, background=True)
     step()
     run.saver.wait()

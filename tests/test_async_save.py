@@ -1,7 +1,7 @@
 """checkpoint.async against the step after it: the background save's copy of the state overlaps the next step's
-forward and backward, and the update waits for it (async_save.AsyncSaver). With the copy slowed down the background
-tag still holds, bitwise, the state a synchronous save of the same step holds; with the hold off it does not (the
-check can fail). One rank on the real engine: tests/async_save_worker.py."""
+forward and backward, and the update waits for it (async_save.AsyncSaver). With the copy started only once the
+update is due, the background tag still holds, bitwise, the state a synchronous save of the same step holds; with
+the hold off it does not (the check can fail). One rank on the real engine: tests/async_save_worker.py."""
 
 from __future__ import annotations
 
@@ -32,6 +32,6 @@ def test_the_update_after_a_background_save_waits_for_its_copy(data_dir, tmp_pat
     out = json.loads(result.read_text())
     assert out["step_changed_state"]  # the step after the save moved the weights and Adam's moments
     assert out["held_equal"], "the background tag does not hold the state of its step"
-    assert out["update_wait_s"] > 0.5  # the update waited for the slowed copy (1 s)
+    assert out["update_wait_s"] > 0  # the update waited for the copy (which began only once the update was due)
     assert not out["unheld_equal"]  # without the hold the copy takes the updated state
     assert out["tags_verify"]

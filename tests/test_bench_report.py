@@ -94,8 +94,9 @@ def test_host_load_is_sampled_during_the_run_and_busy_beyond_the_benchmarks_own_
     monkeypatch.setattr(host_load, "runnable_now", lambda: 0)
     monkeypatch.setattr(host_load, "runnable_tasks", lambda: cores + 2)
     with host_load.HostLoad(interval=0.05, own_tasks=cores) as load:
-        deadline = time.monotonic() + 5
-        while not load.samples and time.monotonic() < deadline:
+        deadline = time.monotonic() + 300  # a hang guard only: the check waits for the sampler's first sample
+        while not load.samples:
+            assert time.monotonic() < deadline, "the sampler took no sample in 300 s"
             time.sleep(0.01)
     assert load.before == 0.5 and len(load.samples) >= 2 and set(load.samples) == {cores + 2.5}
     assert set(load.runnable) == {cores + 2}

@@ -37,9 +37,8 @@ sys.exit(subprocess.Popen([sys.executable, "-c", sys.argv[2], sys.argv[1]]).wait
 
 
 def _signal_when_ready(tmp_path, signum) -> None:
-    def send():
-        deadline = time.monotonic() + 30
-        while not (tmp_path / "ready").exists() and time.monotonic() < deadline:
+    def send():  # once the stand-in's handlers are set, never at a deadline (a slow start would get the signal early)
+        while not (tmp_path / "ready").exists():
             time.sleep(0.05)
         os.kill(os.getpid(), signum)
     threading.Thread(target=send, daemon=True).start()
@@ -90,12 +89,20 @@ while any(r.poll() is None for r in ranks):
     time.sleep(0.2)
 """
 # Rank 1 ignores SIGTERM, as a rank stuck in a collective or a long save would not end on it: SIGKILL ends it.
+# Each poll of a rank's watch leaves a file rank<R>.poll<N>, so that a test waits for polls, not for seconds.
 RANK = """
 import signal, sys, time
 from deepseek_ds.launcher.lifeline import Lifeline
+class Counted(Lifeline):
+    polls = 0
+    def _gone(self):
+        gone = super()._gone()
+        Counted.polls += 1
+        open(f"{sys.argv[1]}/rank{sys.argv[2]}.poll{Counted.polls}", "w").close()
+        return gone
 if sys.argv[2] == "1":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-with Lifeline(say=print, grace_s=2.0):
+with Counted(say=print, grace_s=2.0):
     open(f"{sys.argv[1]}/rank{sys.argv[2]}", "w").close()
     time.sleep(120)
 """
@@ -146,8 +153,7 @@ def test_a_rank_ends_with_its_launch_py_and_ignores_a_pid_from_another_host(tmp_
     env = {**os.environ, "DS_ACCELERATOR": "cpu", SUPERVISOR_ENV: f"{gone.pid} another-host"}
     launch = subprocess.Popen([sys.executable, "-c", RANKS_LAUNCH, str(tmp_path), "-", RANK], env=env)
     try:
-        _wait_for([tmp_path / "rank0", tmp_path / "rank1"])
-        time.sleep(1.0)  # two polls
+        _wait_for([tmp_path / "rank0.poll2", tmp_path / "rank1.poll2"])  # each rank's watch polled twice
         assert len(_job_processes(str(tmp_path))) == 3  # launch.py and its 2 ranks
         launch.kill()
         launch.wait()
