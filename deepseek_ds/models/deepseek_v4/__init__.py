@@ -25,7 +25,8 @@ TINY_V4 = dict(
     max_position_embeddings=4096, bos_token_id=0, eos_token_id=0,
 )
 
-# The published configurations (config.json of deepseek-ai/DeepSeek-V4-Flash and -Pro).
+# V4-Flash's and V4-Pro's shapes as transformers' DeepseekV4Config documents them (no hub here to read the released
+# config.json); counted from them, the totals are the published 284B / 13B and 1.6T / 49B (tests/test_plan_v4.py).
 _V4_COMMON = dict(
     vocab_size=129280, num_key_value_heads=1, head_dim=512, q_lora_rank=1024, n_shared_experts=1,
     num_experts_per_tok=6, scoring_func="sqrtsoftplus", norm_topk_prob=True, hc_mult=4, hc_sinkhorn_iters=20,
