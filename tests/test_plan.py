@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import json
 import os
+import weakref
 
 import pytest
 import torch
@@ -129,15 +130,16 @@ def test_model_state_bytes_equal_measured_to_the_byte(measured, data_dir):
 
 # ------------------------------------------------------------------------------------------- activations
 def _saved_bytes(model, input_ids, checkpointing: bool, loss=None) -> int:
-    """Bytes of the distinct storages autograd saves in one forward (parameters excluded), and in `loss` of its
-    output if given, plus, with activation checkpointing, the inputs each checkpointed layer keeps for its
-    recomputation (the checkpoint's own hooks hide what runs inside it)."""
+    """Bytes of the distinct storages autograd saves in one forward and still holds at its end (parameters excluded;
+    what a part of the graph that the output does not reach saved is freed with it, e.g. the ops feeding V4's
+    integer top-k indices), and in `loss` of its output if given, plus, with activation checkpointing, the inputs
+    each checkpointed layer keeps for its recomputation (the checkpoint's own hooks hide what runs inside it)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
+    saved: list[weakref.ref] = []
 
     def add(t):
-        if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.untyped_storage().data_ptr() not in params:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+            saved.append(weakref.ref(t))
 
     def keep_inputs(_module, args):
         for t in args[0]:
@@ -147,11 +149,14 @@ def _saved_bytes(model, input_ids, checkpointing: bool, loss=None) -> int:
              if checkpointing and type(m) is DecoderLayerPipe]
     with torch.autograd.graph.saved_tensors_hooks(lambda t: add(t) or t, lambda t: t):
         out = model(input_ids)
-        if loss:
-            loss(out)
+        kept = loss(out) if loss else out
     for h in hooks:
         h.remove()
-    return sum(seen.values())
+    # Counted while `kept` (and so its graph) is alive: every storage here is held at once, none reused.
+    alive = (t for ref in saved if (t := ref()) is not None)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in alive}
+    del kept
+    return sum(n for ptr, n in storages.items() if ptr not in params)
 
 
 @pytest.mark.unit
