@@ -9,8 +9,8 @@ from typing import Any
 
 
 def cached_on(position_ids, key, build: Callable[[], Any]) -> Any:
-    """A family's attention mask kept on the stage's position ids (as the shared layers keep theirs, under the same
-    tag: one mask per stage and micro-batch, whatever its layers): build() once per `key`."""
+    """An attention mask (or its keyword arguments) kept on the stage's position ids, the shared layers' and a
+    family's alike: one per stage and micro-batch, whatever its layers; build() once per `key`."""
     cached = getattr(position_ids, "_document_attention", None)
     if cached is not None and cached[0] == key:
         return cached[1]

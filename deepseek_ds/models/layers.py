@@ -16,6 +16,7 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask
 
 from ..utils.private_api import attention_implementation
+from .family import cached_on
 from .loss import Projection
 from .registry import family_of
 
@@ -144,25 +145,22 @@ def document_attention(config, hidden: torch.Tensor, position_ids: torch.Tensor,
     # Every layer of a stage gets the same position_ids tensor in one forward: the first builds the mask and keeps it
     # on that tensor, so it is built once per stage and micro-batch and freed with it.
     attn = attention_implementation(config)
-    key = (attn, hidden.dtype)
-    cached = getattr(position_ids, "_document_attention", None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
+    return cached_on(position_ids, (attn, hidden.dtype),
+                     lambda: _document_attention(config, attn, hidden, position_ids, shard))
+
+
+def _document_attention(config, attn: str, hidden: torch.Tensor, position_ids: torch.Tensor, shard) -> dict:
     one_document = getattr(position_ids, "_one_document", False)
-    cache_on = position_ids
     if shard is not None:
         # Only the mask's shape, dtype and device are read from it: an empty tensor of the whole sequence's length.
         hidden = hidden.new_empty((hidden.shape[0], hidden.shape[1] * shard.size, 0))
         position_ids = position_ids if one_document else shard.gather(position_ids)
     if attn.startswith("flash_attention"):
-        kwargs = {"attention_mask": None} if one_document else _varlen_kwargs(position_ids)
-    else:
-        # Without position ids transformers builds the plain causal mask (None for SDPA) without looking for packed
-        # sequences in them, which reads them to the host.
-        kwargs = {"attention_mask": create_causal_mask(config, hidden, None, None,
-                                                       position_ids=None if one_document else position_ids)}
-    cache_on._document_attention = (key, kwargs)
-    return kwargs
+        return {"attention_mask": None} if one_document else _varlen_kwargs(position_ids)
+    # Without position ids transformers builds the plain causal mask (None for SDPA) without looking for packed
+    # sequences in them, which reads them to the host.
+    return {"attention_mask": create_causal_mask(config, hidden, None, None,
+                                                 position_ids=None if one_document else position_ids)}
 
 
 def _varlen_kwargs(position_ids: torch.Tensor) -> dict:
