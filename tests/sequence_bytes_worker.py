@@ -11,7 +11,7 @@ from deepseek_ds.models.presets import build_model_config
 from deepseek_ds.parallel import sequence
 from deepseek_ds.parallel.degrees import Degrees
 from deepseek_ds.parallel.layout import Layout
-from deepseek_ds.training.setup import init_distributed
+from deepseek_ds.training.process import init_distributed
 from test_plan import MODELS, _saved_bytes
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from deepseek_ds import checkpoint
 from deepseek_ds.bench import failure_bench
 from deepseek_ds.training import main as training_main
 from deepseek_ds.training import signals
-from deepseek_ds.training.setup import apply_timeout_to_all_groups
+from deepseek_ds.training.process import apply_timeout_to_all_groups
 from deepseek_ds.training.signals import StopOnSignal
 from helpers import ROOT, read_metrics
 

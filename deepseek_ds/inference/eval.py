@@ -23,7 +23,7 @@ from ..data.layout import PREFERENCE_FORMAT, dataset_format
 from ..models.pipeline import SequentialLM, build_model, prepare_config
 from ..models.presets import build_model_config
 from ..training.evaluation import EvalResult, eval_sample_count, evaluate, rank_batches
-from ..training.setup import init_distributed
+from ..training.process import init_distributed
 from .export_lora import is_lora_checkpoint, merged_model_from_checkpoint
 from .preference_eval import preference_eval
 

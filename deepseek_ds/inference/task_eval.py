@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..data.chat import fitting_items, task_items
 from ..training.evaluation import predict, scores
-from ..training.setup import init_distributed
+from ..training.process import init_distributed
 from ..utils.fs import write_bytes_atomic
 from .generate import load_model
 

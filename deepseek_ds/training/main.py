@@ -19,7 +19,8 @@ from ..utils.errors import UserError, format_user_error
 from ..utils.jit_lock import announce, check_jit_locks
 from .loop import train
 from .nan_policy import NonFiniteLoss
-from .setup import build_run, log_failure_to_file
+from .process import log_failure_to_file
+from .setup import build_run
 
 
 def parse_args(argv=None) -> argparse.Namespace:

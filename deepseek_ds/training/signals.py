@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint.async_save import SAVE_FAILED
-from .setup import log_failure_to_file
+from .process import log_failure_to_file
 
 # Signals this close to the first are the same request: the deepspeed runner sends SIGINT then SIGTERM, launch.py's
 # handler re-enters on the second and signals every rank again, and a terminal's Ctrl-C reaches every process too.

@@ -25,7 +25,7 @@ def usable_cpus() -> int:
 
 def cpu_threads_per_rank(local_ranks: int) -> int:
     """A CPU rank's share of this host's cores: the torch threads each of `local_ranks` ranks runs with unless
-    OMP_NUM_THREADS says otherwise (training/setup.share_cpu_threads sets it)."""
+    OMP_NUM_THREADS says otherwise (training/process.share_cpu_threads sets it)."""
     if "OMP_NUM_THREADS" in os.environ:
         return int(os.environ["OMP_NUM_THREADS"])
     return max(1, usable_cpus() // local_ranks)
