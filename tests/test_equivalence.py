@@ -15,6 +15,7 @@ from deepseek_ds.models.presets import build_model_config
 from helpers import cli, read_metrics, train, train_layouts
 from reference import lora_reference_losses, reference_losses, reference_model
 from reference_data import StreamSamples, step_batch
+from reference_indexer import indexer_loss_reference
 
 STEPS = 3
 # Adam's eps 1e-5 and seed 7 keep every token's routing decision clear of a near tie that the layouts' roundoff could
@@ -35,6 +36,14 @@ V4 = ["model.preset=tiny-v4", "model.attn_implementation=eager",
       "model.overrides.mlp_layer_types=[hash_moe, hash_moe, moe, moe]"]
 # DeepSeek-V3.2 (its lightning indexer frozen): tiny-v32 keeps 16 of the 64 tokens' keys per query.
 V32 = ["model.preset=tiny-v32"]
+# Its trainable indexer's stages, weights 5x tiny-v32's (scores far from uniform: a KL far from 0); warm-up through the
+# pipeline (the query mask travels to stage 1), sparse under ZeRO-3 (each indexer's and attention's weights gathered).
+V32_INDEXER = [*V32, "model.overrides.initializer_range=0.1"]
+INDEXER_LAYOUTS = [
+    ("v32-warmup-pp2-zero1", 2, "ds_configs/zero1_pp.json", [*V32_INDEXER, "indexer.stage=warmup",
+                                                            "parallel.pipeline_stages=2"]),
+    ("v32-sparse-zero3", 2, "ds_configs/zero3.json", [*V32_INDEXER, "indexer.stage=sparse"]),
+]
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +134,8 @@ class LayoutRuns:
 
     def output_dir(self, ranks: int, name: str):
         if ranks not in self.done:
-            mine = [(n, ds, _filled(extra, self.qwen2_base)) for n, r, ds, extra in LAYOUTS if r == ranks]
+            mine = [(n, ds, _filled(extra, self.qwen2_base)) for n, r, ds, extra in LAYOUTS + INDEXER_LAYOUTS
+                    if r == ranks]
             self.done[ranks] = train_layouts(ranks, self.root_factory(f"ranks{ranks}"), mine, self.sets,
                                              worker_args=("--first-grads",))
         return self.done[ranks][name]
@@ -198,6 +208,50 @@ def test_v4_hash_tables_are_saved_and_exported_unchanged_by_training(name, ranks
     # The frozen lightning indexers (no optimizer state: DeepSpeed saves them apart) are exported as they started.
     indexers = {n: t for n, t in model.state_dict().items() if ".indexer." in n and "rotary" not in n}
     assert indexers and all(torch.equal(t, initial[n]) for n, t in indexers.items())
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("name,ranks,ds_config,extra", INDEXER_LAYOUTS, ids=[layout[0] for layout in INDEXER_LAYOUTS])
+def test_v32_indexer_stages_step_one_equals_the_definition(name, ranks, ds_config, extra, runs, data_dir):
+    """indexer.stage warmup / sparse: step 1's lm_loss equals transformers' loss of the model (dense in warm-up), its
+    indexer_loss the whole-tensor reference of the definition (tests/reference_indexer.py) on the same global batch,
+    and loss = lm_loss + indexer.loss_weight x indexer_loss; the next steps' losses move."""
+    records = runs(ranks, name)
+    stage = next(s.split("=")[1] for s in extra if s.startswith("indexer.stage="))
+    dense = ["model.overrides.index_topk=64"] if stage == "warmup" else []
+    cfg = load_run_config("recipes/tiny-v3.yaml", SETS + [*extra, *dense, "model.attn_implementation=eager",
+                                                          f"data.path={data_dir}"])
+    model, _ = reference_model(cfg)
+    (input_ids, labels), = step_batch(StreamSamples(data_dir, cfg.data.seq_len), 1, 8, cfg.train.seed,
+                                      cfg.train.shuffle)
+    lm, indexer = indexer_loss_reference(model, input_ids, labels, sparse=stage == "sparse")
+    first = records[0]
+    assert first["lm_loss"] == pytest.approx(lm, rel=1e-5)
+    assert first["indexer_loss"] == pytest.approx(indexer.item(), rel=1e-5) and first["indexer_loss"] > 1e-2
+    assert first["loss"] == pytest.approx(first["lm_loss"] + cfg.indexer.loss_weight * first["indexer_loss"], rel=1e-12)
+    assert len({r["indexer_loss"] for r in records}) == STEPS
+
+
+@pytest.mark.launch
+def test_v32_indexer_warmup_changes_the_indexers_only(runs, data_dir, tmp_path):
+    """After the warm-up every tensor of its `export hf` (as transformers loads it, deepseek_v32) but the indexers' is
+    bitwise the model it started from, and every indexer tensor moved."""
+    from transformers import AutoModelForCausalLM
+
+    records = runs(2, "v32-warmup-pp2-zero1")
+    tag = runs.output_dir(2, "v32-warmup-pp2-zero1") / "checkpoints" / f"step{records[-1]['step']:08d}"
+    out = tmp_path / "hf"
+    assert cli(["export", "hf", str(tag), "--out", str(out), "--dtype", "fp32", "--work-dir", str(tmp_path)]) == 0
+    cfg = load_run_config("recipes/tiny-v3.yaml", SETS + V32_INDEXER + [f"data.path={data_dir}"])
+    mcfg = prepare_config(build_model_config(cfg.model.preset, None, cfg.model.overrides))
+    initial = hf_state_dict(local_layers(build_model(mcfg, 1, cfg.train.seed)))
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    assert exported.config.model_type == "deepseek_v32"
+    exported = exported.state_dict()
+    assert set(initial) <= set(exported)
+    indexer = {n for n in initial if ".indexer." in n}
+    assert indexer and all(not torch.equal(exported[n], initial[n]) for n in indexer)
+    assert all(torch.equal(exported[n], initial[n]) for n in initial if n not in indexer)
 
 
 @pytest.mark.unit

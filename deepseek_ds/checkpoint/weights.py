@@ -56,15 +56,14 @@ def read_weights(tag_dir: str, config: PretrainedConfig, work_dir: str, scheme: 
 
 
 def _frozen_weights(tag_dir: str, saved: Layout, config: PretrainedConfig) -> dict[str, torch.Tensor]:
-    """The model's frozen parameters (e.g. DeepSeek-V4's and V3.2's lightning indexers), which a universal conversion
-    leaves out (it is made of optimizer states; they have none), by HF name, from what DeepSpeed saved of them: a
-    pipeline's per-layer files, ZeRO-2/3's frozen-parameter fragments (zero_to_fp32 gathers them), ZeRO-1's module."""
+    """The model's parameters by HF name as DeepSpeed saved them beside its optimizer states: a pipeline's per-layer
+    files, ZeRO-2/3's fragments (zero_to_fp32 gathers them, frozen ones too), ZeRO-1's module. The caller takes the
+    frozen ones from it (e.g. DeepSeek-V4's and V3.2's lightning indexers, or all but V3.2's indexers in its warm-up),
+    which a universal conversion leaves out: it is made of optimizer states, and they have none."""
     with torch.device("meta"):
         layers = [spec.build() for spec in layer_specs(config, seed=None)]
     frozen = {f"layers.{i}.{key}": hf_name(layer, key) for i, layer in enumerate(layers)
-              for key, p in layer.named_parameters() if not p.requires_grad}
-    if not frozen:
-        return {}
+              for key, _ in layer.named_parameters()}
     if saved.pipeline_stages > 1:
         container = {f"layers.{i}.{k}": v for i, state in _pipeline_layer_files(tag_dir) for k, v in state.items()}
     elif saved.zero_stage >= 2:

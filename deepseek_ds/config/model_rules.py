@@ -56,6 +56,9 @@ def model_errors(cfg: RunConfig, ds: dict, files: bool = True) -> list[str]:
                       "RoPE scaling: --set model.overrides.rope_parameters=... (e.g. yarn with a factor) and "
                       "model.overrides.max_position_embeddings=N")
     errors += _family_refusals(cfg, mcfg)
+    if cfg.indexer.stage != "frozen" and mcfg.model_type != "deepseek_v32":
+        errors.append(f"indexer.stage {cfg.indexer.stage}: deepseek-ds trains the lightning indexer of DeepSeek-V3.2 "
+                      f"(model_type deepseek_v32), not of {mcfg.model_type}; set indexer.stage: frozen")
     return errors + _moe_errors(cfg, ds, mcfg) + _mtp_errors(cfg, mcfg) + _lora_errors(cfg, ds, mcfg, files)
 
 

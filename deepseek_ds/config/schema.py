@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..models.deepseek_v32.indexer import STAGES as INDEXER_STAGES
 from ..parallel.degrees import Degrees
 from ..utils.errors import UserError
 
@@ -339,6 +340,28 @@ class PreferenceSection:
 
 
 @dataclass
+class IndexerSection:
+    """DeepSeek-V3.2's lightning indexer (models/deepseek_v32/indexer.py; V3.2 report sec. 2.1.1)."""
+    stage: str = "frozen"
+    """frozen: the indexer does not train (transformers' module); warmup: attention dense, the indexer alone trains, on
+    the KL to the main attention over the causal keys (every other parameter frozen, no router-bias update); sparse:
+    attention keeps the indexer's top-k keys, the model trains on the LM loss and the indexer on the KL over the
+    selected keys, from detached inputs."""
+    loss_weight: float = 1.0
+    """loss = lm_loss + loss_weight x indexer_loss (the mean over the DSA layers and counted query tokens of KL_t)."""
+
+    def __post_init__(self):
+        problems = []
+        if self.stage not in INDEXER_STAGES:
+            problems.append(f"indexer.stage = {self.stage!r}: use 'frozen' (no indexer training), 'warmup' (dense "
+                            "attention, the indexer alone learns) or 'sparse' (top-k attention, everything learns)")
+        if not self.loss_weight > 0:
+            problems.append(f"indexer.loss_weight = {self.loss_weight} must be > 0 (indexer.stage frozen turns the "
+                            "indexer loss off)")
+        _refuse(problems)
+
+
+@dataclass
 class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
@@ -349,6 +372,7 @@ class RunConfig:
     moe: MoESection = field(default_factory=MoESection)
     lora: LoraSection = field(default_factory=LoraSection)
     preference: PreferenceSection = field(default_factory=PreferenceSection)
+    indexer: IndexerSection = field(default_factory=IndexerSection)
     deepspeed_config: str = "ds_configs/zero1.json"
     """The DeepSpeed JSON when --deepspeed_config is not given (relative paths: see loading.py)."""
 

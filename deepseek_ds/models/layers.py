@@ -80,9 +80,10 @@ class EmbeddingPipe(nn.Module):
 
     def forward(self, inputs):
         """inputs: input_ids, or (input_ids, position_ids) for packed sequences (positions restart at 0 at each
-        document); without position ids every sequence is one document. A sequence shard with MTP depths D trains on
+        document), or (input_ids, position_ids, query_mask) (models.pipeline.split_micro_batch); without position
+        ids every sequence is one document. A sequence shard with MTP depths D trains on
         its tokens and the next D (parallel.sequence.shard_micro_batch's halo): the MTP modules read them."""
-        input_ids, position_ids = inputs if isinstance(inputs, tuple) else (inputs, None)
+        input_ids, position_ids, *query_mask = inputs if isinstance(inputs, tuple) else (inputs, None)
         carried = input_ids
         if self.sequence_shard is not None and self.training and self.mtp_depth:
             input_ids = input_ids[:, :-self.mtp_depth]
@@ -100,9 +101,8 @@ class EmbeddingPipe(nn.Module):
         # Known here without reading the tensor: document_attention then skips transformers' packed-sequence check,
         # a host-device sync per micro-batch. The mark stays on this stage (a later one receives a new tensor).
         position_ids._one_document = one_document
-        if self.carry_ids:
-            return hidden, position_ids, carried
-        return hidden, position_ids
+        # A trainable DeepSeek-V3.2 indexer's query mask (split_micro_batch) goes on to every layer, last.
+        return (hidden, position_ids, *([carried] if self.carry_ids else []), *query_mask)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """The tied LM head: logits from the embedding matrix."""
@@ -118,6 +118,7 @@ class DecoderLayerPipe(nn.Module):
         self.layer = fam.decoder_layer(config, layer_idx)
         self.rotary = fam.rotary(config)
         self.layer_kwargs = fam.layer_kwargs
+        self.carries_token_ids = fam.carries_token_ids  # hash-routed layers read them (DeepSeek-V4)
         self.sequence_shard = None  # sequence parallelism: attention spans the group's shards (parallel.sequence)
         _initialise(self, config, seed)
 
@@ -130,8 +131,9 @@ class DecoderLayerPipe(nn.Module):
                           **document_attention(self.config, hidden, position_ids, self.sequence_shard))
 
     def forward(self, inputs):
-        hidden, position_ids, *ids = inputs
-        return self.run_layer(hidden, position_ids, *ids), position_ids, *ids
+        hidden, position_ids, *carried = inputs  # token ids (MTP, hash routing), a query mask: passed on
+        ids = carried[:1] if self.carries_token_ids else ()
+        return self.run_layer(hidden, position_ids, *ids), position_ids, *carried
 
 
 def document_attention(config, hidden: torch.Tensor, position_ids: torch.Tensor, shard=None) -> dict:

@@ -9,7 +9,7 @@
 Everything is attached with forward hooks, so the model stays transformers' own: a hook on each router counts the
 load (`ExpertLoad`, which the per-step metrics read too) and keeps its logits and top-k choice, a hook on the MoE
 block (which sees the (batch, seq, hidden) shape the router does not) computes the balance loss and ties it to the
-block's output with `_AuxLossGrad`. That identity sends a fixed gradient into the loss in backward, wherever the
+block's output with `AuxLossGrad`. That identity sends a fixed gradient into the loss in backward, wherever the
 block's output takes part in backward: the plain engine and every pipeline stage alike, with no change to the LM
 loss or to what travels between stages.
 """
@@ -30,6 +30,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HashR
 from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32TopkRouter
 
 from ..utils.private_api import in_backward
+from .aux_grad import AuxLossGrad
 from .registry import family_of
 
 # Each returns (logits, weights, chosen experts). V4's hash routers choose by a fixed token table (tid2eid): their load
@@ -136,22 +137,6 @@ def _whole_sequence_sum(local: torch.Tensor, shard) -> torch.Tensor:
     whole = local.detach().clone()
     dist.all_reduce(whole, group=shard.group)
     return local + (whole - local.detach())
-
-
-class _AuxLossGrad(torch.autograd.Function):
-    """Returns `output` unchanged; in backward it also gives `aux` the gradient `scale`, as if `scale * aux` had
-    been added to the loss (Megatron-LM's MoEAuxLossAutoScaler does the same)."""
-
-    @staticmethod
-    def forward(ctx, output: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        ctx.aux_like = (aux.shape, aux.dtype, aux.device)
-        return output
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        shape, dtype, device = ctx.aux_like
-        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
 
 
 # ----------------------------------------------------------------------------------------------- the hooks
@@ -285,7 +270,7 @@ class LoadBalancer:
         if not in_backward():  # activation checkpointing's re-run forward: not new traffic
             self.aux_sums += terms.detach().double()
         scale = self.aux_grad_scale * (self.loss_scale() if self.loss_scale else 1.0)
-        return _AuxLossGrad.apply(output, terms.sum(), scale)
+        return AuxLossGrad.apply(output, terms.sum(), scale)
 
     def take_aux(self) -> torch.Tensor:
         """This rank's balance-loss sums of the step (AUX_TERMS; a device tensor), then zero for the next step:

@@ -31,7 +31,7 @@ from .layers import (
     mtp_embed_forward,
     tied_head_forward,
 )
-from .loss import TokenWeightedLoss
+from .loss import IGNORE_INDEX, TokenWeightedLoss
 from .presets import ModelConfigError, is_moe
 
 # Seeds of layer i are base_seed * 1000 + i: fixed per layer, so the initial weights are the same whatever the layout.
@@ -234,11 +234,19 @@ class SequentialLM(nn.Module):
         return x
 
 
-def split_micro_batch(micro_batch: tuple, mtp: bool = False) -> tuple:
+def split_micro_batch(micro_batch: tuple, mtp: bool = False, query_mask: bool = False) -> tuple:
     """(model inputs, labels) of a micro-batch (input_ids, labels[, position_ids]): the inputs are input_ids, or
     (input_ids, position_ids) for packed sequences, which both containers' first layer takes (DeepSpeed's pipeline
     hands the first element to the first stage, the second to the loss). With MTP depths (`mtp`) the loss also
-    gets the position ids, as (labels, position_ids), to keep each depth's targets inside a document."""
+    gets the position ids, as (labels, position_ids), to keep each depth's targets inside a document. With
+    `query_mask` (trainable DeepSeek-V3.2 indexers, whose loss counts the queries with a target) the inputs are
+    (input_ids, position_ids, labels != -100 as int32), position ids counting from 0 in each row when unpacked; the
+    pipeline carries the mask to every stage (an integer tensor: no gradient travels back)."""
+    if query_mask:
+        input_ids, labels, *packed = micro_batch
+        position_ids = packed[0] if packed else torch.arange(input_ids.shape[1]).expand_as(input_ids).contiguous()
+        inputs = (input_ids, position_ids, (labels != IGNORE_INDEX).to(torch.int32))
+        return inputs, ((labels, position_ids) if mtp and packed else labels)
     if len(micro_batch) == 2:
         return micro_batch
     input_ids, labels, position_ids = micro_batch

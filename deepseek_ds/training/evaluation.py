@@ -109,12 +109,15 @@ def _pipeline_eval_loss(engine, sums: TokenSums):
         engine.module.loss_fn, engine.monitor.enabled = loss_fn, monitoring
 
 
-def evaluate(model, batches: list[tuple], device, pipeline: bool = False, counts: bool = True) -> EvalResult:
+def evaluate(model, batches: list[tuple], device, pipeline: bool = False, counts: bool = True,
+             query_mask: bool = False) -> EvalResult:
     """Evaluate `model` (a module, a DeepSpeed engine, or a PipelineEngine with pipeline=True) on this rank's
     batches and combine all ranks. Every rank must call it, with the same number of batches; `counts=False`: this
-    rank's sums are another's copy (a tensor-parallel rank other than 0 sees its replica's batches) and add nothing."""
+    rank's sums are another's copy (a tensor-parallel rank other than 0 sees its replica's batches) and add nothing.
+    query_mask: the model's inputs carry one as in training (trainable indexers: a pipeline keeps one shape)."""
     sums = TokenSums()
-    batches = [split_micro_batch(mb) for mb in batches]  # packed sequences: the model takes their position ids
+    # Packed sequences: the model takes their position ids.
+    batches = [split_micro_batch(mb, query_mask=query_mask) for mb in batches]
     if pipeline:
         with _pipeline_eval_loss(model, sums):
             model.eval_batch(iter(batches), compute_loss=True, bcast_loss=False, num_micro_batches=len(batches))
@@ -153,7 +156,8 @@ def _split_result(run: Run, dataset: PackedDataset | ChatDataset) -> EvalResult:
     n = eval_sample_count(len(dataset), cfg.eval.batches, cfg.train.global_batch_size)
     batches = [shard_micro_batch(mb, run.layout.sequence_shard)  # sequence ranks: each its shard of the batches
                for mb in rank_batches(dataset, n, cfg.train.micro_batch_size, run.dp_rank, run.dp_size)]
-    return evaluate(run.engine, batches, run.engine.device, pipeline=run.pipeline, counts=run.layout.counts_once)
+    return evaluate(run.engine, batches, run.engine.device, pipeline=run.pipeline, counts=run.layout.counts_once,
+                    query_mask=run.indexer is not None)
 
 
 # ----------------------------------------------------------------------------------------------- task scores

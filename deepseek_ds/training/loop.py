@@ -105,6 +105,7 @@ def _reduced_metrics(run: Run, meter: StepMeter, routers: RouterStats | None, lo
     parts = objective.metric_parts(run, device)  # the objective's own metrics, named by it below
     sums.add("parts", parts * replica if parts is not None else None)
     sums.add("aux", balancer.take_aux() if balancer and balancer.s.has_aux else None)
+    sums.add("indexer", run.indexer.take() if run.indexer else None)
     groups = run.loss_fn.take_group_sums(device) if hasattr(run.loss_fn, "take_group_sums") else None
     sums.add("groups", groups * replica if groups is not None else None)
     sums.add("load", routers.local_load() if routers else None)
@@ -130,6 +131,8 @@ def _reduced_metrics(run: Run, meter: StepMeter, routers: RouterStats | None, lo
     stop_asked = host["max/stop"][0] if stop is not None else 0.0  # async_save.SAVE_FAILED outranks a signal's 1
     if "sum/aux" in host:
         out.update(balancer.aux_metrics(host["sum/aux"]))
+    if "sum/indexer" in host:  # loss becomes lm_loss + weight x indexer_loss
+        out.update(run.indexer.metrics(host["sum/indexer"][0], out["loss"]))
     if groups is not None:
         out.update(source_metrics(run.dataset.labels, host["sum/groups"]))
     if "sum/parts" in host:

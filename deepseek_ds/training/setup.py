@@ -31,6 +31,8 @@ from ..data import (
     open_training_data,
     sample_count,
 )
+from ..models.deepseek_v32.indexer import train_indexers
+from ..models.deepseek_v32.indexer_loss import IndexerLoss
 from ..models.hf_io import has_weights, load_hf_weights, mtp_layers_absent
 from ..models.layers import mtp_depth
 from ..models.lora import apply_lora
@@ -74,6 +76,7 @@ class Run:
     grad_accum: int
     log: logging.Logger
     balancer: LoadBalancer | None = None  # MoE load balancing (the loop moves its biases once per step)
+    indexer: IndexerLoss | None = None  # indexer.stage warmup / sparse: DeepSeek-V3.2's indexer loss
     reference: object = None         # dpo: the training split's reference log-probabilities (objectives/dpo_reference)
     valid_reference: object = None   # dpo with eval.interval: the validation split's
     base_buffers: list | None = None  # dpo with LoRA: the base's starting buffers (router biases), its reference's
@@ -142,6 +145,9 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
                if cfg.train.objective == "dpo" else TokenWeightedLoss(mtp_depth(mcfg), cfg.train.mtp_loss_weight))
     model = _build_model(cfg, ds, mcfg, layout, loss_fn, log)
     _load_weights(cfg, model, mcfg, log)
+    if cfg.indexer.stage != "frozen":  # before the engine: its optimizer takes what requires gradients
+        log.info("indexer.stage %s: %d lightning indexers train%s", cfg.indexer.stage,
+                 train_indexers(model, cfg.indexer.stage), ", nothing else" if cfg.indexer.stage == "warmup" else "")
     if cfg.lora.r:  # adapters on the loaded base; only they (and lora.modules_to_save) reach the optimizer below
         trainable = apply_lora(model, cfg.lora, mcfg, cfg.train.seed)
         log.info("LoRA r=%d: %d trainable parameters on this rank", cfg.lora.r, trainable)
@@ -156,16 +162,28 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
                dataset_dir=dataset_dir, rank=rank, world=world, layout=layout,
                pipeline=cfg.parallel.pipeline_stages > 1,
                grad_accum=cfg.grad_accum_steps(layout.data_size), log=log,
-               balancer=_balancer(cfg, mcfg, engine, layout),
+               balancer=_balancer(cfg, mcfg, engine, layout), indexer=_indexer_loss(cfg, mcfg, engine),
                saver=AsyncSaver(log if rank == 0 else None) if cfg.checkpoint.async_ else None)
+
+
+def _loss_scale(engine: DeepSpeedEngine):
+    """fp16 scales the LM loss's gradients by its dynamic loss scale: the gradients added beside it must follow."""
+    return (lambda: float(engine.optimizer.loss_scale)) if engine.fp16_enabled() else None
+
+
+def _indexer_loss(cfg: RunConfig, mcfg: PretrainedConfig, engine: DeepSpeedEngine) -> IndexerLoss | None:
+    if cfg.indexer.stage == "frozen":
+        return None
+    return IndexerLoss(engine.module, cfg.indexer.loss_weight, mcfg.num_hidden_layers, engine.device,
+                       _loss_scale(engine))
 
 
 def _balancer(cfg: RunConfig, mcfg: PretrainedConfig, engine: DeepSpeedEngine, layout: Layout) -> LoadBalancer | None:
     settings = resolve_settings(cfg.moe, mcfg)
-    if not (settings and settings.active):
+    # The indexer's warm-up changes nothing but the indexer: no bias moves, the routers get no balance gradient.
+    if not (settings and settings.active) or cfg.indexer.stage == "warmup":
         return None
-    # fp16 scales the LM loss's gradients by its dynamic loss scale: the balance losses' gradients must follow.
-    loss_scale = (lambda: float(engine.optimizer.loss_scale)) if engine.fp16_enabled() else None
+    loss_scale = _loss_scale(engine)
     # Each sequence's balance loss is computed whole on each of its sequence ranks (over the group's summed
     # statistics) and each TP rank of a replica holds the same sequences: the metrics' sums count tp x sp times.
     counted = cfg.train.global_batch_size * layout.degrees.tensor * layout.degrees.sequence

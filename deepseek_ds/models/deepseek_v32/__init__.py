@@ -1,6 +1,6 @@
 """DeepSeek-V3.2: DeepSeek-V3 plus DeepSeek Sparse Attention, a lightning indexer in every layer that keeps the top
 `index_topk` earlier tokens of each query. transformers' `deepseek_v32` modules are the model code; their indexer
-runs without gradients, so it is frozen here (its trainable stages are the V3.2 issue's next step)."""
+runs without gradients: frozen by default, trainable with indexer.stage warmup or sparse (indexer.py)."""
 
 import torch
 from torch import nn
@@ -29,6 +29,22 @@ PRESETS = {
 }
 
 
+def run_refusals(cfg, config) -> list[str]:
+    """What a trainable indexer (indexer.stage warmup / sparse) cannot train with, one line each with the fix."""
+    stage = cfg.indexer.stage
+    if stage == "frozen":
+        return []
+    errors = []
+    if cfg.lora.r:
+        errors.append(f"lora.r with indexer.stage {stage}: the indexer trains whole, and "
+                      + ("the warm-up trains it alone" if stage == "warmup" else "LoRA would freeze the model it "
+                         "learns beside") + "; set lora.r: 0, or indexer.stage: frozen to fine-tune with LoRA")
+    if cfg.train.objective != "lm":
+        errors.append(f"train.objective {cfg.train.objective} with indexer.stage {stage}: the indexer loss is taken "
+                      "over the LM objective's tokens; set train.objective: lm, or indexer.stage: frozen")
+    return errors
+
+
 def prepare_layer(module: nn.Module, seed: int | None) -> None:
     """The indexers frozen: transformers computes them under no_grad (no gradient reaches them), so they hold no
     optimizer state and no weight decay moves them."""
@@ -55,7 +71,7 @@ FAMILY = Family(
     moe_defaults={"bias_update_speed": 1e-3, "seq_aux_alpha": 1e-4, "device_aux_alpha": 0.0, "comm_aux_alpha": 0.0},
     score_func="sigmoid", has_router_bias=True, router_group_mask=True,
     override_notes={"index_topk": "the lightning indexer is DeepSeek-V3.2's (and V4's CSA layers')"},
-    layer_kwargs=layer_kwargs, prepare_layer=prepare_layer,
+    layer_kwargs=layer_kwargs, prepare_layer=prepare_layer, run_refusals=run_refusals,
     attention_kernels=("sdpa", "eager"), attention_note="its flash path hands the indexer's choice to the FlashMLA kernel",
     refused_parallelism={
         "sequence_parallel": "DeepSeek-V3.2's indexer scores each query against every earlier token of the whole "

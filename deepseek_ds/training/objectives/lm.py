@@ -34,8 +34,11 @@ class NextToken(Objective):
         layout = run.layout
         dist.all_reduce(n_valid, group=layout.gradient_group)
         run.loss_fn.set_global_tokens(n_valid, layout.gradient_size, run.grad_accum)
+        if run.indexer:  # its loss counts the queries the LM loss counts
+            run.indexer.set_global_tokens(n_valid[0], layout.gradient_size)
         # Micro-batches with position ids (packed sequences) give the model (input_ids, position_ids).
-        split = [split_micro_batch(mb, mtp=run.loss_fn.mtp_depth > 0) for mb in micro_batches]
+        split = [split_micro_batch(mb, mtp=run.loss_fn.mtp_depth > 0, query_mask=run.indexer is not None)
+                 for mb in micro_batches]
         if run.pipeline:
             return engine.train_batch(iter(split)).detach().double()
         total = torch.zeros((), dtype=torch.float64, device=engine.device)
@@ -63,11 +66,14 @@ class NextToken(Objective):
                 f"next-token accuracy {100 * record['eval_accuracy']:.2f}%")
 
     def loss_lines(self, records: list[dict]) -> list[str]:
-        if "lm_loss" not in records[0]:
-            return []
         first, last = records[0], records[-1]
-        return [f"  of which    main {first['lm_loss']:.4f} -> {last['lm_loss']:.4f}, "
-                f"MTP {first['mtp_loss']:.4f} -> {last['mtp_loss']:.4f}"]
+        if "mtp_loss" in first:
+            return [f"  of which    main {first['lm_loss']:.4f} -> {last['lm_loss']:.4f}, "
+                    f"MTP {first['mtp_loss']:.4f} -> {last['mtp_loss']:.4f}"]
+        if "indexer_loss" in first:  # DeepSeek-V3.2's trainable indexer (models/deepseek_v32/indexer_loss.py)
+            return [f"  of which    LM {first['lm_loss']:.4f} -> {last['lm_loss']:.4f}, "
+                    f"indexer KL {first['indexer_loss']:.4f} -> {last['indexer_loss']:.4f}"]
+        return []
 
     def validation_lines(self, record: dict) -> list[str]:
         r = record
