@@ -59,13 +59,12 @@ def test_the_indexer_selects_and_is_frozen():
      r"deepseek_v32 runs on transformers' sdpa or eager attention only.*FlashMLA.*set model.attn_implementation: sdpa"),
     ({"parallel": {"sequence_parallel": 2}}, r"parallel.sequence_parallel: DeepSeek-V3.2's indexer"),
     ({"parallel": {"tensor_parallel": 2}}, r"parallel.tensor_parallel: DeepSeek-V3.2's indexer"),
-    ({"parallel": {"expert_parallel": 2}}, r"AutoEP has no DeepSeek-V3.2 preset.*set parallel.expert_parallel: 1"),
     ({"indexer": {"stage": "warmup"}, "lora": {"r": 4}}, r"lora.r with indexer.stage warmup: .*set lora.r: 0"),
     ({"indexer": {"stage": "sparse"}, "train": {"objective": "dpo"}},
      r"train.objective dpo with indexer.stage sparse: .*set train.objective: lm"),
     ({"indexer": {"stage": "sparse"}, "model": {"preset": "tiny-v3"}},
      r"indexer.stage sparse: deepseek-ds trains the lightning indexer of DeepSeek-V3.2 .*not of deepseek_v3"),
-], ids=["flash", "sp", "tp", "ep", "indexer-lora", "indexer-dpo", "indexer-v3"])
+], ids=["flash", "sp", "tp", "indexer-lora", "indexer-dpo", "indexer-v3"])
 def test_options_v32_cannot_train_exactly_are_refused(option, match):
     sections = {"model": {"preset": "tiny-v32"}, "train": {"micro_batch_size": 2, "global_batch_size": 8}}
     for key, values in option.items():

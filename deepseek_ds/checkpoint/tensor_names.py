@@ -22,6 +22,7 @@ from deepspeed.pipe import TiedLayerSpec
 from transformers import PretrainedConfig
 
 from ..models.hf_io import load_hf_weights
+from ..models.moe import autoep_preset
 from ..models.names import hf_names
 from ..models.pipeline import layer_specs
 from ..models.tensor_parallel import split_dim
@@ -43,7 +44,7 @@ def _autoep_names(config: PretrainedConfig) -> dict[str, list[tuple[str, tuple[i
     """Key in transformers' MoE block -> [(key in AutoEP's, part)]. transformers' names come from DeepSpeed's AutoEP
     preset for the model; AutoEP's own (router, experts.w1/w2/w3) are fixed by its AutoEPMoELayer, which has no
     mapping back to the preset's, hence written out here."""
-    p = get_preset(config.model_type)
+    p = get_preset(autoep_preset(config))
     if p.expert_storage != "fused_3d" or p.expert_w3 is not None:
         raise CheckpointError(f"AutoEP preset {config.model_type!r} does not store the experts as transformers' fused "
                               "gate_up_proj/down_proj, which is all this mapping knows; set parallel.expert_parallel = 1")

@@ -65,6 +65,8 @@ class Family:
     # Checkpoints name its tensors as transformers' conversion_mapping sources (published names, which its
     # save_pretrained writes), not as in memory: loading resolves them with that mapping (checkpoint_names.py).
     renamed_on_disk: bool = False
+    # DeepSpeed AutoEP's preset for its MoE blocks, where that is another family's (None: its own model_type's).
+    autoep_preset: str | None = None
 
     @property
     def is_moe(self) -> bool:

@@ -308,9 +308,14 @@ class LoadBalancer:
 
 
 # ----------------------------------------------------------------------------------------------- expert parallelism
+def autoep_preset(config) -> str:
+    """The name of DeepSpeed AutoEP's preset for the model's MoE blocks."""
+    return family_of(config).autoep_preset or config.model_type
+
+
 def autoep_section(config, ep_size: int) -> dict:
     """DeepSpeed's `expert_parallel` (AutoEP) section. Our decoder layers sit at `layers.N.layer.mlp` (SequentialLM)
     or `N.layer.mlp` (a pipeline stage), not at the presets' `model.layers.N.mlp`: the pattern says so. AutoEP
     also reads the expert count, top-k, group routing and scaling from `model.config` (set by the caller)."""
-    return {"enabled": True, "autoep_size": ep_size, "preset_model": config.model_type,
+    return {"enabled": True, "autoep_size": ep_size, "preset_model": autoep_preset(config),
             "moe_layer_pattern": r"(layers\.)?\d+\.layer\.mlp"}

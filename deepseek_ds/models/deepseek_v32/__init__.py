@@ -77,6 +77,6 @@ FAMILY = Family(
         "sequence_parallel": "DeepSeek-V3.2's indexer scores each query against every earlier token of the whole "
                              "sequence",
         "tensor_parallel": "DeepSeek-V3.2's indexer has no tensor-parallel split in deepseek-ds (use ZeRO-3 or "
-                           "pipeline stages)",
-        "expert_parallel": "DeepSpeed's AutoEP has no DeepSeek-V3.2 preset (ZeRO-3 partitions the experts instead)"},
+                           "pipeline stages)"},
+    autoep_preset="deepseek_v3",  # V3's MoE blocks, unchanged
 )
