@@ -72,15 +72,16 @@ def _save_dir(out: Path, tensors: dict, config: dict, shards: dict[str, str] | N
     return out
 
 
-def write_fp8_dirs(root: Path, block: list[int], seed: int = 0) -> dict[str, Path]:
+def write_fp8_dirs(root: Path, block: list[int], seed: int = 0, preset: str = "tiny-v3") -> dict[str, Path]:
     """{'fp8': the release layout (scales in a shard of their own), 'dequantized': the reference copy,
-    'cast': the FP8 values cast without their scales (what loading did before)}."""
+    'cast': the FP8 values cast without their scales (what loading did before)}; DeepSeek-V3.2's (preset tiny-v32)
+    quantizes its indexers' projections too."""
     from transformers import AutoModelForCausalLM
 
     from deepseek_ds.models.presets import build_model_config
 
     torch.manual_seed(seed)
-    ref = AutoModelForCausalLM.from_config(build_model_config("tiny-v3", overrides=SHAPE))
+    ref = AutoModelForCausalLM.from_config(build_model_config(preset, overrides=SHAPE))
     ref.save_pretrained(root / "plain")
     config = json.loads((root / "plain" / "config.json").read_text())
     plain = load_file(str(root / "plain" / "model.safetensors"))
@@ -132,8 +133,8 @@ def _tensor_bytes(hf_dir: Path) -> int:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("block", [[16, 32], [128, 128]])
-def test_fp8_weights_load_dequantized_and_export_without_quantization(block, tmp_path):
+@pytest.mark.parametrize("block,preset", [([16, 32], "tiny-v3"), ([128, 128], "tiny-v3"), ([16, 32], "tiny-v32")])
+def test_fp8_weights_load_dequantized_and_export_without_quantization(block, preset, tmp_path):
     """Our loss on a batch equals transformers' on the independently dequantized copy and not the scale-less cast;
     each of 2 pipeline stages reads only its share (FP8 values and scales); the config holds no quantization_config
     and what we write from the loaded model loads in transformers with our logits."""
@@ -141,8 +142,9 @@ def test_fp8_weights_load_dequantized_and_export_without_quantization(block, tmp
 
     from deepseek_ds.models.hf_io import to_hf_model
 
-    dirs = write_fp8_dirs(tmp_path, block)
+    dirs = write_fp8_dirs(tmp_path, block, preset=preset)
     mcfg, layers, reads = _ours(dirs["fp8"], stages=2)
+    assert mcfg.model_type == {"tiny-v3": "deepseek_v3", "tiny-v32": "deepseek_v32"}[preset]
     ids = torch.randint(0, mcfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         logits = ids
