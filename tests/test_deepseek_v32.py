@@ -64,7 +64,9 @@ def test_the_indexer_selects_and_is_frozen():
      r"train.objective dpo with indexer.stage sparse: .*set train.objective: lm"),
     ({"indexer": {"stage": "sparse"}, "model": {"preset": "tiny-v3"}},
      r"indexer.stage sparse: deepseek-ds trains the lightning indexer of DeepSeek-V3.2 .*not of deepseek_v3"),
-], ids=["flash", "sp", "tp", "indexer-lora", "indexer-dpo", "indexer-v3"])
+    ({"indexer": {"stage": "warmup"}, "parallel": {"expert_parallel": 2}},
+     r"parallel.expert_parallel with indexer.stage warmup: .*set parallel.expert_parallel: 1"),
+], ids=["flash", "sp", "tp", "indexer-lora", "indexer-dpo", "indexer-v3", "indexer-ep-warmup"])
 def test_options_v32_cannot_train_exactly_are_refused(option, match):
     sections = {"model": {"preset": "tiny-v32"}, "train": {"micro_batch_size": 2, "global_batch_size": 8}}
     for key, values in option.items():

@@ -13,7 +13,9 @@ softmax's output and of the scores): a transient, once per rank, with the recomp
 The loss: with ZeRO 0-2 a micro-batch of more than CHUNK_LOGITS / vocab tokens takes the chunked loss
 (models/loss.py), which keeps the head's input and the targets and holds one chunk's logits at a time; otherwise the
 full logits' fp32 log-softmax. DeepSeek-V4's layers (hyper-connection streams, compressed attention) are counted
-in activations_v4.py.
+in activations_v4.py, DeepSeek-V3.2's trainable indexers (indexer.stage warmup or sparse) in activations_v32.py. The
+warm-up freezes everything but the indexers, so autograd keeps less of the other layers than training them does
+(only what their inputs' gradients need): counted as trained, an upper bound.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from ..models.layers import mtp_depth
 from ..models.loss import CHUNK_LOGITS
 from ..models.presets import is_moe
 from ..models.registry import family_of
-from . import activations_v4
+from . import activations_v4, activations_v32
 
 FP32 = 4
 INDEX_BYTES = 8  # int64 token ids and expert indices
@@ -109,12 +111,15 @@ def layer_kinds(mcfg) -> list[str]:
     return ["dense" if i < first else "moe" for i in range(mcfg.num_hidden_layers)]
 
 
-def spec_bytes(mcfg, seq_len: int, f: int, tp: int, fused: bool, sp: int = 1, tiled: bool = False) -> list[float]:
+def spec_bytes(mcfg, seq_len: int, f: int, tp: int, fused: bool, sp: int = 1, tiled: bool = False,
+               indexer: str = "frozen") -> list[float]:
     """Per token, the bytes each spec of models.pipeline.layer_specs keeps (embedding, decoder layers, norm, [MTP
-    embedding and modules,] head), without checkpointing and without the loss."""
+    embedding and modules,] head), without checkpointing and without the loss. `indexer`: indexer.stage."""
     if has_streams(mcfg):
         return activations_v4.spec_bytes(mcfg, seq_len, f, tiled)
     attn = attention_bytes(mcfg, seq_len, f, tp, fused, sp)
+    if activations_v32.trains(indexer):
+        attn += activations_v32.indexer_bytes(mcfg, seq_len, f, indexer)
     layers = [attn + mlp_bytes(mcfg, kind == "moe", f, tp, tiled) for kind in layer_kinds(mcfg)]
     depth = mtp_depth(mcfg)
     # An MTP module: two norms, the projection of their concatenation, one MoE decoder layer.
@@ -150,12 +155,12 @@ def checkpointed(spec_index: int, interval: int, is_decoder: bool) -> bool:
 
 def stage_micro_batch_bytes(mcfg, bounds: list[int], stage: int, tokens: int, seq_len: int, f: int, tp: int,
                             fused: bool, interval: int, with_loss: bool, zero: int, sp: int = 1,
-                            tiled_mlp: int = 0) -> tuple[int, int]:
+                            tiled_mlp: int = 0, indexer: str = "frozen") -> tuple[int, int]:
     """(bytes one micro-batch of `tokens` tokens leaves saved on a stage after its forward, the transient bytes once
     per rank, not per micro-batch: the largest checkpointed layer while backward recomputes it plus an unfused
-    attention's working score matrices, one MLP tile's recomputation (tiled_mlp: tokens per tile) or the chunked
-    loss's working chunk)."""
-    per_spec = spec_bytes(mcfg, seq_len, f, tp, fused, sp, tiled=tiled_mlp > 0)
+    attention's working score matrices or a trainable indexer's working query block, one MLP tile's recomputation
+    (tiled_mlp: tokens per tile) or the chunked loss's working chunk). `indexer`: indexer.stage."""
+    per_spec = spec_bytes(mcfg, seq_len, f, tp, fused, sp, tiled=tiled_mlp > 0, indexer=indexer)
     layers, depth = mcfg.num_hidden_layers, mtp_depth(mcfg)
     decoder = set(range(1, layers + 1))
     attends = decoder | set(range(layers + 3, layers + 3 + depth))  # decoder layers and MTP modules
@@ -170,6 +175,9 @@ def stage_micro_batch_bytes(mcfg, bounds: list[int], stage: int, tokens: int, se
     # A layer's backward: its recomputed activations (if checkpointed) and its attention's working score matrices.
     work = attention_work_bytes(mcfg, seq_len, f, tp, fused) if attends.intersection(mine) else 0
     transient = int((recompute + work) * tokens)
+    if activations_v32.trains(indexer) and attends.intersection(mine):  # a layer's indexer, then its attention
+        transient = max(transient, int(recompute * tokens) + activations_v32.work_bytes(
+            mcfg, max(1, tokens // seq_len), seq_len, f))
     if tiled_mlp:  # a tile's MLP activations, whole, while backward recomputes it
         kinds = set(layer_kinds(mcfg))
         mlp = (activations_v4.mlp_bytes(mcfg, f) if has_streams(mcfg)

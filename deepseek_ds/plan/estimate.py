@@ -161,11 +161,11 @@ def estimate(cfg: RunConfig, ds: dict, layout: Layout, gpu_memory: int, fused_at
     boundary = tokens * activations.stream_width(mcfg) * f
     ranks = []
     for stage in range(layout.pp):
-        params = rank_params(model, bounds, stage, ep, layout.tp, cfg.lora)
+        params = rank_params(model, bounds, stage, ep, layout.tp, cfg.lora, cfg.indexer.stage)
         saved, recompute = activations.stage_micro_batch_bytes(
             mcfg, bounds, stage, tokens, cfg.data.seq_len, f, layout.tp, fused_attention,
             cfg.model.activation_checkpoint_interval, with_loss=True, zero=layout.zero, sp=layout.sp,
-            tiled_mlp=cfg.train.tiled_mlp)
+            tiled_mlp=cfg.train.tiled_mlp, indexer=cfg.indexer.stage)
         acts = saved * (activations.in_flight(layout.pp, stage, layout.grad_accum) if layout.pp > 1 else 1) + recompute
         # ZeRO-2's slices hold different parameters whole: the fullest data-parallel rank decides.
         n = layout.gradient_ranks

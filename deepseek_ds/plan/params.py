@@ -6,7 +6,9 @@ on the meta device and models.lora.apply_lora adapts it as training does: its re
 parameters (adapters on the targets and the routed experts, lora.modules_to_save in full); under AutoEP the routed
 experts' adapters go with their experts, 1/EP per rank in the expert group. Parameters a layer itself freezes
 (DeepSeek-V4's lightning indexers, requires_grad False from the family's prepare_layer) are frozen as LoRA's base is:
-no gradient, no optimizer state, outside ZeRO's flat groups."""
+no gradient, no optimizer state, outside ZeRO's flat groups. DeepSeek-V3.2's indexers, frozen the same way by default,
+train with indexer.stage warmup (they alone: everything else frozen) or sparse (with everything else), as
+models.deepseek_v32.indexer.train_indexers leaves the built layers."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 from deepspeed.pipe import TiedLayerSpec
 from torch import nn
 
+from ..models.deepseek_v32.indexer import train_indexers
 from ..models.flops import LayerCost
 from ..models.lora import apply_lora
 from ..models.pipeline import layer_costs, layer_specs, partition
@@ -46,6 +49,7 @@ class SpecParams:
         self._bounds: dict[tuple, list[int]] = {}
         self._costs: list[LayerCost] | None = None
         self._lora: dict[tuple, list[list[tuple[str, int, bool]]]] = {}
+        self._indexed: dict[tuple[int, str], list[tuple[str, int, bool]]] = {}
 
     @property
     def costs(self) -> list[LayerCost]:
@@ -66,6 +70,18 @@ class SpecParams:
                 layer = self.specs[index].build()
             self._built[index] = [(name, p.numel(), p.requires_grad) for name, p in layer.named_parameters()]
         return self._built[index]
+
+    def with_indexers(self, index: int, stage: str) -> list[tuple[str, int, bool]]:
+        """(name, elements, trainable) of spec `index`'s parameters under indexer.stage `stage`: frozen as built;
+        warmup or sparse as train_indexers leaves them."""
+        if stage == "frozen":
+            return self[index]
+        if (index, stage) not in self._indexed:
+            with torch.device("meta"):
+                layer = self.specs[index].build()
+            train_indexers(layer, stage)
+            self._indexed[index, stage] = [(name, p.numel(), p.requires_grad) for name, p in layer.named_parameters()]
+        return self._indexed[index, stage]
 
     def lora(self, section) -> list[list[tuple[str, int, bool]]]:
         """(name, elements, trainable) of every spec's parameters after apply_lora with the run's `lora` section."""
@@ -96,9 +112,11 @@ def lora_active(model: SpecParams, section) -> list[tuple[int, int]]:
     return out
 
 
-def rank_params(model: SpecParams, bounds: list[int], stage: int, ep: int, tp: int, lora=None) -> list[Param]:
+def rank_params(model: SpecParams, bounds: list[int], stage: int, ep: int, tp: int, lora=None,
+                indexer: str = "frozen") -> list[Param]:
     """The parameters of one rank of pipeline stage `stage`, in the order DeepSpeed flattens them; `lora`: the run's
-    lora section (r > 0: the base frozen, what apply_lora unfreezes trainable).
+    lora section (r > 0: the base frozen, what apply_lora unfreezes trainable); `indexer`: indexer.stage (which
+    validate() refuses with LoRA).
     Without a pipeline (SequentialLM) a tied spec's later uses hold no parameters; a pipeline stage builds each tied
     module it uses once and registers it before its layers."""
     specs = model.specs
@@ -108,7 +126,7 @@ def rank_params(model: SpecParams, bounds: list[int], stage: int, ep: int, tp: i
     tied, layers, seen = [], [], set()
     for i in range(a, b):
         spec = specs[i]
-        entries = adapted[i] if adapted else model[i]
+        entries = adapted[i] if adapted else model.with_indexers(i, indexer)
         if isinstance(spec, TiedLayerSpec):
             if spec.key in seen:
                 continue

@@ -92,7 +92,7 @@ def step_time(cfg: RunConfig, plan: Plan, hw: Hardware, model: SpecParams) -> St
     comm = 0.0
     ep = lay.ep if num_routed_experts(mcfg) else 1
     for stage in range(lay.pp):
-        params = rank_params(model, bounds, stage, ep, lay.tp, cfg.lora)
+        params = rank_params(model, bounds, stage, ep, lay.tp, cfg.lora, cfg.indexer.stage)
         # ZeRO-3 gathers every parameter, frozen (LoRA's base) or not, in the forward and again in the backward.
         gathers, reductions = (2, 1) if lay.zero == 3 else (0, 2)
         dense = sum((gathers + reductions * p.trainable) * p.numel for p in params if not p.expert) * f

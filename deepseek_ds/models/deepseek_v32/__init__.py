@@ -39,6 +39,10 @@ def run_refusals(cfg, config) -> list[str]:
         errors.append(f"lora.r with indexer.stage {stage}: the indexer trains whole, and "
                       + ("the warm-up trains it alone" if stage == "warmup" else "LoRA would freeze the model it "
                          "learns beside") + "; set lora.r: 0, or indexer.stage: frozen to fine-tune with LoRA")
+    if stage == "warmup" and cfg.parallel.expert_parallel > 1:
+        errors.append("parallel.expert_parallel with indexer.stage warmup: AutoEP's experts join the optimizer "
+                      "trainable whatever the warm-up freezes; set parallel.expert_parallel: 1 (ZeRO-3 partitions "
+                      "the experts), or indexer.stage: sparse")
     if cfg.train.objective != "lm":
         errors.append(f"train.objective {cfg.train.objective} with indexer.stage {stage}: the indexer loss is taken "
                       "over the LM objective's tokens; set train.objective: lm, or indexer.stage: frozen")

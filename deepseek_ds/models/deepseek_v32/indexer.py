@@ -39,10 +39,23 @@ def _kl_sum(q, k, weights, scale: float, p, keep, counted) -> torch.Tensor:
     return (kl * counted).sum()
 
 
-def attention_probabilities(attn: nn.Module, query: torch.Tensor, key: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+def _block_kl(q, k, weights, scale: float, attn_scaling: float, query, key, mask, chosen, counted) -> torch.Tensor:
+    """_kl_sum of a block of queries with p_t and its keys built here from what the layer holds anyway (the main
+    queries and keys, the attention mask, the chosen keys or None: every causal key), so that a checkpoint of it
+    keeps no [B, c, T] tensor of its own: the backward recomputes them."""
+    keep = mask if mask.dtype == torch.bool else mask == 0
+    if chosen is not None:
+        keep = keep & torch.zeros_like(keep).scatter_(-1, chosen.long(), True)
+    with torch.no_grad():
+        p = attention_probabilities(attn_scaling, query, key, keep)
+    return _kl_sum(q, k, weights, scale, p, keep, counted)
+
+
+def attention_probabilities(scaling: float, query: torch.Tensor, key: torch.Tensor, keep: torch.Tensor
+                            ) -> torch.Tensor:
     """p_t of a block of queries: the main attention's softmax over the keys `keep` [B, c, T] (query [B, H, c, d],
-    key [B, H, T, d]), summed over the heads and divided by its sum, fp32 [B, c, T]."""
-    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * attn.scaling
+    key [B, H, T, d], the attention's `scaling`), summed over the heads and divided by its sum, fp32 [B, c, T]."""
+    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scaling
     probs = torch.softmax(scores.masked_fill(~keep.unsqueeze(1), float("-inf")), dim=-1).sum(1)
     return probs / probs.sum(-1, keepdim=True)
 
@@ -75,7 +88,6 @@ class TrainableIndexer(v32.DeepseekV32Indexer):
             raise ValueError("a trainable DeepSeek-V3.2 indexer keeps no cache: generate with the exported model")
         b, s, _ = hidden_states.shape
         t = attention_mask.shape[-1]
-        keep = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
         # The indexer learns from detached inputs: its loss reaches nothing else.
         q, k, weights = self._project(hidden_states.detach(), q_resid.detach(), position_embeddings)
         learns = self.training
@@ -91,24 +103,21 @@ class TrainableIndexer(v32.DeepseekV32Indexer):
         topk = min(self.index_topk, t)
         selected = None if self.stage == "warmup" else torch.empty(b, s, topk, dtype=torch.int32, device=q.device)
         total = None
-        for a in range(0, s, rows):
-            block = slice(a, a + rows)
-            keep_block = keep[:, block]
-            if selected is not None:
-                with torch.no_grad():
-                    scores = index_scores(q[:, block], k, weights[:, block], self.softmax_scale)
-                    # As transformers masks: -inf for a boolean mask, the additive mask otherwise.
-                    scores = (scores.masked_fill(~attention_mask[:, block], float("-inf"))
-                              if attention_mask.dtype == torch.bool else scores + attention_mask[:, block])
-                    chosen = scores.topk(topk, dim=-1).indices
-                    selected[:, block] = chosen.to(torch.int32)
-                    keep_block = keep_block & torch.zeros_like(keep_block).scatter_(-1, chosen, True)
-            if learns:
-                with torch.no_grad():
-                    p = attention_probabilities(self._attention(), query[:, :, block], key, keep_block)
-                part = checkpoint(_kl_sum, q[:, block], k, weights[:, block], self.softmax_scale, p, keep_block,
-                                  counted[:, block], use_reentrant=False)
-                total = part if total is None else total + part
+        blocks = [slice(a, a + rows) for a in range(0, s, rows)]
+        for block in blocks if selected is not None else ():
+            with torch.no_grad():
+                scores = index_scores(q[:, block], k, weights[:, block], self.softmax_scale)
+                # As transformers masks: -inf for a boolean mask, the additive mask otherwise.
+                scores = (scores.masked_fill(~attention_mask[:, block], float("-inf"))
+                          if attention_mask.dtype == torch.bool else scores + attention_mask[:, block])
+                selected[:, block] = scores.topk(topk, dim=-1).indices.to(torch.int32)
+        for block in blocks if learns else ():
+            # Its inputs are views of tensors the layer holds (no copy is kept): O(S) of its own, not O(S T).
+            part = checkpoint(_block_kl, q[:, block], k, weights[:, block], self.softmax_scale,
+                              self._attention().scaling, query[:, :, block], key, attention_mask[:, block],
+                              None if selected is None else selected[:, block], counted[:, block],
+                              use_reentrant=False)
+            total = part if total is None else total + part
         self.kl_sum = total
         if selected is None:  # dense attention: every key selected (the causal mask still applies)
             return torch.arange(t, dtype=torch.int32, device=q.device).expand(b, s, t)
