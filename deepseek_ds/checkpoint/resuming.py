@@ -13,6 +13,7 @@ import psutil
 import torch.distributed as dist
 
 from ..data import dataset_info
+from ..models.muon import is_muon
 from ..utils.private_api import universal_checkpoint_loading
 from .format import (
     PARTIAL,
@@ -71,7 +72,7 @@ def resume(run: TrainingRun, below: str | None = None) -> dict | None:
         else:
             if below is None and (problem := _tag_problem(run, tag_dir, sizes_only=False)):
                 return _damaged(run, tag_dir, problem)  # before a conversion reads the whole tag
-            _check_reshardable(tag_dir, saved, now, run.cfg.lora.r)
+            _check_reshardable(tag_dir, saved, now, run.cfg.lora.r, muon=is_muon(meta["deepspeed_config"]))
             if run.rank == 0:
                 run.log.info("layout changed (%s -> %s): resuming %s through a universal checkpoint",
                              saved.describe(), now.describe(), tag)
@@ -129,9 +130,14 @@ def _loads_natively(saved: Layout, now: Layout) -> bool:
                             and saved.tensor_parallel == now.tensor_parallel)
 
 
-def _check_reshardable(tag_dir: str, saved: Layout, now: Layout, lora_r: int) -> None:
+def _check_reshardable(tag_dir: str, saved: Layout, now: Layout, lora_r: int, muon: bool = False) -> None:
     fix = ("resume with the saved layout, or `deepseek-ds export hf` it and start a new run from the export "
            "with model.path")
+    if muon:
+        # ds_to_universal extracts AdamW's exp_avg / exp_avg_sq from every optimizer group (a KeyError on Muon's).
+        raise CheckpointError(f"checkpoint {tag_dir} ({saved.describe()}) cannot be resumed as {now.describe()}: it "
+                              f"was trained with Muon, whose momentum DeepSpeed's universal checkpoints do not carry; "
+                              f"{fix}")
     if lora_r:
         # The universal loader loads strictly (the checkpoint lacks the frozen base) and does not map adapter names.
         raise CheckpointError(f"checkpoint {tag_dir} ({saved.describe()}) cannot be resumed as {now.describe()}: a "

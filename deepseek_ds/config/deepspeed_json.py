@@ -21,6 +21,8 @@ from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from deepspeed.runtime.constants import SCHEDULER
 from deepspeed.runtime.swap_tensor.constants import AIO
 
+from ..models.muon import RULE as MUON_RULE
+from ..models.muon import is_muon
 from ..models.presets import build_model_config
 from ..models.tensor_parallel import tensor_parallel_section
 from .loading import PROJECT_ROOT
@@ -106,7 +108,10 @@ def resolve_ds_config(ds: dict, cfg: RunConfig, world_size: int) -> dict:
 
 
 def filled_sections(ds_raw: dict) -> list[str]:
-    """What resolve_ds_config adds that the user's JSON did not say, one line each, for the log and the record."""
+    """What resolve_ds_config adds that the user's JSON did not say, one line each, for the log and the record
+    (with Muon: which parameters it updates, the tags deepseek-ds gives them)."""
+    if is_muon(ds_raw):
+        return [f"optimizer Muon: {MUON_RULE} (deepseek_ds/models/muon.py)"]
     if "optimizer" in ds_raw:
         return []
     return ["deepspeed_config has no 'optimizer' section: using AdamW with train.lr, train.beta1/beta2, train.eps "

@@ -1,0 +1,95 @@
+"""Muon (DeepSpeed's `"optimizer": {"type": "Muon"}`, MuonWithAuxAdam): THE rule that says which parameters Muon
+updates and which the auxiliary AdamW does, and the tagging that makes DeepSpeed's optimizer follow it.
+
+The rule: Muon for every matrix inside the decoder layers and the MTP layers (attention projections, dense and
+shared-expert MLPs, routers, MTP's eh_proj; a fused 3-D expert tensor is one matrix per routed expert), AdamW for
+the embedding, the output head and every 1-D parameter (norms, biases) and any other parameter outside those layers
+(DeepSeek-V4's hc_head).
+
+DeepSpeed tags `use_muon` itself (deepspeed.set_optimizer_flags: any >= 2-D parameter whose name lacks "embed" and
+"lm_head"), and again after AutoEP replaces the experts; this module's tags are applied last, as the engine builds
+its optimizer, so the rule here is the one that trains. DeepSpeed's Muon scales each matrix's orthogonalised
+update by sqrt(max(1, rows / cols)) (torch.optim.Muon's "original" learning-rate adjustment), and a 3-D tensor
+tagged `is_expert_group` is orthogonalised per expert."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from deepspeed.runtime.engine import DeepSpeedEngine
+
+from ..utils.private_api import CONFIGURE_OPTIMIZER, class_method_replaced
+from .layers import DecoderLayerPipe
+
+MUON = "muon"
+RULE = ("Muon for every matrix of the decoder and MTP layers (attention projections, dense and shared-expert MLPs, "
+        "routers, MTP's eh_proj; a fused routed-expert tensor as one matrix per expert), AdamW for the embedding, the "
+        "output head and every 1-D parameter")
+
+
+def is_muon(ds: dict) -> bool:
+    """Whether the DeepSpeed config selects DeepSpeed's Muon (its optimizer names are case-insensitive)."""
+    optimizer = ds.get("optimizer")
+    return isinstance(optimizer, dict) and str(optimizer.get("type", "")).lower() == MUON
+
+
+def layer_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """The parameter's shape as a layer: ZeRO-3's partitioned parameters are flat and keep it in ds_shape."""
+    shape = getattr(p, "ds_shape", None)
+    return tuple(p.shape if shape is None else shape)
+
+
+def muon_split(model: torch.nn.Module) -> dict[str, bool]:
+    """Parameter name -> whether Muon updates it (the rule above), for every parameter of `model` (a pipeline
+    stage holds its own layers only)."""
+    inside = {id(p) for m in model.modules() if isinstance(m, DecoderLayerPipe) for p in m.parameters()}
+    return {name: id(p) in inside and len(layer_shape(p)) >= 2 for name, p in model.named_parameters()}
+
+
+@dataclass(frozen=True)
+class Split:
+    muon_matrices: int   # Muon tensors (a fused expert tensor counts once)
+    muon_elements: int
+    adam_tensors: int
+    adam_elements: int
+
+    def describe(self) -> str:
+        return (f"Muon: {self.muon_matrices} matrices ({self.muon_elements:,} elements); AdamW: {self.adam_tensors} "
+                f"tensors ({self.adam_elements:,} elements)")
+
+
+def tag_muon(model: torch.nn.Module) -> Split:
+    """Sets `use_muon` on every parameter by the rule, and `is_expert_group` on Muon's 3-D tensors (fused routed
+    experts: DeepSpeed then orthogonalises each expert's matrix on its own); returns the trainable split."""
+    split = muon_split(model)
+    counts = [0, 0, 0, 0]
+    for name, p in model.named_parameters():
+        muon = split[name]
+        p.use_muon = muon
+        if muon and len(layer_shape(p)) >= 3:
+            p.is_expert_group = True
+        if p.requires_grad:
+            numel = getattr(p, "ds_numel", None) or p.numel()
+            counts[0 if muon else 2] += 1
+            counts[1 if muon else 3] += numel
+    return Split(*counts)
+
+
+@contextlib.contextmanager
+def muon_tagging(log: logging.Logger) -> Iterator[None]:
+    """Around deepspeed.initialize: the rule's tags replace DeepSpeed's just before the engine builds its optimizer
+    (after its own tagging and AutoEP's replacements); `log` gets the split. DeepSpeed offers no hook between the
+    two: its optimizer construction is patched for the block (utils/private_api.py)."""
+    configure = getattr(DeepSpeedEngine, CONFIGURE_OPTIMIZER)
+
+    def configure_optimizer(self, client_optimizer, model_parameters):
+        log.info("optimizer Muon (the rule: deepseek_ds/models/muon.py): %s on this rank",
+                 tag_muon(self.module).describe())
+        return configure(self, client_optimizer, model_parameters)
+
+    with class_method_replaced(DeepSpeedEngine, CONFIGURE_OPTIMIZER, configure_optimizer):
+        yield

@@ -1,0 +1,202 @@
+"""Muon (DeepSpeed's `"optimizer": {"type": "Muon"}`, ds_configs/zero*_muon.json): the rule of models/muon.py on the
+models, its refusals, and training through the real launcher: tiny-v3 (MoE) gives the same losses on 1 rank and
+on 2 ranks under every layout Muon serves, and tiny-dense follows a single-process torch.optim.Muon + AdamW
+reference (tests/reference_muon.py) with Newton-Schulz in fp32."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from deepseek_ds.checkpoint.format import CheckpointError, Layout
+from deepseek_ds.checkpoint.resuming import _check_reshardable
+from deepseek_ds.config import ConfigError, filled_sections, load_and_validate, load_ds_config, load_run_config
+from deepseek_ds.models.muon import RULE, muon_split, tag_muon
+from deepseek_ds.models.pipeline import build_model, prepare_config
+from deepseek_ds.models.presets import build_model_config
+from helpers import read_metrics, train_layouts
+from reference_muon import fp32_newton_schulz, muon_reference_losses
+
+STEPS = 4
+MUON_LR = 0.02  # ds_configs/zero*_muon.json's muon_lr
+# test_equivalence's settings (seed 7 and Adam's eps 1e-5 keep tiny-v3's routing clear of near ties), no clipping
+# (refused with Muon: DeepSpeed clips the orthogonalised update).
+SETS = [f"train.steps={STEPS}", "train.micro_batch_size=2", "train.global_batch_size=8", "data.seq_len=64",
+        "train.warmup_steps=0", "checkpoint.interval=0", "train.eps=1e-5", "train.seed=7", "train.grad_clip=0"]
+DENSE = ["model.preset=tiny-dense"]
+V4 = ["model.preset=tiny-v4", "model.attn_implementation=eager"]
+LAYOUTS = [
+    # (id, ranks, deepspeed config, extra overrides): the layouts of one rank count train in one launch.
+    ("v3-1rank", 1, "ds_configs/zero1_muon.json", []),
+    ("v3-zero1", 2, "ds_configs/zero1_muon.json", []),
+    ("v3-zero2", 2, "ds_configs/zero2_muon.json", []),
+    ("v3-zero3", 2, "ds_configs/zero3_muon.json", []),
+    ("v3-pp2-zero1", 2, "ds_configs/zero1_pp_muon.json", ["parallel.pipeline_stages=2"]),
+    ("dense-zero1", 2, "ds_configs/zero1_muon.json", DENSE),
+    ("v4-zero1", 2, "ds_configs/zero1_muon.json", V4),
+    # Resume: steps 1-2 saved, then a run in the same checkpoint.dir resumes at step 3 (Muon's momentum and AdamW's
+    # moments from the checkpoint), against the same 4 steps uninterrupted; constant lr (min_lr = tiny-v3's lr), so
+    # that the 2-step run's schedule is the 4-step run's.
+    ("v3-const", 2, "ds_configs/zero1_muon.json", ["train.min_lr=3e-3"]),
+    ("v3-const-half", 2, "ds_configs/zero1_muon.json", ["train.min_lr=3e-3", "train.steps=2", "checkpoint.interval=2",
+                                                         "checkpoint.dir={root}/resume-checkpoints"]),
+    ("v3-const-resumed", 2, "ds_configs/zero1_muon.json", ["train.min_lr=3e-3",
+                                                            "checkpoint.dir={root}/resume-checkpoints"]),
+]
+MOE = ["v3-zero1", "v3-zero2", "v3-zero3", "v3-pp2-zero1"]
+
+
+def _model(preset: str, **overrides):
+    return build_model(prepare_config(build_model_config(preset, None, overrides)), 1, seed=1)
+
+
+# ----------------------------------------------------------------------------------------------- the rule
+@pytest.mark.unit
+def test_rule_splits_tiny_v3_with_mtp():
+    """Every matrix of the decoder and MTP layers (experts fused 3-D, one matrix each) is Muon's; the embedding,
+    the head and every 1-D parameter AdamW's."""
+    split = muon_split(_model("tiny-v3", num_nextn_predict_layers=1))
+    muon = {n for n, m in split.items() if m}
+    assert {n for n in split if "embed_tokens" in n or "lm_head" in n or n.endswith("norm.weight")} & muon == set()
+    for leaf in ("q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", "kv_b_proj.weight",
+                 "o_proj.weight", "mlp.gate_proj.weight", "experts.gate_up_proj", "experts.down_proj", "mlp.gate.weight",
+                 "shared_experts.down_proj.weight", "eh_proj.weight"):
+        assert any(n.endswith(leaf) for n in muon), leaf
+    assert all(len(p.shape) >= 2 for n, p in _model("tiny-v3").named_parameters() if split.get(n))
+
+
+@pytest.mark.unit
+def test_rule_keeps_v4_hc_head_on_adamw_where_deepspeed_would_not():
+    """DeepSpeed's own tagging (any >= 2-D parameter not named embed / lm_head) would give DeepSeek-V4's 2-D hc_head
+    mapping to Muon; the rule keeps everything outside the decoder layers on AdamW, and tag_muon's tags win."""
+    model = _model("tiny-v4")
+    hc = [p for n, p in model.named_parameters() if "hc_head" in n and p.ndim == 2]
+    assert hc
+    for p in model.parameters():
+        p.use_muon = p.ndim >= 2  # what DeepSpeed set before
+    split = tag_muon(model)
+    assert not any(p.use_muon for p in hc)
+    experts = [p for n, p in model.named_parameters() if n.endswith("experts.gate_up_proj")]
+    assert experts and all(p.use_muon and p.is_expert_group for p in experts)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert split.muon_matrices == sum(m for n, m in muon_split(model).items() if n in trainable)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("sets,needle", [
+    (["train.grad_clip=1.0"], "gradient_clipping with Muon"),
+    (["train.grad_clip=0", "lora.r=4"], "LoRA with Muon"),
+    (["train.grad_clip=0", "parallel.expert_parallel=2"], "Muon with expert parallelism"),
+    (["train.grad_clip=0", "parallel.tensor_parallel=2"], "Muon with tensor parallelism"),
+])
+def test_refusals(sets, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_and_validate("recipes/tiny-v3.yaml", "ds_configs/zero1_muon.json", sets, 2)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("section,value,needle", [
+    ("zero_optimization", {"stage": 0}, "Muon with ZeRO stage 0"),
+    ("zero_optimization", {"stage": 3}, "zero_optimization.reduce_scatter false"),
+    ("optimizer", {"type": "Muon", "params": {"lr": "auto", "per_head_muon": True}}, "per_head_muon"),
+])
+def test_json_refusals(tmp_path, section, value, needle):
+    ds = json.loads(open("ds_configs/zero1_muon.json").read())
+    ds[section] = value
+    (tmp_path / "muon.json").write_text(json.dumps(ds))
+    with pytest.raises(ConfigError, match=needle):
+        load_and_validate("recipes/tiny-v3.yaml", str(tmp_path / "muon.json"), ["train.grad_clip=0"], 2)
+
+
+@pytest.mark.unit
+def test_resharding_a_muon_checkpoint_refused():
+    """DeepSpeed's universal conversion reads AdamW's moments from every optimizer group: a Muon checkpoint resumes on
+    its own layout only (bitwise, test_resume_is_bitwise), refused on another before any conversion."""
+    layout = lambda dp: Layout(data_parallel=dp, pipeline_stages=1, pipeline_parts=None, zero_stage=1,  # noqa: E731
+                               precision="fp32")
+    with pytest.raises(CheckpointError, match="trained with Muon"):
+        _check_reshardable("ck", layout(2), layout(1), lora_r=0, muon=True)
+    _check_reshardable("ck", layout(2), layout(1), lora_r=0)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("ds_config", ["zero1_muon.json", "zero2_muon.json", "zero3_muon.json",
+                                       "zero1_pp_muon.json"])
+def test_shipped_configs_validate_and_state_the_rule(ds_config):
+    """Each shipped Muon config validates (no clipping), and validate's summary states the rule (filled_sections)."""
+    sets = ["train.grad_clip=0"] + (["parallel.pipeline_stages=2"] if "_pp" in ds_config else [])
+    _, ds = load_and_validate("recipes/tiny-v3.yaml", f"ds_configs/{ds_config}", sets, 2)
+    assert ds["optimizer"]["type"] == "Muon" and ds["gradient_clipping"] == 0
+    assert filled_sections(load_ds_config(f"ds_configs/{ds_config}")) == [
+        f"optimizer Muon: {RULE} (deepseek_ds/models/muon.py)"]
+    assert "output head" in RULE
+
+
+# ----------------------------------------------------------------------------------------------- through the launcher
+class MuonRuns:
+    """runs(ranks, name): a layout's metrics records; runs.output_dir(ranks, name): its train.output_dir. Each rank
+    count's layouts train in one launch of tests/muon_worker.py (the real training loop)."""
+
+    def __init__(self, root, sets: list[str]):
+        self.root, self.sets, self.done = root, sets, {}
+
+    def output_dir(self, ranks: int, name: str):
+        if ranks not in self.done:
+            mine = [(n, ds, [e.format(root=self.root) for e in extra]) for n, r, ds, extra in LAYOUTS if r == ranks]
+            self.done[ranks] = train_layouts(ranks, self.root, mine, self.sets, worker="tests/muon_worker.py")
+        return self.done[ranks][name]
+
+    def __call__(self, ranks: int, name: str) -> list[dict]:
+        return read_metrics(str(self.output_dir(ranks, name)))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_dir) -> MuonRuns:
+    return MuonRuns(tmp_path_factory.mktemp("muon"), SETS + [f"data.path={data_dir}"])
+
+
+def _losses(records: list[dict]) -> list[float]:
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    return [r["loss"] for r in records]
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("name", MOE)
+def test_moe_layouts_equal_one_rank(name, runs):
+    one, two = _losses(runs(1, "v3-1rank")), _losses(runs(2, name))
+    assert len(set(one)) == STEPS  # it trains
+    assert two == pytest.approx(one, rel=1e-5), f"{name}: {two} vs 1 rank {one}"
+
+
+@pytest.mark.launch
+def test_dense_follows_torch_muon_reference(runs, data_dir):
+    cfg = load_run_config("recipes/tiny-v3.yaml", SETS + DENSE + [f"data.path={data_dir}"])
+    with fp32_newton_schulz():
+        reference = muon_reference_losses(cfg, data_dir, MUON_LR)
+    losses = _losses(runs(2, "dense-zero1"))
+    assert len(set(reference)) == STEPS
+    assert losses == pytest.approx(reference, rel=1e-5), f"{losses} vs reference {reference}"
+
+
+@pytest.mark.launch
+def test_engine_trains_the_rule_not_deepspeeds_tags(runs):
+    """The tags DeepSpeed's Muon reads in a running engine are the rule's: on DeepSeek-V4 every matrix of the decoder
+    layers and nothing else, where DeepSpeed's own tagging would also give Muon the 2-D hc_head mapping."""
+    for rank in range(2):
+        tags = json.loads((runs.output_dir(2, "v4-zero1") / f"muon_tags.rank{rank}.json").read_text())
+        shapes = {n: p.shape for n, p in _model("tiny-v4").named_parameters()}
+        assert set(tags) == set(shapes)
+        expected = {n: len(s) >= 2 and re.match(r"layers\.\d+\.layer\.", n) is not None for n, s in shapes.items()}
+        assert tags == expected
+        assert any("hc_head" in n and len(s) == 2 for n, s in shapes.items())
+
+
+@pytest.mark.launch
+def test_resume_is_bitwise(runs):
+    """Steps 3-4 of a run resumed from step 2's checkpoint equal those of the uninterrupted run bit for bit."""
+    whole, half, resumed = runs(2, "v3-const"), runs(2, "v3-const-half"), runs(2, "v3-const-resumed")
+    assert [r["loss"] for r in half] == [r["loss"] for r in whole[:2]]
+    assert [(r["step"], r["loss"]) for r in resumed] == [(r["step"], r["loss"]) for r in whole[2:]]
+
