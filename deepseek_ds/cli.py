@@ -15,6 +15,7 @@ from .bench import (
     checkpoint_bench,
     data_bench,
     failure_bench,
+    indexer_bench,
     lora_bench,
     overhead,
     pipeline_bench,
@@ -218,7 +219,7 @@ def _register_modules(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks that print tables and write reports").add_subparsers(
         dest="bench_command", metavar="SUBCOMMAND", required=True)
     for module in (data_bench, checkpoint_bench, zero_bench, pipeline_bench, overhead, lora_bench, sequence_bench,
-                   failure_bench):
+                   failure_bench, indexer_bench):
         module.register(bench)
 
 

@@ -19,7 +19,7 @@ from deepseek_ds.data import load_tokenizer
 from deepseek_ds.data.chat import Message, encode_prompt
 from deepseek_ds.data.tokenizer import train_bpe
 from deepseek_ds.models.presets import build_model_config
-from deepseek_ds.training.evaluation import generate_greedy_batch, scores, shard
+from deepseek_ds.training.evaluation import generate_batch, scores, shard
 from helpers import cli, read_metrics, run_ranks
 from reference import reference_model
 
@@ -111,8 +111,8 @@ def test_batched_generation_equals_unbatched_greedy_token_for_token(tiny_hf):
     model, prompts = tiny_hf["model"], tiny_hf["prompts"]
     assert len({len(p) for p in prompts}) == len(prompts)  # every row of the batch is padded differently
     alone = [greedy_alone(model, p, 6) for p in prompts]
-    assert generate_greedy_batch(model, prompts, 6, EOS, EOS) == alone
-    assert generate_greedy_batch(model, prompts[::-1], 6, EOS, EOS) == alone[::-1]
+    assert generate_batch(model, prompts, 6, EOS, EOS) == alone
+    assert generate_batch(model, prompts[::-1], 6, EOS, EOS) == alone[::-1]
 
 
 @pytest.mark.unit

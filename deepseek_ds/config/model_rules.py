@@ -56,6 +56,11 @@ def model_errors(cfg: RunConfig, ds: dict, files: bool = True) -> list[str]:
                       "RoPE scaling: --set model.overrides.rope_parameters=... (e.g. yarn with a factor) and "
                       "model.overrides.max_position_embeddings=N")
     errors += _family_refusals(cfg, mcfg)
+    fam = family_of(mcfg)
+    if cfg.train.objective == "grpo" and cfg.grpo.router_replay and fam.score_func not in ("sigmoid", "softmax"):
+        errors.append(f"grpo.router_replay: {mcfg.model_type} has " + ("no routed experts" if not fam.is_moe else
+                      f"{fam.score_func} routers, which router replay does not serve (DeepSeek-V2/V3/V3.2's do)")
+                      + "; set grpo.router_replay: false")
     if cfg.indexer.stage != "frozen" and mcfg.model_type != "deepseek_v32":
         errors.append(f"indexer.stage {cfg.indexer.stage}: deepseek-ds trains the lightning indexer of DeepSeek-V3.2 "
                       f"(model_type deepseek_v32), not of {mcfg.model_type}; set indexer.stage: frozen")

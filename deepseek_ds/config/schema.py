@@ -11,33 +11,21 @@ from typing import Any
 
 from ..models.deepseek_v32.indexer import STAGES as INDEXER_STAGES
 from ..parallel.degrees import Degrees
-from ..utils.errors import UserError
+from .errors import ConfigError  # noqa: F401 - imported from here by loading, validate and deepspeed_json
+from .errors import at_least as _at_least
+from .errors import refuse as _refuse
+from .objective_sections import GrpoSection, PreferenceSection
 
 NAN_POLICIES = ("skip", "stop")
 RESUME_SCHEDULES = ("keep", "replan")
 BUILTIN_CORPORA = ("stdlib",)
 TRUNCATIONS = ("drop", "truncate_left", "truncate_right")
-OBJECTIVES = ("lm", "dpo")
-PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo")
+OBJECTIVES = ("lm", "dpo", "grpo")
 
 
 def yaml_key(f: dataclasses.Field) -> str:
     """A field's key in the run YAML: its name, or its metadata "key" where that is a Python keyword (async)."""
     return f.metadata.get("key", f.name)
-
-
-class ConfigError(UserError):
-    """A configuration problem; the message names the field and the fix."""
-
-
-def _refuse(problems: list[str]) -> None:
-    """Raise one ConfigError listing every problem a section found (if any)."""
-    if problems:
-        raise ConfigError("\n".join(problems))
-
-
-def _at_least(section: str, minimum: int, **values: int) -> list[str]:
-    return [f"{section}.{name} must be >= {minimum}" for name, value in values.items() if value < minimum]
 
 
 def _blend_problems(path: str | None, blend) -> list[str]:
@@ -165,7 +153,8 @@ class TrainSection:
     num_nextn_predict_layers (model.overrides), 0 in the tiny presets and 1 in deepseek-v3."""
     objective: str = "lm"
     """"lm": next-token loss; "dpo": preference optimization on a `--format preference` dataset (the preference
-    section: DPO, IPO or SimPO)."""
+    section: DPO, IPO or SimPO); "grpo": RL with verifiable rewards on a `--format prompts` dataset (the grpo
+    section)."""
 
     def __post_init__(self):
         problems = _at_least("train", 1, steps=self.steps, micro_batch_size=self.micro_batch_size,
@@ -183,8 +172,8 @@ class TrainSection:
         if self.mtp_loss_weight < 0:
             problems.append(f"train.mtp_loss_weight = {self.mtp_loss_weight} must be >= 0")
         if self.objective not in OBJECTIVES:
-            problems.append(f"train.objective = {self.objective!r}: use 'lm' (next-token loss) or 'dpo' (preference "
-                            "optimization, the preference section)")
+            problems.append(f"train.objective = {self.objective!r}: use 'lm' (next-token loss), 'dpo' (preference "
+                            "optimization, the preference section) or 'grpo' (RL, the grpo section)")
         _refuse(problems)
 
 
@@ -309,37 +298,6 @@ class MoESection:
 
 
 @dataclass
-class PreferenceSection:
-    """train.objective dpo (models/preference_loss.py has the formulas, TRL's)."""
-    loss: str = "sigmoid"
-    """sigmoid (DPO), ipo, or simpo (reference-free, length-normalised)."""
-    beta: float = 0.1
-    """How far the policy may move from the reference (DPO/IPO); SimPO's reward scale."""
-    label_smoothing: float = 0.0
-    """Conservative DPO: the chance a preference label is wrong (sigmoid and simpo)."""
-    simpo_gamma: float = 0.5
-    """SimPO's target reward margin gamma (the loss uses gamma / beta)."""
-    rpo_alpha: float = 0.0
-    """RPO: add rpo_alpha x the chosen response's per-token mean negative log-likelihood to each pair's loss, which
-    keeps the chosen answers likely (DPO alone may lower both); 0: off."""
-    reference: str | None = None
-    """The reference model, an HF directory of the policy's architecture and vocabulary; null: the starting weights.
-    Its log-probabilities are computed once before training and stored beside the checkpoints."""
-
-    def __post_init__(self):
-        problems = []
-        if self.loss not in PREFERENCE_LOSSES:
-            problems.append(f"preference.loss = {self.loss!r}: use 'sigmoid' (DPO), 'ipo' or 'simpo'")
-        if self.beta <= 0:
-            problems.append(f"preference.beta = {self.beta} must be > 0")
-        if self.rpo_alpha < 0:
-            problems.append(f"preference.rpo_alpha = {self.rpo_alpha} must be >= 0 (0: off)")
-        if not 0 <= self.label_smoothing < 0.5:
-            problems.append(f"preference.label_smoothing = {self.label_smoothing} must be in [0, 0.5)")
-        _refuse(problems)
-
-
-@dataclass
 class IndexerSection:
     """DeepSeek-V3.2's lightning indexer (models/deepseek_v32/indexer.py; V3.2 report sec. 2.1.1)."""
     stage: str = "frozen"
@@ -372,6 +330,7 @@ class RunConfig:
     moe: MoESection = field(default_factory=MoESection)
     lora: LoraSection = field(default_factory=LoraSection)
     preference: PreferenceSection = field(default_factory=PreferenceSection)
+    grpo: GrpoSection = field(default_factory=GrpoSection)
     indexer: IndexerSection = field(default_factory=IndexerSection)
     deepspeed_config: str = "ds_configs/zero1.json"
     """The DeepSpeed JSON when --deepspeed_config is not given (relative paths: see loading.py)."""

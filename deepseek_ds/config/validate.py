@@ -7,6 +7,7 @@ import dataclasses
 import os
 
 import torch
+from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
 
 from ..data import DataError, dataset_info
 from ..data.blend import blend_errors
@@ -15,6 +16,7 @@ from ..data.sft import dataset_option_errors
 from ..data.tokenizer import dataset_tokenizer_hashes, describe, directory_tokenizer
 from ..models.hf_io import has_weights
 from ..models.layers import mtp_depth
+from ..models.muon import is_muon
 from ..models.presets import ModelConfigError, build_model_config, num_routed_experts
 from ..models.tensor_parallel import tensor_parallel_errors
 from ..models.tiled import tiled_mlp_errors
@@ -30,6 +32,7 @@ from .deepspeed_json import (
     unknown_top_level_keys,
     zero_stage,
 )
+from .grpo_rules import grpo_errors
 from .model_rules import model_errors
 from .schema import ConfigError, RunConfig
 
@@ -46,9 +49,9 @@ def validate(cfg: RunConfig, ds: dict, world_size: int, cuda_available: bool | N
               + model_errors(cfg, ds, files) + (_blend_or_data_errors(cfg) if files else []) + _task_errors(cfg, files)
               + _nan_policy_errors(cfg, ds) + missing_monitor_packages(ds)
               + asynchronous_checkpoint_engines(ds) + _tensor_parallel_errors(cfg, ds)
-              + _sequence_parallel_errors(cfg)
+              + _sequence_parallel_errors(cfg) + _muon_errors(cfg, ds)
               + tiled_mlp_errors(cfg.train.tiled_mlp, cfg.parallel.expert_parallel)
-              + _preference_errors(cfg, zero_stage(ds), files))
+              + _preference_errors(cfg, zero_stage(ds), files) + grpo_errors(cfg, ds, world_size, files))
     if not errors:
         try:
             errors = deepspeed_refusals(resolve_ds_config(ds, cfg, world_size))
@@ -118,6 +121,40 @@ def _deepspeed_errors(cfg: RunConfig, ds: dict, cuda_available: bool) -> list[st
     if "loss_scale" in ds.get("bf16", {}):
         errors.append("deepspeed_config bf16.loss_scale is not a DeepSpeed field (bf16 needs no loss scaling); "
                       "remove it")
+    return errors
+
+
+def _muon_errors(cfg: RunConfig, ds: dict) -> list[str]:
+    """DeepSpeed's Muon (models/muon.py) where it is exact, and refused with the reason where it is not."""
+    if not is_muon(ds):
+        return []
+    errors = []
+    clip = ds.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT)
+    if (cfg.train.grad_clip if clip == "auto" else clip) not in (0, None):
+        errors.append("gradient_clipping with Muon: DeepSpeed clips Muon's orthogonalised update rather than the "
+                      "gradient (DeepSpeed #7776, #8439), which shrinks every Muon step; set train.grad_clip=0 (with "
+                      "gradient_clipping \"auto\")")
+    if cfg.lora.r:
+        errors.append("LoRA with Muon: Muon would orthogonalise each adapter factor on its own, not the update of "
+                      "the adapted weight, and no reference checks it; use an AdamW config for LoRA")
+    if zero_stage(ds) == 0:
+        errors.append("Muon with ZeRO stage 0: DeepSpeed's Muon orthogonalises inside its ZeRO optimizers, and "
+                      "stage 0 (plain SGD until DeepSpeed #8442) is not checked against a reference here; use "
+                      "ds_configs/zero1_muon.json")
+    if cfg.parallel.expert_parallel > 1:
+        errors.append("Muon with expert parallelism: AutoEP holds each expert's gate and up projections as two "
+                      "matrices (w1, w3) where the model fuses them into one gate_up_proj matrix per expert, so "
+                      "Muon would orthogonalise them differently than on one rank; set parallel.expert_parallel=1")
+    if cfg.parallel.tensor_parallel > 1:
+        errors.append("Muon with tensor parallelism: AutoTP splits each matrix over the TP ranks and Muon would "
+                      "orthogonalise every shard on its own, not the whole matrix; set parallel.tensor_parallel=1")
+    if (ds["optimizer"].get("params") or {}).get("per_head_muon"):
+        errors.append("optimizer.params.per_head_muon: DeepSpeed's per-head Muon reads the head counts from the "
+                      "model's config, which deepseek-ds's layers do not carry, and it is not checked against a "
+                      "reference here; remove it (each projection is orthogonalised whole)")
+    if zero_stage(ds) == 3 and ds.get("zero_optimization", {}).get("reduce_scatter", True):
+        errors.append("Muon with ZeRO stage 3 needs zero_optimization.reduce_scatter false (DeepSpeed refuses the "
+                      "two together); see ds_configs/zero3_muon.json")
     return errors
 
 

@@ -10,10 +10,11 @@ from .errors import DataError
 from .layout import dataset_info
 from .packed import PackedDataset
 from .prepare import prepare_dataset
+from .prompts import PromptDataset
 from .sampler import GlobalBatchSampler, micro_batch, micro_batches, sample_count
 from .sft import ChatDataset, open_dataset
 from .tokenizer import load_tokenizer
 
 __all__ = ["DataError", "ensure_builtin_dataset", "prepare_dataset", "load_tokenizer", "dataset_info",
-           "PackedDataset", "BlendedDataset", "ChatDataset", "open_dataset", "open_training_data", "GlobalBatchSampler",
-           "micro_batch", "micro_batches", "sample_count"]
+           "PackedDataset", "BlendedDataset", "ChatDataset", "PromptDataset", "open_dataset", "open_training_data",
+           "GlobalBatchSampler", "micro_batch", "micro_batches", "sample_count"]

@@ -19,7 +19,7 @@ import os
 import numpy as np
 
 from .errors import DataError
-from .layout import PREFERENCE_FORMAT, dataset_format, dataset_info
+from .layout import PREFERENCE_FORMAT, PROMPTS_FORMAT, dataset_format, dataset_info
 from .sampler import epoch_order
 from .sft import open_dataset
 
@@ -99,6 +99,9 @@ def blend_errors(blend: dict[str, float]) -> list[str]:
                       formats.items()) + "); blend raw text with raw text, chat with chat")
     if PREFERENCE_FORMAT in formats.values():
         errors.append("data.blend of preference datasets: pairs are not blended; set data.path to one dataset")
+    if PROMPTS_FORMAT in formats.values():
+        errors.append("data.blend of prompts datasets: prompts are not blended; set data.path to one dataset (prepare "
+                      "it from all the prompt files at once)")
     return errors
 
 

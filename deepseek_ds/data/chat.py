@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from .errors import DataError
 from .formats import AUTO, as_messages
 from .layout import PREFERENCE_FORMAT as PREFERENCE
+from .layout import PROMPTS_FORMAT as PROMPTS
 from .pairs import pair_messages
+from .prompts import prompt_record
 
 SYSTEM, USER, ASSISTANT = "system", "user", "assistant"
 ROLES = (SYSTEM, USER, ASSISTANT)
@@ -58,13 +60,44 @@ class Encoded:
 
 # ----------------------------------------------------------------------------------------------- parsing
 def _messages_of(record, fmt: str):
-    """The conversation of a record; for PREFERENCE records the pair (chosen, rejected) of conversations."""
+    """The conversation of a record; for PREFERENCE records the pair (chosen, rejected) of conversations, for PROMPTS
+    records (the prompt's turns, its answer or None)."""
     if fmt == PREFERENCE:
         return tuple(_checked(raw) for raw in pair_messages(record))
+    if fmt == PROMPTS:
+        raw, answer = prompt_record(record)
+        return _checked_prompt(raw), answer
     return _checked(as_messages(record, fmt))
 
 
+def _checked_prompt(raw) -> tuple[Message, ...]:
+    """The turns of a prompt: valid turns whose last (after system turns) is a user turn with text, which the model
+    answers."""
+    messages = _turns(raw)
+    asked = [i for i, m in enumerate(messages) if m.role != SYSTEM]
+    if not asked or all(messages[i].role != USER for i in asked):
+        raise ValueError("no user turn: a prompt needs one (the question the model answers)")
+    if messages[asked[-1]].role != USER:
+        raise ValueError(f"ends with an assistant turn (message {asked[-1]}): the last turn must be the user's, which "
+                         "the model answers; drop that turn")
+    if not messages[asked[-1]].content.strip():
+        raise ValueError(f"empty prompt: the last user turn (message {asked[-1]}) has no text")
+    return messages
+
+
 def _checked(raw) -> tuple[Message, ...]:
+    messages = _turns(raw)
+    if not any(m.role == ASSISTANT for m in messages):
+        raise ValueError("no assistant turn")
+    last = max(i for i, m in enumerate(messages) if m.role != SYSTEM)
+    if messages[last].role == USER:
+        # Trained on, it would teach nothing; as a task item, its reference would answer an earlier question.
+        raise ValueError(f"ends with a user turn (message {last}) that no assistant turn answers: add the answer or "
+                         "drop that turn")
+    return messages
+
+
+def _turns(raw) -> tuple[Message, ...]:
     if not isinstance(raw, list) or not raw:
         raise ValueError("empty conversation: 'messages' must be a non-empty list")
     messages = []
@@ -77,19 +110,12 @@ def _checked(raw) -> tuple[Message, ...]:
         if m["role"] == ASSISTANT and not m["content"].strip():
             raise ValueError(f"message {i}: empty assistant content: nothing to train on or score")
         messages.append(Message(m["role"], m["content"]))
-    if not any(m.role == ASSISTANT for m in messages):
-        raise ValueError("no assistant turn")
-    last = max(i for i, m in enumerate(messages) if m.role != SYSTEM)
-    if messages[last].role == USER:
-        # Trained on, it would teach nothing; as a task item, its reference would answer an earlier question.
-        raise ValueError(f"ends with a user turn (message {last}) that no assistant turn answers: add the answer or "
-                         "drop that turn")
     return tuple(messages)
 
 
 def parse_line(line: str, where: str, fmt: str = AUTO) -> tuple[Message, ...]:
     """The messages of one JSON Lines line in format `fmt` (formats.LINE_FORMATS; AUTO: each line's own; PREFERENCE:
-    the pair (chosen, rejected) of conversations, pairs.py); ChatFormatError naming `where` (file:line) and what is wrong."""
+    the pair (chosen, rejected) of conversations, pairs.py; PROMPTS: (turns, answer), prompts.py); ChatFormatError naming `where` (file:line) and what is wrong."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:

@@ -20,7 +20,7 @@ from .chat import TRAIN_ON
 from .errors import DataError
 from .formats import INPUT_FORMATS
 from .hosts import finish_shares, shard_progress, write_shares
-from .layout import MASKED_FORMATS, PREFERENCE_FORMAT, TEXT_FORMAT, dataset_format, dataset_info
+from .layout import MASKED_FORMATS, PREFERENCE_FORMAT, PROMPTS_FORMAT, TEXT_FORMAT, dataset_format, dataset_info
 from .pairs import small_valid_warning
 from .prepare import planned, prepare_dataset
 from .sampler import GlobalBatchSampler, sample_count
@@ -51,9 +51,13 @@ def summary(out: str) -> list[str]:
         warning = small_valid_warning(splits["valid"]["num_docs"] // 2)
         lines += [f"  warning: {warning}"] if warning else []
     else:
-        lines = [f"prepared {out}: {meta['num_docs']:,} documents, {meta['num_tokens']:,} tokens, {shards} shards",
-                 "  split " + ", ".join(f"{name} {s['num_docs']:,} docs / {s['num_tokens']:,} tokens"
+        docs, short = ("prompts", "prompts") if dataset_format(meta) == PROMPTS_FORMAT else ("documents", "docs")
+        lines = [f"prepared {out}: {meta['num_docs']:,} {docs}, {meta['num_tokens']:,} tokens, {shards} shards",
+                 "  split " + ", ".join(f"{name} {s['num_docs']:,} {short} / {s['num_tokens']:,} tokens"
                                         for name, s in splits.items())]
+        unanswered = meta.get("unanswered", {}).get("train", 0)
+        lines += [f"  {unanswered:,} training prompts have no answer: the built-in rewards (exact_match, math) need "
+                  "one"] if unanswered else []
     if splits["valid"]["num_docs"] == 0:
         lines.append("  no validation split (--valid-fraction 0, or a single document that cannot be cut at a line "
                      "boundary): keep eval.interval: 0 with this dataset")
@@ -64,20 +68,22 @@ def summary(out: str) -> list[str]:
                   "pass more text or a smaller --vocab-size)")
     lines.append(vocab)
     if dataset_format(meta) in MASKED_FORMATS:
-        what = ("preference pairs of two samples, each trained on its response"
-                if dataset_format(meta) == PREFERENCE_FORMAT else f"chat samples trained on {meta['train_on']} "
-                "assistant turns")
+        what = {PREFERENCE_FORMAT: "preference pairs of two samples, each trained on its response",
+                PROMPTS_FORMAT: "prompts rendered up to the assistant's turn, for train.objective grpo"}.get(
+            dataset_format(meta), f"chat samples trained on {meta['train_on']} assistant turns")
         lines.append(f"  {what}; {meta['bad_lines']:,} bad lines skipped"
                      + "".join(f"\n    {e}" for e in meta["bad_line_errors"]))
         if meta.get("identical_pairs"):
             lines.append(f"  warning: {meta['identical_pairs']:,} pairs have the same chosen and rejected response: "
                          "they teach no preference (their loss is ln 2 at any weights); remove them from the inputs")
         lengths = chat_sample_lengths(out, "train")
+        prompts = dataset_format(meta) == PROMPTS_FORMAT
         if len(lengths):
             # What data.seq_len must be before a run drops (or truncates) samples: said here, before any config.
-            lines.append(f"  conversation lengths (train): median {int(np.median(lengths)):,}, 90% within "
-                         f"{int(np.quantile(lengths, 0.9, method='higher')):,}, longest {int(lengths.max()):,} "
-                         "tokens: a data.seq_len below the longest drops or truncates the longer ones (data.truncation)")
+            lines.append(f"  {'prompt' if prompts else 'conversation'} lengths (train): median "
+                         f"{int(np.median(lengths)):,}, 90% within {int(np.quantile(lengths, 0.9, method='higher')):,}, "
+                         f"longest {int(lengths.max()):,} tokens" + ("" if prompts else ": a data.seq_len below the "
+                         "longest drops or truncates the longer ones (data.truncation)"))
     lines += [f"  {line}" for line in meta.get("read_splits", [])]
     skipped = meta.get("skipped_inputs", [])
     if skipped:
@@ -167,7 +173,10 @@ def _dump_run(args: argparse.Namespace) -> int:
 
 
 def _sample_record(ds, sample):
-    """A sample as dump prints it: token ids, or input_ids / labels / position_ids, or a pair's two."""
+    """A sample as dump prints it: token ids, or input_ids / labels / position_ids, or a pair's two, or a prompt's
+    ids, text and answer."""
+    if isinstance(sample, dict):
+        return sample
     if getattr(ds, "pairs", False):
         return {side: dict(zip(("input_ids", "labels", "position_ids"), seq.tolist()))
                 for side, seq in zip(("chosen", "rejected"), sample)}
@@ -224,7 +233,10 @@ def register(subparsers, run_data=None, per_host=None) -> None:
                         "\"value\"}, ...]} (human/gpt/system; optional \"system\"; no tool turns). alpaca, "
                         "sharegpt: a chat dataset whose records must all be in that format. preference: pairs for "
                         "train.objective: dpo, {\"prompt\", \"chosen\", \"rejected\"} strings or TRL's "
-                        "conversational form (message lists; without \"prompt\" their shared turns are the prompt)")
+                        "conversational form (message lists; without \"prompt\" their shared turns are the prompt). "
+                        "prompts: for train.objective: grpo, {\"prompt\": str} or {\"messages\": [...]} (the last "
+                        "turn the user's) with an optional \"answer\" string, each rendered up to the assistant's "
+                        "turn")
     p.add_argument(*spellings("--train-on"), choices=TRAIN_ON, default="all",
                    help="chat: the loss on all assistant turns (default) or the last one only")
     p.add_argument("--split", help="the split of saved DatasetDict inputs to read (default: train); the summary "

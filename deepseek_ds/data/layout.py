@@ -13,6 +13,8 @@ A text dataset's .bin puts an EOS after every document; a chat dataset's .bin ho
 it is (its own BOS, markers and EOS) and .idx bounds one sample (conversation) each. meta.json's "format" says which.
 A preference dataset is a chat dataset whose samples come in pairs: 2k is pair k's chosen conversation, 2k + 1 its
 rejected one, each trained on its response and EOS only; a shard always holds whole pairs.
+A prompts dataset (RL: train.objective grpo) holds one rendered prompt per sample, up to the opening of the
+assistant's turn, and no .mask; its shard records hold each prompt's text and answer (data/prompts.py).
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ from .errors import DataError
 FORMAT_VERSION = 1
 META, PLAN, TOKENIZER_DIR = "meta.json", "plan.json", "tokenizer"
 SPLITS = ("train", "valid")
-TEXT_FORMAT, CHAT_FORMAT, PREFERENCE_FORMAT = "text", "chat", "preference"
-FORMATS = (TEXT_FORMAT, CHAT_FORMAT, PREFERENCE_FORMAT)
-# Chat-like formats: samples with a trained mask. A preference dataset's samples 2k and 2k + 1 are pair k's chosen
-# and rejected conversations (data/preference.py).
-MASKED_FORMATS = (CHAT_FORMAT, PREFERENCE_FORMAT)
+TEXT_FORMAT, CHAT_FORMAT, PREFERENCE_FORMAT, PROMPTS_FORMAT = "text", "chat", "preference", "prompts"
+FORMATS = (TEXT_FORMAT, CHAT_FORMAT, PREFERENCE_FORMAT, PROMPTS_FORMAT)
+# Chat-like formats: one sample per .idx entry, not a token stream; chat and preference samples carry a trained mask
+# (a preference dataset's samples 2k and 2k + 1 are pair k's chosen and rejected conversations, data/pairs.py), a
+# prompts dataset's none (it is generated from, not trained on).
+MASKED_FORMATS = (CHAT_FORMAT, PREFERENCE_FORMAT, PROMPTS_FORMAT)
+TRAINED_FORMATS = (CHAT_FORMAT, PREFERENCE_FORMAT)
 
 
 def shard_files(dataset_dir: Path, name: str) -> tuple[Path, Path, Path]:

@@ -23,7 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..utils.fs import publish_dir, temp_dir_for, write_json_atomic
-from .chat import ASSISTANT_MARKER, TRAIN_ON, USER_MARKER, encode
+from .chat import ASSISTANT_MARKER, TRAIN_ON, USER_MARKER, encode, encode_prompt
 from .errors import DataError
 from .formats import ALPACA, AUTO, INPUT_FORMATS, SHAREGPT
 from .layout import (
@@ -32,6 +32,7 @@ from .layout import (
     META,
     PLAN,
     PREFERENCE_FORMAT,
+    PROMPTS_FORMAT,
     SPLITS,
     TEXT_FORMAT,
     TOKENIZER_DIR,
@@ -113,6 +114,9 @@ def _iter_chat_texts(table: DocTable, fmt: str) -> Iterator[str]:
     for start in range(0, len(table), _TRAIN_CHUNK):
         rows = table.subset(np.arange(start, min(start + _TRAIN_CHUNK, len(table))))
         for row in read_conversation_rows(rows, fmt):
+            if fmt == PROMPTS_FORMAT:  # (turns, answer): the answer is text a completion may have to spell
+                yield from [m.content for m in row[0]] + ([row[1]] if row[1] else [])
+                continue
             # A preference row is a pair of conversations; their shared prompt is read twice, as it is trained on.
             for messages in (row if fmt == PREFERENCE_FORMAT else (row,)):
                 yield from (m.content for m in messages)
@@ -200,8 +204,9 @@ def _meta(out: Path, tasks: list[ShardTask], plan_hash: str, tok) -> dict:
     for task in tasks:
         record = read_json(shard_files(out, task.name)[2])
         split = splits[task.name.split("-")[0]]
-        keys = ("name", "num_docs", "num_tokens", "bin_sha256", "idx_sha256", "mask_sha256")
-        split["shards"].append({k: record[k] for k in keys if k in record})  # mask_sha256: chat shards only
+        keys = ("name", "num_docs", "num_tokens", "bin_sha256", "idx_sha256", "mask_sha256", "prompts_sha256")
+        # mask_sha256: chat shards only; prompts_sha256: prompts shards only (their texts and answers)
+        split["shards"].append({k: record[k] for k in keys if k in record})
         split["num_docs"] += record["num_docs"]
         split["num_tokens"] += record["num_tokens"]
     vocab = vocab_size_of(tok)
@@ -240,8 +245,8 @@ def planned(inputs: list[str], out_dir: str, tokenizer_dir: str | None = None, v
     if train_on not in TRAIN_ON:
         raise DataError(f"train_on {train_on!r}: use one of {', '.join(TRAIN_ON)}")
     chat = data_format != TEXT_FORMAT
-    line_format = data_format if data_format in (ALPACA, SHAREGPT, PREFERENCE_FORMAT) else AUTO
-    stored_format = PREFERENCE_FORMAT if data_format == PREFERENCE_FORMAT else CHAT_FORMAT
+    line_format = data_format if data_format in (ALPACA, SHAREGPT, PREFERENCE_FORMAT, PROMPTS_FORMAT) else AUTO
+    stored_format = data_format if data_format in (PREFERENCE_FORMAT, PROMPTS_FORMAT) else CHAT_FORMAT
     if data_format == PREFERENCE_FORMAT:
         train_on = "last"  # each conversation of a pair is trained on its response (and EOS) only
     # Resolved before any input is scanned or worker started: a wrong --tokenizer is refused at once.
@@ -274,7 +279,10 @@ def planned(inputs: list[str], out_dir: str, tokenizer_dir: str | None = None, v
                                                                       vocab_size, d, progress, chat=True))
             # Rendered here once, so a tokenizer that cannot render conversations fails before any shard is tokenized.
             first = read_conversation_rows(table.subset(np.arange(1)), line_format)[0]
-            encode(tok, first[0] if line_format == PREFERENCE_FORMAT else first, train_on)
+            if line_format == PROMPTS_FORMAT:
+                encode_prompt(tok, first[0])
+            else:
+                encode(tok, first[0] if line_format == PREFERENCE_FORMAT else first, train_on)
         else:
             tok = _ensure_tokenizer(out, src_tok, lambda d: train_bpe(_iter_texts(train_docs, jsonl_field), vocab_size,
                                                                       d, progress))
@@ -297,6 +305,10 @@ def finish(prep: Planned) -> str:
     if meta.get("format") == PREFERENCE_FORMAT:
         meta["identical_pairs"] = sum(read_json(shard_files(prep.out, t.name)[2]).get("identical_pairs", 0)
                                       for t in prep.tasks)
+    if meta.get("format") == PROMPTS_FORMAT:  # reward functions that compare with an answer need one per prompt
+        meta["unanswered"] = {split: sum(a is None for t in prep.tasks if t.name.startswith(f"{split}-")
+                                         for a in read_json(shard_files(prep.out, t.name)[2])["answers"])
+                              for split in SPLITS}
     if meta["splits"]["train"]["num_tokens"] == 0:
         raise DataError(f"inputs {prep.inputs} produced no training tokens (only empty or whitespace documents): "
                         f"pass inputs with text")
@@ -330,7 +342,9 @@ def prepare_dataset(inputs: list[str], out_dir: str, tokenizer_dir: str | None =
     Each record's format (messages, prompt/response, Alpaca, ShareGPT: formats.py) is told from its keys;
     `data_format` "alpaca" or "sharegpt" makes a chat dataset of records that must all be in that format;
     "preference" a preference dataset of {"prompt", "chosen", "rejected"} records (data/pairs.py), two samples a
-    pair (layout.py), with a count of the pairs whose chosen and rejected are the same.
+    pair (layout.py), with a count of the pairs whose chosen and rejected are the same; "prompts" a prompts dataset
+    of {"prompt"} or {"messages"} records with an optional "answer" (data/prompts.py), each rendered up to the
+    assistant's turn.
     A saved DatasetDict input contributes its split `split` ("train" when None); meta.json says which.
     """
     with planned(inputs, out_dir, tokenizer_dir, vocab_size, workers, jsonl_field, valid_fraction, seed,

@@ -22,10 +22,11 @@ import numpy as np
 from .errors import DataError
 from .layout import (
     CHAT_FORMAT,
-    MASKED_FORMATS,
     META,
     PREFERENCE_FORMAT,
+    PROMPTS_FORMAT,
     TEXT_FORMAT,
+    TRAINED_FORMATS,
     check_shard_checksums,
     check_shard_sizes,
     dataset_format,
@@ -34,6 +35,7 @@ from .layout import (
     shard_files,
 )
 from .packed import IGNORE_INDEX, MappedShards, PackedDataset
+from .prompts import PromptDataset
 
 TRUNCATE_LEFT, TRUNCATE_RIGHT, DROP = "truncate_left", "truncate_right", "drop"
 
@@ -72,7 +74,7 @@ class ChatDataset(MappedShards):
         if truncation not in (DROP, TRUNCATE_LEFT, TRUNCATE_RIGHT):
             raise DataError(f"truncation {truncation!r}: use {DROP}, {TRUNCATE_LEFT} or {TRUNCATE_RIGHT}")
         meta = read_meta(dataset_dir)
-        if dataset_format(meta) not in MASKED_FORMATS:
+        if dataset_format(meta) not in TRAINED_FORMATS:
             raise DataError(f"{dataset_dir} is not a chat dataset: prepare it with `deepseek-ds data prepare "
                             f"--format chat`")
         self.dataset_dir, self.seq_len, self.split = str(dataset_dir), seq_len, split
@@ -194,7 +196,9 @@ class PreferenceDataset:
 
 def dataset_option_errors(dataset_dir: str, meta: dict, options, splits: tuple[str, ...] = ("train",)) -> list[str]:
     """What `options` (data.seq_len / packing / truncation) cannot do with these splits of the dataset, one line
-    each."""
+    each; [] for a prompts dataset, whose prompts are generated from (their lengths are the objective's business)."""
+    if dataset_format(meta) == PROMPTS_FORMAT:
+        return []
     if dataset_format(meta) == TEXT_FORMAT:
         errors = []
         if options.packing:
@@ -234,7 +238,7 @@ def dataset_option_notes(dataset_dir: str, options, splits: tuple[str, ...] = ("
     """One line per split of a chat dataset where some samples are longer than data.seq_len (and
     dataset_option_errors lets it pass): how many, and what data.truncation does with them; [] for raw text or when
     all fit."""
-    if not dataset_dir or not (Path(dataset_dir) / META).is_file() or dataset_format(read_meta(dataset_dir)) not in MASKED_FORMATS:
+    if not dataset_dir or not (Path(dataset_dir) / META).is_file() or dataset_format(read_meta(dataset_dir)) not in TRAINED_FORMATS:
         return []
     notes = []
     for split in splits:
@@ -247,9 +251,12 @@ def dataset_option_notes(dataset_dir: str, options, splits: tuple[str, ...] = ("
 
 def open_dataset(dataset_dir: str, options, split: str = "train"):
     """A split as training sequences, chosen by the dataset's format: PackedDataset for raw text (with
-    options.document_mask), ChatDataset for chat data (options.packing, options.truncation). `options` is a
-    DataSection, or anything with its seq_len, packing, truncation and document_mask fields."""
+    options.document_mask), ChatDataset for chat data (options.packing, options.truncation); a prompts dataset as its
+    PromptDataset (prompts, not sequences: the options do not apply). `options` is a DataSection, or anything with
+    its seq_len, packing, truncation and document_mask fields."""
     meta = read_meta(dataset_dir)
+    if dataset_format(meta) == PROMPTS_FORMAT:
+        return PromptDataset(dataset_dir, split)
     errors = dataset_option_errors(dataset_dir, meta, options, (split,))
     if errors:
         raise DataError(errors[0])

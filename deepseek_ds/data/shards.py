@@ -17,11 +17,13 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from ..utils.fs import write_bytes_atomic, write_json_atomic
-from .chat import encode
+from .chat import encode, encode_prompt
 from .errors import DataError
 from .formats import AUTO
 from .layout import PREFERENCE_FORMAT as PREFERENCE
+from .layout import PROMPTS_FORMAT as PROMPTS
 from .layout import TOKENIZER_DIR, check_shard, mask_file, read_json, shard_files
+from .prompts import extras_sha256
 from .sources import DocTable, read_conversation_rows, read_docs
 
 # Documents per encode_batch call: bounds worker memory on shards of many small documents.
@@ -134,11 +136,28 @@ def _encode_chat(task: ShardTask) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return tokens, bounds, mask
 
 
+def _encode_prompts(task: ShardTask) -> tuple[np.ndarray, np.ndarray, dict]:
+    """(tokens, sample bounds, the record's prompt texts and answers) of a prompts shard: each prompt rendered up to
+    the opening of the assistant's turn (chat.encode_prompt, as generation renders it)."""
+    tok = _dataset_tokenizer(task.out_dir)
+    rows = read_conversation_rows(task.docs, PROMPTS)
+    encoded = [encode_prompt(tok, messages) for messages, _ in rows]
+    tokens = np.array([i for ids in encoded for i in ids], task.dtype)
+    bounds = np.concatenate([[0], np.cumsum([len(ids) for ids in encoded])]).astype(np.int64)
+    # The text the ids decode to, special tokens kept: what a reward function is shown as the prompt.
+    texts = [tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) for ids in encoded]
+    answers = [answer for _, answer in rows]
+    return tokens, bounds, {"texts": texts, "answers": answers, "prompts_sha256": extras_sha256(texts, answers)}
+
+
 def write_shard(task: ShardTask) -> dict:
     """Tokenize one shard and publish its .bin, .idx (, .mask) and then its record. Returns the record."""
+    extras: dict = {}
+    mask = None
     if task.train_on is None:
         tokens, bounds = _tokenize(task, read_docs(task.docs, task.field))
-        mask = None
+    elif task.line_format == PROMPTS:
+        tokens, bounds, extras = _encode_prompts(task)
     else:
         tokens, bounds, mask = _encode_chat(task)
     bin_path, idx_path, record_path = shard_files(Path(task.out_dir), task.name)
@@ -154,6 +173,7 @@ def write_shard(task: ShardTask) -> dict:
         record["mask_sha256"] = hashlib.sha256(mask_bytes).hexdigest()
     if task.line_format == PREFERENCE:
         record["identical_pairs"] = identical_pairs(tokens, bounds)
+    record.update(extras)
     write_json_atomic(record_path, record)
     return record
 

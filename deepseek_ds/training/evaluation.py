@@ -35,6 +35,7 @@ from ..models.hf_io import to_hf_model
 from ..models.loss import IGNORE_INDEX
 from ..models.pipeline import split_micro_batch, to_device
 from ..parallel.sequence import shard_micro_batch, whole_sequences
+from ..rewards import normalize_answer
 from .setup import Run
 
 
@@ -161,11 +162,12 @@ def _split_result(run: Run, dataset: PackedDataset | ChatDataset) -> EvalResult:
 
 
 # ----------------------------------------------------------------------------------------------- task scores
-def generate_greedy_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, pad_token_id: int,
-                          eos_token_id: int) -> list[list[int]]:
-    """Greedy continuations of several prompts in one batch: left-padded (masked, and generate() counts the position
-    ids over real tokens only, so each row is what it would be alone), with a KV cache; each cut before its first
-    EOS."""
+def generate_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, pad_token_id: int,
+                   eos_token_id: int, sampling: dict | None = None, keep_eos: bool = False) -> list[list[int]]:
+    """Continuations of several prompts in one batch, greedy unless `sampling`: left-padded (masked, and generate()
+    counts the position ids over real tokens only, so each row is what it would be alone), with a KV cache; each cut
+    before its first EOS (after it with keep_eos). sampling: generate()'s sampling arguments (temperature, top_p), drawn from torch's
+    global generator."""
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
     inputs = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
@@ -175,14 +177,15 @@ def generate_greedy_batch(model: nn.Module, prompts: list[list[int]], max_new_to
         mask[row, width - len(ids):] = 1
     with torch.no_grad():
         out = model.generate(inputs.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-                             do_sample=False, use_cache=True, pad_token_id=pad_token_id, eos_token_id=eos_token_id)
-    return [row[:row.index(eos_token_id)] if eos_token_id in row else row for row in out[:, width:].tolist()]
+                             do_sample=sampling is not None, **(sampling or {}), use_cache=True,
+                             pad_token_id=pad_token_id, eos_token_id=eos_token_id)
+    return [row[:row.index(eos_token_id) + keep_eos] if eos_token_id in row else row for row in out[:, width:].tolist()]
 
 
 def scores(predictions: list[str], references: list[str]) -> dict:
     """n; exact_match: the fraction of predictions equal to their reference once both are stripped of surrounding
     whitespace; bleu: sacrebleu's corpus BLEU (0-100, its default 13a tokenization)."""
-    exact = sum(p.strip() == r.strip() for p, r in zip(predictions, references, strict=True))
+    exact = sum(normalize_answer(p) == normalize_answer(r) for p, r in zip(predictions, references, strict=True))
     return {"n": len(predictions), "exact_match": exact / len(predictions),
             "bleu": sacrebleu.corpus_bleu(predictions, [references]).score}
 
@@ -202,7 +205,7 @@ def predict(model, tokenizer, items: list[TaskItem], max_new_tokens: int, batch_
     answers = []
     for start in range(0, len(mine), batch_size):
         batch = [items[i].prompt_ids for i in mine[start:start + batch_size]]
-        for ids in generate_greedy_batch(model, batch, max_new_tokens, pad, tokenizer.eos_token_id):
+        for ids in generate_batch(model, batch, max_new_tokens, pad, tokenizer.eos_token_id):
             answers.append(tokenizer.decode(ids, skip_special_tokens=True))
     if world == 1:
         return answers
@@ -236,9 +239,17 @@ def task_scores_run(run: Run) -> dict:
     if too_long and run.rank == 0:
         run.log.warning("eval.task: %d items of %s left out: their prompt leaves no room under max_position_embeddings "
                         "(%d)", too_long, cfg.eval.task, run.model_config.max_position_embeddings)
+    with generation_model(run) as model:
+        predictions = predict(model, tokenizer, items, cfg.eval.task_max_new_tokens, _TASK_BATCH, run.rank, run.world)
+    return scores(predictions, [item.reference for item in items])
+
+
+@contextmanager
+def generation_model(run: Run):
+    """A transformers model sharing the engine's weights, to generate with (under ZeRO-3 gathered whole for the
+    duration; sequence-parallel attention runs whole sequences on each rank meanwhile)."""
     module = run.engine.module
     with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=run.engine.zero_optimization_stage() == 3):
-        model = to_hf_model(module.layers, run.model_config, cfg.lora).to(run.engine.device)
+        model = to_hf_model(module.layers, run.model_config, run.cfg.lora).to(run.engine.device)
         with whole_sequences(module):
-            predictions = predict(model, tokenizer, items, cfg.eval.task_max_new_tokens, _TASK_BATCH, run.rank, run.world)
-    return scores(predictions, [item.reference for item in items])
+            yield model

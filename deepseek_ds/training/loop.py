@@ -183,7 +183,7 @@ def _train(run: Run, stop: StopOnSignal, on_accepted=None) -> dict:
     if start_step and is_rank0:
         log.info("resumed from %s at step %d (%d samples consumed)", state["tag"], start_step,
                  consumed)
-    sampler = run.sampler(consumed)
+    sampler = objective_of(run).sampler(run, consumed)
     metrics = MetricsWriter(os.path.join(cfg.train.output_dir, "metrics.jsonl"), start_step) if is_rank0 else None
     last_saved, step = _steps(run, sampler, metrics, stop, start_step)
     if step > start_step and (last_saved is None or not last_saved.endswith(tag_for(step))):

@@ -33,11 +33,13 @@ from ..data import (
 )
 from ..models.deepseek_v32.indexer import train_indexers
 from ..models.deepseek_v32.indexer_loss import IndexerLoss
+from ..models.grpo_loss import GRPOLoss, GRPOSettings
 from ..models.hf_io import has_weights, load_hf_weights, mtp_layers_absent
 from ..models.layers import mtp_depth
 from ..models.lora import apply_lora
 from ..models.loss import TokenWeightedLoss
 from ..models.moe import LoadBalancer, autoep_section, resolve_settings, restore_fp32_biases, snapshot_biases
+from ..models.muon import is_muon, muon_tagging
 from ..models.names import hf_layer_prefix
 from ..models.pipeline import (
     build_model,
@@ -54,6 +56,7 @@ from ..models.tensor_parallel import shard_elements, sum_rope_key_grads
 from ..models.tiled import tile_mlps
 from ..parallel import expert_lora, sequence
 from ..parallel.layout import Layout
+from ..rewards import RewardFunctions, resolve_rewards
 from ..utils.private_api import keep_fp32_clip_norm
 from ..utils.redact import redact
 from .process import apply_timeout_to_all_groups, init_distributed, setup_logging, share_cpu_threads
@@ -77,9 +80,12 @@ class Run:
     log: logging.Logger
     balancer: LoadBalancer | None = None  # MoE load balancing (the loop moves its biases once per step)
     indexer: IndexerLoss | None = None  # indexer.stage warmup / sparse: DeepSeek-V3.2's indexer loss
-    reference: object = None         # dpo: the training split's reference log-probabilities (objectives/dpo_reference)
+    # dpo: the training split's reference log-probabilities (objectives/dpo_reference); grpo with beta > 0 and no
+    # LoRA: the frozen starting model (objectives/grpo.py).
+    reference: object = None
     valid_reference: object = None   # dpo with eval.interval: the validation split's
-    base_buffers: list | None = None  # dpo with LoRA: the base's starting buffers (router biases), its reference's
+    base_buffers: list | None = None  # dpo / grpo with LoRA: the base's starting buffers (router biases), its reference's
+    rewards: RewardFunctions | None = None  # grpo: the reward functions (grpo.reward)
     saver: AsyncSaver | None = None  # checkpoint.async: the background writer (checkpoint/async_save.py)
 
     @property
@@ -139,10 +145,8 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
     layout = Layout.create(cfg.parallel.degrees, world, rank)
     if rank == 0:
         log.info(layout.describe())
-    p = cfg.preference
-    loss_fn = (PreferenceLoss(p.loss, p.beta, p.label_smoothing, p.simpo_gamma, cfg.train.global_batch_size,
-                              p.rpo_alpha)
-               if cfg.train.objective == "dpo" else TokenWeightedLoss(mtp_depth(mcfg), cfg.train.mtp_loss_weight))
+    rewards = resolve_rewards(cfg.grpo.reward, cfg.grpo.reward_weights) if cfg.train.objective == "grpo" else None
+    loss_fn = _loss_fn(cfg, mcfg, rewards)
     model = _build_model(cfg, ds, mcfg, layout, loss_fn, log)
     _load_weights(cfg, model, mcfg, log)
     if cfg.indexer.stage != "frozen":  # before the engine: its optimizer takes what requires gradients
@@ -162,7 +166,7 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
                dataset_dir=dataset_dir, rank=rank, world=world, layout=layout,
                pipeline=cfg.parallel.pipeline_stages > 1,
                grad_accum=cfg.grad_accum_steps(layout.data_size), log=log,
-               balancer=_balancer(cfg, mcfg, engine, layout), indexer=_indexer_loss(cfg, mcfg, engine),
+               balancer=_balancer(cfg, mcfg, engine, layout), indexer=_indexer_loss(cfg, mcfg, engine), rewards=rewards,
                saver=AsyncSaver(log if rank == 0 else None) if cfg.checkpoint.async_ else None)
 
 
@@ -178,10 +182,26 @@ def _indexer_loss(cfg: RunConfig, mcfg: PretrainedConfig, engine: DeepSpeedEngin
                        _loss_scale(engine))
 
 
+def _loss_fn(cfg: RunConfig, mcfg: PretrainedConfig, rewards: RewardFunctions | None):
+    """The objective's loss: next-token (with MTP), the preference losses (dpo) or GRPO's."""
+    if cfg.train.objective == "dpo":
+        p = cfg.preference
+        return PreferenceLoss(p.loss, p.beta, p.label_smoothing, p.simpo_gamma, cfg.train.global_batch_size,
+                              p.rpo_alpha)
+    if cfg.train.objective == "grpo":
+        g = cfg.grpo
+        settings = GRPOSettings(g.beta, g.epsilon, g.epsilon if g.epsilon_high is None else g.epsilon_high,
+                                g.loss_type, g.importance_sampling_level, g.max_completion_length)
+        return GRPOLoss(settings, g.temperature, rewards.names)
+    return TokenWeightedLoss(mtp_depth(mcfg), cfg.train.mtp_loss_weight)
+
+
 def _balancer(cfg: RunConfig, mcfg: PretrainedConfig, engine: DeepSpeedEngine, layout: Layout) -> LoadBalancer | None:
     settings = resolve_settings(cfg.moe, mcfg)
     # The indexer's warm-up changes nothing but the indexer: no bias moves, the routers get no balance gradient.
-    if not (settings and settings.active) or cfg.indexer.stage == "warmup":
+    # Reinforcement learning keeps the balance the model has unless the moe section asks otherwise.
+    rl_default = cfg.train.objective == "grpo" and not any(v is not None for v in vars(cfg.moe).values())
+    if not (settings and settings.active) or cfg.indexer.stage == "warmup" or rl_default:
         return None
     loss_scale = _loss_scale(engine)
     # Each sequence's balance loss is computed whole on each of its sequence ranks (over the group's summed
@@ -274,7 +294,8 @@ def _engine(cfg: RunConfig, ds: dict, model, layout: Layout, log: logging.Logger
     biases = snapshot_biases(model)
     lora_on_autoep = cfg.lora.r and cfg.parallel.expert_parallel > 1
     trainable = (p for p in model.parameters() if p.requires_grad)
-    with expert_lora.autoep_lora() if lora_on_autoep else contextlib.nullcontext():
+    with expert_lora.autoep_lora() if lora_on_autoep else contextlib.nullcontext(), \
+            muon_tagging(log) if is_muon(ds) else contextlib.nullcontext():
         # LoRA on AutoEP: a generator, which the engine lists after AutoEP's replacements, so the experts' adapters
         # are among them. Otherwise a list, whose order (AutoEP's replacements appended) older checkpoints' flat
         # optimizer partitions follow.

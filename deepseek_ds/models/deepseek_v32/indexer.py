@@ -93,7 +93,7 @@ class TrainableIndexer(v32.DeepseekV32Indexer):
         learns = self.training
         if learns:
             with torch.no_grad():
-                query, key = main_queries_keys(self._attention(), hidden_states, q_resid, position_embeddings)
+                query, key = main_queries_keys(self.main_attention(), hidden_states, q_resid, position_embeddings)
             heads = max(self.n_heads, query.shape[1])
             counted = (torch.ones(b, s, device=q.device) if self.query_mask is None
                        else (self.query_mask != 0).float())
@@ -114,7 +114,7 @@ class TrainableIndexer(v32.DeepseekV32Indexer):
         for block in blocks if learns else ():
             # Its inputs are views of tensors the layer holds (no copy is kept): O(S) of its own, not O(S T).
             part = checkpoint(_block_kl, q[:, block], k, weights[:, block], self.softmax_scale,
-                              self._attention().scaling, query[:, :, block], key, attention_mask[:, block],
+                              self.main_attention().scaling, query[:, :, block], key, attention_mask[:, block],
                               None if selected is None else selected[:, block], counted[:, block],
                               use_reentrant=False)
             total = part if total is None else total + part
@@ -147,7 +147,7 @@ def train_indexers(model: nn.Module, stage: str) -> int:
             indexer = attn.indexer
             indexer.__class__ = TrainableIndexer  # no new parameters: a subclass adding a forward
             indexer.stage = stage
-            indexer._attention = weakref.ref(attn)  # not a submodule: its parameters are the attention's own
+            indexer.main_attention = weakref.ref(attn)  # not a submodule: its parameters are the attention's own
             indexers.append(indexer)
     if stage == "warmup":
         model.requires_grad_(False)

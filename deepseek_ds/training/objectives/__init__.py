@@ -9,10 +9,11 @@ from types import MappingProxyType
 from ..setup import Run
 from .base import Objective
 from .dpo import DPO
+from .grpo import GRPO
 from .lm import NextToken
 
 # config/schema.py's OBJECTIVES lists the same names for the config check (config sits below training).
-OBJECTIVES = MappingProxyType({o.name: o for o in (NextToken(), DPO())})
+OBJECTIVES = MappingProxyType({o.name: o for o in (NextToken(), DPO(), GRPO())})
 
 
 def objective_of(run: Run) -> Objective:

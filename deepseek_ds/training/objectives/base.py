@@ -22,6 +22,10 @@ class Objective:
     def before_training(self, run: Run) -> None:
         """Work before the resume, while the engine still holds the starting weights; every rank calls it."""
 
+    def sampler(self, run: Run, consumed_samples: int = 0) -> GlobalBatchSampler:
+        """The run's global batches after `consumed_samples` (this rank's share), in samples of the dataset."""
+        return run.sampler(consumed_samples)
+
     def batches(self, run: Run, sampler: GlobalBatchSampler) -> Iterator[list]:
         """Per global batch of `sampler`, this rank's micro-batches as local_step takes them."""
         raise NotImplementedError

@@ -1,0 +1,142 @@
+"""train.objective grpo: GRPO on a prompts dataset (DeepSeekMath, DeepSeek-R1), as TRL's GRPOTrainer with one update
+per generation. A step: this rank's prompts (train.global_batch_size counts completions, num_generations per prompt),
+their rollouts (grpo_rollout.py), then the loss of models/grpo_loss.py over micro-batches of completions. The
+reference (grpo.beta > 0) is the starting model: the base with its adapters off under LoRA, else a frozen copy."""
+
+from __future__ import annotations
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from ...data import GlobalBatchSampler, sample_count
+from ...models.pipeline import build_model
+from ...models.registry import family_of
+from ...models.router_replay import RouterReplay
+from ..evaluation import eval_sample_count, task_scores_run
+from ..setup import Run
+from .base import Objective
+from .dpo_reference import adapters_off
+from .grpo_rollout import make_rollouts, sample_completions, score
+
+PAD = 0  # the token id right-padding the rows (causal attention: real tokens never see it, no loss reads it)
+
+
+class GRPO(Objective):
+    name = "grpo"
+
+    def sampler(self, run: Run, consumed_samples: int = 0) -> GlobalBatchSampler:
+        """Prompts, not completions: a global batch holds global_batch_size / num_generations of them, each rank
+        whole groups (one micro-batch of its prompts)."""
+        t, prompts = run.cfg.train, run.cfg.train.global_batch_size // run.cfg.grpo.num_generations
+        return GlobalBatchSampler(sample_count(run.dataset), prompts, prompts // run.dp_size, run.dp_rank,
+                                  run.dp_size, t.seed, shuffle=t.shuffle, consumed_samples=consumed_samples)
+
+    def before_training(self, run: Run) -> None:
+        if run.cfg.grpo.router_replay:
+            fam, config = family_of(run.model_config), run.model_config
+            run.loss_fn.replay = RouterReplay(run.engine.module, fam.score_func,
+                                              bool(getattr(config, "norm_topk_prob", False)) and fam.score_func == "sigmoid",
+                                              config.routed_scaling_factor, run.engine.device)
+        # Before the resume: the engine still holds the starting weights.
+        if run.cfg.grpo.beta != 0.0 and not run.cfg.lora.r:
+            run.reference = frozen_copy(run)
+        elif run.cfg.grpo.beta != 0.0:  # the base as it starts (training moves router biases, not adapters)
+            run.base_buffers = [b.detach().clone() for b in run.engine.module.buffers()]
+
+    def batches(self, run: Run, sampler: GlobalBatchSampler):
+        prompts = sampler.global_batch_size
+        for micro in sampler:  # one micro-batch: this rank's prompts of the step
+            yield sampler.consumed_samples // prompts, list(micro[0])
+
+    def local_step(self, run: Run, batch) -> torch.Tensor:
+        step, prompt_index = batch
+        rollouts = make_rollouts(run, prompt_index, step)
+        run.loss_fn.add_rewards(rollouts.rewards, rollouts.per_function)
+        engine, mb = run.engine, run.cfg.train.micro_batch_size
+        rows = [_rows(rollouts.prompt_ids[a:a + mb], rollouts.completion_ids[a:a + mb], engine.device)
+                for a in range(0, len(rollouts.completion_ids), mb)]
+        tokens = sum(mask.sum() for _, _, _, mask in rows).double()
+        dist.all_reduce(tokens, group=run.layout.gradient_group)
+        completions = torch.tensor(float(run.cfg.train.global_batch_size), dtype=torch.float64, device=engine.device)
+        scale = run.layout.gradient_size * run.grad_accum
+        total = torch.zeros((), dtype=torch.float64, device=engine.device)
+        for k, (ids, starts, completion, mask) in enumerate(rows):
+            advantages = rollouts.advantages[k * mb:(k + 1) * mb].to(engine.device)
+            ref = reference_logps(run, ids, completion, starts)
+            if rollouts.routing is not None:  # the training forward routes each token as its sampling did
+                run.loss_fn.replay.replaying(rollouts.routing[k * mb:(k + 1) * mb], ids.shape[1])
+            loss = run.loss_fn(engine(ids), completion, starts, mask, advantages, ref, completions, tokens, scale)
+            engine.backward(loss)
+            if rollouts.routing is not None:
+                run.loss_fn.replay.replaying(None)
+            engine.step()
+            total += loss.detach().double()
+        return total
+
+    def metric_parts(self, run: Run, device: torch.device) -> torch.Tensor:
+        return run.loss_fn.take_parts(device)
+
+    def metrics(self, run: Run, parts: list[float]) -> dict[str, float]:
+        return run.loss_fn.metrics(parts)
+
+    def evaluate(self, run: Run, dataset) -> dict:
+        """eval_reward: the mean reward of greedy completions of the validation prompts (the first eval.batches
+        global batches' prompts, each rank its share; every rank calls it); eval.task's scores when the run has one."""
+        cfg, prompts = run.cfg, run.cfg.train.global_batch_size // run.cfg.grpo.num_generations
+        n = eval_sample_count(len(dataset), cfg.eval.batches, prompts)
+        mine = list(range(run.dp_rank, n, run.dp_size))
+        completions = sample_completions(run, [dataset.prompt_ids(i) for i in mine], step=0, sampled=False)
+        rewards, _ = score(run, dataset, mine, completions)
+        sums = torch.stack([rewards.sum(), torch.tensor(float(len(mine)), dtype=torch.float64, device=rewards.device)])
+        dist.all_reduce(sums, group=run.layout.gradient_group)
+        record = {"eval_reward": (sums[0] / sums[1].clamp(min=1)).item(), "eval_prompts": int(sums[1].item())}
+        if cfg.eval.task:
+            record.update({f"task_{k}": v for k, v in task_scores_run(run).items()})
+        return record
+
+    def validation_message(self, step: int, record: dict) -> str:
+        return f"step {step}: validation reward {record['eval_reward']:.4f} ({record['eval_prompts']} prompts, greedy)"
+
+    def loss_lines(self, records: list[dict]) -> list[str]:
+        first, last = records[0], records[-1]
+        return [f"  reward      {first['reward']:.4f} -> {last['reward']:.4f} (mean over each step's completions)"]
+
+    def validation_lines(self, record: dict) -> list[str]:
+        return [f"  validation  reward {record['eval_reward']:.4f} over {record['eval_prompts']} prompts, greedy "
+                f"(step {record['step']})"]
+
+
+def _rows(prompts: list[list[int]], completions: list[list[int]], device):
+    """(input ids [B, W] as [prompt | completion | padding], each completion's first column [B] (host), completion
+    ids [B, T] and their mask [B, T]) of a micro-batch."""
+    width = max(len(c) for c in completions)
+    starts = torch.tensor([len(p) for p in prompts])
+    ids = torch.full((len(prompts), int(starts.max()) + width), PAD, dtype=torch.long)
+    completion = torch.full((len(prompts), width), PAD, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for r, (p, c) in enumerate(zip(prompts, completions)):
+        ids[r, :len(p) + len(c)] = torch.tensor(p + c)
+        completion[r, :len(c)] = torch.tensor(c)
+        mask[r, :len(c)] = True
+    return ids.to(device), starts, completion.to(device), mask.to(device)
+
+
+def frozen_copy(run: Run) -> torch.nn.Module:
+    """The starting model, frozen, whole on every rank: the reference of a full fine-tune (under ZeRO-3 gathered
+    once to copy it)."""
+    module, model = run.engine.module, build_model(run.model_config, 1, seed=None)
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=run.engine.zero_optimization_stage() == 3):
+        model.load_state_dict(module.state_dict())
+    return model.to(run.engine.device).eval().requires_grad_(False)
+
+
+def reference_logps(run: Run, ids: torch.Tensor, completion: torch.Tensor, starts: torch.Tensor) -> torch.Tensor | None:
+    """The reference's log-probabilities of the completion tokens (None with grpo.beta 0)."""
+    if run.cfg.grpo.beta == 0.0:
+        return None
+    with torch.no_grad():
+        if run.reference is not None:
+            return run.loss_fn.logps(run.reference(ids), completion, starts)
+        with adapters_off(run.engine.module, run.base_buffers):
+            return run.loss_fn.logps(run.engine(ids), completion, starts)
