@@ -132,13 +132,13 @@ def verdict(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def reading(rows: list[dict], batch: int) -> str:
-    """What the table says, in numbers taken from it: the working set stays a few query blocks at every length;
-    what grows is what the blocks keep for the backward, per query and key."""
+def reading(rows: list[dict], batch: int, topk: int) -> str:
+    """What the table says, in numbers taken from it: the working set stays a few query blocks at every length, and
+    what the blocks keep for the backward grows with the length, not with its square."""
     s = max(r["seq_len"] for r in rows)
     chunked = [r for r in rows if "one block" not in r["stage"]]
     block = TrainableIndexer.chunk_elements * 4
-    quadratic = 5 * batch * s * s  # p (fp32) and the selectable keys (bool) of every query block
+    held = {r["stage"]: r["held_bytes"] for r in chunked if r["seq_len"] == s}
     return (f"Reading the table: `peak - held` (the backward of one query block and its forward's transients) stays "
             f"{human_bytes(min(r['working_bytes'] for r in chunked))} to "
             f"{human_bytes(max(r['working_bytes'] for r in chunked))} at every length, about "
@@ -146,10 +146,10 @@ def reading(rows: list[dict], batch: int) -> str:
             f"({human_bytes(block)}), whatever the index heads: the whole tensor, B S H_I T x 4 bytes, grows with "
             f"them (the released model's 64 heads make it {human_bytes(batch * s * 64 * s * 4)} at {s:,} tokens). "
             f"Below about 3 blocks' worth of whole tensor the blocks cannot win (the shortest rows). `held after fwd` "
-            f"grows with the square of the length: each query block's checkpoint keeps the main attention's "
-            f"probabilities p (fp32) and the keys its query may select (bool), 5 bytes per query and key, "
-            f"{human_bytes(quadratic)} of it at {s:,} tokens per layer and sequence; the sparse rows also hold the "
-            f"top-k indices the attention reads (int32, top-k per query).")
+            f"grows with the length, per token a constant: the rotated queries and keys, head weights, the main "
+            f"attention's queries and keys the blocks recompute p from, and in the sparse stage the chosen keys "
+            f"(int32, top-k per query: {human_bytes(4 * batch * s * min(topk, s))} of the sparse row's "
+            f"{human_bytes(held.get('sparse', 0))} at {s:,} tokens); neither p nor the selectable keys are kept.")
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -159,7 +159,7 @@ def _bench(args: argparse.Namespace) -> int:
     with HostLoad(own_tasks=torch.get_num_threads()) as load:
         rows = run_indexer_bench(args)
     table = report.markdown_table(rows, COLUMNS)
-    summary = verdict(rows) + "\n\n" + reading(rows, args.batch)
+    summary = verdict(rows) + "\n\n" + reading(rows, args.batch, args.index_topk)
     print(table)
     print(summary)
     if args.out:
