@@ -6,7 +6,7 @@
 # after GRPO: held-out exact match of greedy answers (eval --task), and the validation prompts' mean reward of greedy
 # completions (eval_reward) at the first eval.interval and at the end.
 # Deterministic (every step and every rollout seeded). Environment: GRPO_DIR (runs/grpo-demo) holds everything;
-# GRPO_SFT_STEPS (300) SFT steps; GRPO_STEPS (60) GRPO steps; GRPO_INTERVAL (20) eval.interval of the GRPO run;
+# GRPO_SFT_STEPS (300) SFT steps; GRPO_STEPS (100) GRPO steps; GRPO_INTERVAL (20) eval.interval of the GRPO run;
 # SFT_N, SFT_HELDOUT as in sft_demo.sh; GRPO_REPORT (docs/bench/grpo-demo.md) the report written at the end.
 # Arguments go to the GRPO run.
 set -euo pipefail
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 . scripts/setup.sh
 dir=${GRPO_DIR:-runs/grpo-demo}
 sft_steps=${GRPO_SFT_STEPS:-300}
-steps=${GRPO_STEPS:-60}
+steps=${GRPO_STEPS:-100}
 interval=${GRPO_INTERVAL:-20}
 heldout=${SFT_HELDOUT:-200}
 report=${GRPO_REPORT:-docs/bench/grpo-demo.md}
@@ -37,7 +37,7 @@ with open(sys.argv[1]) as src, open(sys.argv[2], "w") as out:
 PY
 tok=$dir/sft/task/tokenizer
 deepseek-ds data prepare --format prompts --input "$dir/prompts.jsonl" --tokenizer "$tok" --out "$dir/prompt-data" \
-  --valid-fraction 0.01 --no-progress
+  --valid-fraction 0.05 --no-progress
 deepseek-ds eval --task "$dir/sft/task/heldout.jsonl" --model "$dir/sft-hf" --out "$dir/before-task.json" \
   --predictions "$dir/before-preds.jsonl" --max-new-tokens 8
 grpo_start=$SECONDS
@@ -45,8 +45,8 @@ deepseek-ds train --config recipes/sft-tiny-v3.yaml --num_gpus "$ranks" --set "m
   --set "data.path=$dir/prompt-data" --set data.packing=false --set data.seq_len=32 --set train.objective=grpo \
   --set grpo.num_generations=8 --set grpo.max_completion_length=8 --set grpo.temperature=1.0 \
   --set "grpo.reward=[exact_match]" --set train.global_batch_size=64 --set train.micro_batch_size=16 \
-  --set train.lr=2e-4 --set train.min_lr=2e-5 --set train.warmup_steps=5 --set "train.steps=$steps" \
-  --set "eval.interval=$interval" --set eval.batches=4 --set "eval.task=$dir/sft/task/heldout.jsonl" \
+  --set train.lr=3e-5 --set train.min_lr=3e-6 --set train.warmup_steps=5 --set "train.steps=$steps" \
+  --set "eval.interval=$interval" --set eval.batches=12 --set "eval.task=$dir/sft/task/heldout.jsonl" \
   --set "checkpoint.interval=$steps" --set "train.output_dir=$dir/grpo" "$@"
 grpo_s=$((SECONDS - grpo_start))
 deepseek-ds eval --task "$dir/sft/task/heldout.jsonl" --checkpoint "$dir/grpo/checkpoints" --out "$dir/after-task.json" \
@@ -58,12 +58,15 @@ before, after = (json.load(open(f"{d}/{name}.json")) for name in ("before-task",
 metrics = [json.loads(line) for line in open(f"{d}/grpo/metrics.jsonl")]
 sft_steps = [json.loads(line) for line in open(f"{d}/sft/train/metrics.jsonl")][-1]["step"]
 evals = [m for m in metrics if "eval_reward" in m]
+window = max(1, len(metrics) // 5)  # one step's 64 completions are noisy: means over a fifth of the run
 first, last = evals[0], evals[-1]
 table = ["| measure | SFT model | after GRPO |", "|---|---|---|",
          f"| held-out exact match (greedy) | {before['exact_match']:.3f} | {after['exact_match']:.3f} |",
          f"| validation reward, greedy (step {first['step']} -> {last['step']}) | {first['eval_reward']:.3f} | "
          f"{last['eval_reward']:.3f} |",
-         f"| sampled completions' reward (step 1 -> last) | {metrics[0]['reward']:.3f} | {metrics[-1]['reward']:.3f} |",
+         f"| sampled completions' reward (mean of the first / last {window} steps) | "
+         f"{sum(m['reward'] for m in metrics[:window]) / window:.3f} | "
+         f"{sum(m['reward'] for m in metrics[-window:]) / window:.3f} |",
          f"| steps (SFT, GRPO) | {sft_steps} | {metrics[-1]['step']} |",
          f"| seconds (SFT demo, GRPO training) | {sft_s} | {grpo_s} |"]
 print("\n".join(table))
