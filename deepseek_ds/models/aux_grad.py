@@ -19,4 +19,6 @@ class AuxLossGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         shape, dtype, device = ctx.aux_like
-        return grad, torch.as_tensor(ctx.scale, dtype=dtype, device=device).expand(shape).clone(), None
+        if isinstance(ctx.scale, torch.Tensor):
+            return grad, ctx.scale.to(dtype).expand(shape).clone(), None
+        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None  # no host-to-device copy
