@@ -267,4 +267,5 @@ def test_router_replay_is_refused_where_it_cannot_replay(preset, match):
 
     cfg = run_config_from_dict({"model": {"preset": preset}, "train": {"objective": "grpo"},
                                 "grpo": {"router_replay": True}})
-    refused(cfg, {"zero_optimization": {"stage": 1}}, 1, match)
+    message = refused(cfg, {"zero_optimization": {"stage": 1}}, 1, match)
+    assert next(line for line in message.splitlines() if match in line).startswith("  - grpo.router_replay: ")

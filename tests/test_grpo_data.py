@@ -223,6 +223,11 @@ def test_grpo_section_fields_are_checked_and_unknown_keys_refused():
 
 
 def test_grpo_is_refused_before_launch_where_it_cannot_run(tmp_path, prompts_dir, prompts_file, deepseek_tokenizer_dir):
+    messages = []
+
+    def refuse(*args, **kwargs):  # each refusal one listed line of validate's message
+        messages.append(refused(*args, **kwargs))
+
     reward = _reward_file(tmp_path)
 
     def config(*sets):
@@ -234,27 +239,28 @@ def test_grpo_is_refused_before_launch_where_it_cannot_run(tmp_path, prompts_dir
             "train.global_batch_size=16", "train.micro_batch_size=4")
     answered = (*grpo, f"grpo.reward=[{reward}:length]")  # one prompt has no answer: a function of one's own
     validate(*config(*answered), 2, cuda_available=False)  # 4 prompts a step, 2 for each of 2 ranks
-    refused(*config(*grpo), world=2, match=r"grpo.reward exact_match compares each completion with its prompt's "
+    refuse(*config(*grpo), world=2, match=r"grpo.reward exact_match compares each completion with its prompt's "
                                            r"answer, but 1 prompts of data.path .* \(train split\) have none")
-    refused(*config(*answered, "grpo.num_generations=3"), world=2,
+    refuse(*config(*answered, "grpo.num_generations=3"), world=2,
             match=r"train.global_batch_size = 16 counts completions and must be divisible by grpo.num_generations = 3")
-    refused(*config(*answered, "grpo.num_generations=8"), world=4,
+    refuse(*config(*answered, "grpo.num_generations=8"), world=4,
             match=r"= 2 prompts a step do not divide over the 4 data-parallel ranks")
-    refused(*config(*answered, "grpo.num_iterations=2"), world=2,
+    refuse(*config(*answered, "grpo.num_iterations=2"), world=2,
             match=r"grpo.num_iterations > 1 is not supported yet: set 1")
-    refused(*config(*answered, "parallel.pipeline_stages=2"), world=2,
+    refuse(*config(*answered, "parallel.pipeline_stages=2"), world=2,
             match=r"generates its rollouts with the whole model on every rank, but parallel.pipeline_stages = 2")
-    refused(*config(*answered, "parallel.expert_parallel=2"), world=2, match=r"but parallel.expert_parallel = 2")
-    refused(*config(*grpo, f"grpo.reward=[{reward}:absent]"), world=2, match=r"defines no 'absent'")
-    refused(*config(*grpo, f"grpo.reward=[{tmp_path}/gone.py:f]"), world=2, match=r"no such file")
-    refused(*config(f"data.path={prompts_dir}"), world=2, match=r"is a prompts dataset \(RL prompts, nothing to "
+    refuse(*config(*answered, "parallel.expert_parallel=2"), world=2, match=r"but parallel.expert_parallel = 2")
+    refuse(*config(*grpo, f"grpo.reward=[{reward}:absent]"), world=2, match=r"defines no 'absent'")
+    refuse(*config(*grpo, f"grpo.reward=[{tmp_path}/gone.py:f]"), world=2, match=r"no such file")
+    refuse(*config(f"data.path={prompts_dir}"), world=2, match=r"is a prompts dataset \(RL prompts, nothing to "
                                                                 r"train on\): set train.objective: grpo")
-    refused(*config(f"data.path={prompts_dir}", "train.objective=dpo"), world=2, match=r"is not a preference dataset")
+    refuse(*config(f"data.path={prompts_dir}", "train.objective=dpo"), world=2, match=r"is not a preference dataset")
     chat = tmp_path / "chat.jsonl"
     _write(chat, [{"prompt": r["prompt"], "response": r.get("answer", "2")} for r in RECORDS if "prompt" in r])
     chat_dir = prepare_dataset([str(chat)], str(tmp_path / "chat"), data_format="chat",
                                tokenizer_dir=deepseek_tokenizer_dir, valid_fraction=0.0, progress=False)
-    refused(*config(*answered, f"data.path={chat_dir}"), world=2,
+    refuse(*config(*answered, f"data.path={chat_dir}"), world=2,
             match=r"train.objective is grpo but data.path .* is a chat dataset, not a prompts dataset")
-    refused(*config("train.objective=grpo"), world=1, match=r"train.objective grpo needs data.path")
-    refused(*config(f"data.blend={{{prompts_dir}: 1.0}}"), world=1, match=r"data.blend of prompts datasets")
+    refuse(*config("train.objective=grpo"), world=1, match=r"train.objective grpo needs data.path")
+    refuse(*config(f"data.blend={{{prompts_dir}: 1.0}}"), world=1, match=r"data.blend of prompts datasets")
+    assert len(messages) == 13 and all(m.startswith("invalid configuration:\n  - ") for m in messages)
