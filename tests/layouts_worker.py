@@ -20,7 +20,7 @@ from collections.abc import Callable
 import deepspeed
 import torch
 import torch.distributed as dist
-from deepspeed.utils import groups, safe_get_full_grad
+from deepspeed.utils import groups, safe_get_full_grad, safe_get_full_optimizer_state
 
 from deepseek_ds.config import load_and_validate
 from deepseek_ds.training.loop import train
@@ -69,9 +69,25 @@ def train_recording_first_gradients(run: Run) -> dict:
                  if p.requires_grad and key in names and (g := safe_get_full_grad(p)) is not None}
         torch.save(grads, os.path.join(run.cfg.train.output_dir, f"first_grads.rank{dist.get_rank()}.pt"))
 
+    def record_moments():
+        """indexer.stage sparse (run.clipping): Adam's first moments after step 1, (1 - beta1) x each clipped
+        gradient, to first_moments.rank<R>.pt."""
+        if not run.clipping or len(taken) > 1:
+            return
+        taken.append(True)
+        if hasattr(engine.optimizer, "_hp_optimizer_states_linked"):
+            # ZeRO 1/2 links each parameter to its optimizer state after the first group's step, when the later
+            # groups (the indexers') have none yet (DeepSpeed 0.19.8): linked again, now that every group has one.
+            engine.optimizer._hp_optimizer_states_linked = False
+            engine.optimizer._lazy_init_hp_params_optimizer_state()
+        moments = {names[key]: m.detach().float().cpu().clone() for key, p in engine.module.named_parameters()
+                   if p.requires_grad and key in names
+                   and (m := safe_get_full_optimizer_state(p, "exp_avg")) is not None}
+        torch.save(moments, os.path.join(run.cfg.train.output_dir, f"first_moments.rank{dist.get_rank()}.pt"))
+
     for owner, method in ((engine, "clip_fp32_gradients"), (engine.optimizer, "step")):
         original = getattr(owner, method)
-        setattr(owner, method, lambda *a, _original=original, **k: (record(), _original(*a, **k))[1])
+        setattr(owner, method, lambda *a, _original=original, **k: (record(), _original(*a, **k), record_moments())[1])
     return train(run)
 
 

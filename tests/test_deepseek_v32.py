@@ -66,12 +66,20 @@ def test_the_indexer_selects_and_is_frozen():
      r"indexer.stage sparse: deepseek-ds trains the lightning indexer of DeepSeek-V3.2 .*not of deepseek_v3"),
     ({"indexer": {"stage": "warmup"}, "parallel": {"expert_parallel": 2}},
      r"parallel.expert_parallel with indexer.stage warmup: .*set parallel.expert_parallel: 1"),
-], ids=["flash", "sp", "tp", "indexer-lora", "indexer-dpo", "indexer-v3", "indexer-ep-warmup"])
+    ({"indexer": {"stage": "sparse"}, "zero_optimization": {"stage": 0}},
+     r"indexer.stage sparse with gradient clipping and ZeRO stage 0: .*clipped by their own norms.*train.grad_clip=0"),
+    ({"indexer": {"stage": "sparse"}, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+     r"indexer.stage sparse with gradient clipping and zero_optimization.offload_optimizer: "),
+], ids=["flash", "sp", "tp", "indexer-lora", "indexer-dpo", "indexer-v3", "indexer-ep-warmup", "sparse-clip-zero0",
+        "sparse-clip-offload"])
 def test_options_v32_cannot_train_exactly_are_refused(option, match):
     sections = {"model": {"preset": "tiny-v32"}, "train": {"micro_batch_size": 2, "global_batch_size": 8}}
+    zero = option.get("zero_optimization", {"stage": 1})  # the DeepSpeed JSON's section; the others the run's
     for key, values in option.items():
+        if key == "zero_optimization":
+            continue
         sections[key] = {**sections.get(key, {}), **values}
-    message = refused(run_config_from_dict(sections), {"zero_optimization": {"stage": 1}}, 2, match)
+    message = refused(run_config_from_dict(sections), {"zero_optimization": zero}, 2, match)
     assert next(line for line in message.splitlines() if re.search(match, line)).startswith("  - ")
 
 

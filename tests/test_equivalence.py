@@ -42,7 +42,11 @@ V32_INDEXER = [*V32, "model.overrides.initializer_range=0.1"]
 INDEXER_LAYOUTS = [
     ("v32-warmup-pp2-zero1", 2, "ds_configs/zero1_pp.json", [*V32_INDEXER, "indexer.stage=warmup",
                                                             "parallel.pipeline_stages=2"]),
-    ("v32-sparse-zero3", 2, "ds_configs/zero3.json", [*V32_INDEXER, "indexer.stage=sparse"]),
+    # Clipped below both the LM's and the indexers' gradient norms (~3.6 and ~0.1 at step 1): each by its own, in
+    # ZeRO-3's optimizer and in ZeRO-1's across pipeline stages.
+    ("v32-sparse-zero3", 2, "ds_configs/zero3.json", [*V32_INDEXER, "indexer.stage=sparse", "train.grad_clip=0.05"]),
+    ("v32-sparse-pp2-zero1", 2, "ds_configs/zero1_pp.json", [*V32_INDEXER, "indexer.stage=sparse",
+                                                            "train.grad_clip=0.05", "parallel.pipeline_stages=2"]),
 ]
 
 
@@ -237,6 +241,41 @@ def test_v32_indexer_stages_step_one_equals_the_definition(name, ranks, ds_confi
     assert first["indexer_loss"] == pytest.approx(indexer.item(), rel=1e-5) and first["indexer_loss"] > 1e-2
     assert first["loss"] == pytest.approx(first["lm_loss"] + cfg.indexer.loss_weight * first["indexer_loss"], rel=1e-12)
     assert len({r["indexer_loss"] for r in records}) == STEPS
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("name", ["v32-sparse-zero3", "v32-sparse-pp2-zero1"])
+def test_v32_sparse_stage_clips_the_model_and_the_indexers_apart(name, runs, data_dir):
+    """indexer.stage sparse: step 1's logged grad_norm_lm and grad_norm_indexer are the norms of the language model's
+    and the indexers' recorded gradients (grad_norm of both), and Adam's first moments after step 1 are (1 - beta1) x
+    each gradient clipped by its own group's norm; one global norm would have scaled the indexers' by
+    clip / grad_norm, ~36x less."""
+    extra = next(e for n, _, _, e in INDEXER_LAYOUTS if n == name)
+    records = runs(2, name)
+    cfg = load_run_config("recipes/tiny-v3.yaml", SETS + extra + [f"data.path={data_dir}"])
+    grads, moments = {}, {}
+    for kind, into in (("first_grads", grads), ("first_moments", moments)):
+        for path in sorted(runs.output_dir(2, name).glob(f"{kind}.rank*.pt")):
+            into.update(torch.load(path))
+    assert set(moments) == set(grads)
+    indexer = {n for n in grads if ".indexer." in n}
+    model = set(grads) - indexer
+    assert indexer and model
+
+    def norm(names: set[str]) -> float:
+        return torch.sqrt(sum(grads[n].double().norm() ** 2 for n in names)).item()
+
+    first, clip = records[0], cfg.train.grad_clip
+    assert first["grad_norm_lm"] == pytest.approx(norm(model), rel=1e-5)
+    assert first["grad_norm_indexer"] == pytest.approx(norm(indexer), rel=1e-5)
+    assert first["grad_norm"] == pytest.approx(norm(set(grads)), rel=1e-5)
+    assert clip < norm(indexer) < norm(model)  # both groups clipped
+    for names in (model, indexer):
+        scale = (1 - cfg.train.beta1) * clip / (norm(names) + 1e-6)  # DeepSpeed's clip coefficient
+        for n in names:
+            want = scale * grads[n]
+            error = (moments[n] - want).abs().max().item() / max(want.abs().max().item(), 1e-12)
+            assert error <= 1e-5, f"Adam's first moment of {n} after step 1 is off by {error:.2e}"
 
 
 @pytest.mark.launch

@@ -26,6 +26,7 @@ from .deepspeed_json import (
     asynchronous_checkpoint_engines,
     deepspeed_refusals,
     missing_monitor_packages,
+    offloads,
     precision,
     resolve_ds_config,
     skips_nonfinite_steps,
@@ -49,7 +50,7 @@ def validate(cfg: RunConfig, ds: dict, world_size: int, cuda_available: bool | N
               + model_errors(cfg, ds, files) + (_blend_or_data_errors(cfg) if files else []) + _task_errors(cfg, files)
               + _nan_policy_errors(cfg, ds) + missing_monitor_packages(ds)
               + asynchronous_checkpoint_engines(ds) + _tensor_parallel_errors(cfg, ds)
-              + _sequence_parallel_errors(cfg) + _muon_errors(cfg, ds)
+              + _sequence_parallel_errors(cfg) + _muon_errors(cfg, ds) + _indexer_clip_errors(cfg, ds)
               + tiled_mlp_errors(cfg.train.tiled_mlp, cfg.parallel.expert_parallel)
               + _preference_errors(cfg, zero_stage(ds), files) + grpo_errors(cfg, ds, world_size, files))
     if not errors:
@@ -124,13 +125,30 @@ def _deepspeed_errors(cfg: RunConfig, ds: dict, cuda_available: bool) -> list[st
     return errors
 
 
+def _gradient_clipping(cfg: RunConfig, ds: dict) -> float:
+    """The clipping norm the engine will use (0: none)."""
+    clip = ds.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT)
+    return (cfg.train.grad_clip if clip == "auto" else clip) or 0
+
+
+def _indexer_clip_errors(cfg: RunConfig, ds: dict) -> list[str]:
+    """indexer.stage sparse clips the LM's and the indexers' gradients apart (training/clip_groups.py), inside ZeRO
+    1-3's optimizers."""
+    if cfg.indexer.stage != "sparse" or not _gradient_clipping(cfg, ds):
+        return []
+    where = ("ZeRO stage 0" if zero_stage(ds) == 0 else "zero_optimization.offload_optimizer"
+             if offloads(ds, "optimizer") else None)
+    return [f"indexer.stage sparse with gradient clipping and {where}: the language model and the indexers are "
+            "clipped by their own norms inside ZeRO 1-3's optimizers, without offload; use ds_configs/zero1.json (or zero3) "
+            "without optimizer offload, or set train.grad_clip=0"] if where else []
+
+
 def _muon_errors(cfg: RunConfig, ds: dict) -> list[str]:
     """DeepSpeed's Muon (models/muon.py) where it is exact, and refused with the reason where it is not."""
     if not is_muon(ds):
         return []
     errors = []
-    clip = ds.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT)
-    if (cfg.train.grad_clip if clip == "auto" else clip) not in (0, None):
+    if _gradient_clipping(cfg, ds):
         errors.append("gradient_clipping with Muon: DeepSpeed clips Muon's orthogonalised update rather than the "
                       "gradient (DeepSpeed #7776, #8439), which shrinks every Muon step; set train.grad_clip=0 (with "
                       "gradient_clipping \"auto\")")

@@ -120,7 +120,8 @@ def _reduced_metrics(run: Run, meter: StepMeter, routers: RouterStats | None, lo
     grad_norm = engine.get_global_grad_norm()  # ZeRO 1/2: a device tensor; else a float or None
     norm_on_device = isinstance(grad_norm, torch.Tensor) and grad_norm.device == device
     kept = {"pipeline_loss": local.reshape(1) if run.pipeline else None,  # the same on every rank
-            "grad_norm": grad_norm.detach().double().reshape(1) if norm_on_device else None}
+            "grad_norm": grad_norm.detach().double().reshape(1) if norm_on_device else None,
+            "group_norms": clipped.double() if run.clipping and (clipped := run.clipping.take()) is not None else None}
     host = read_to_host({**{f"sum/{k}": v for k, v in summed.items()}, **{f"max/{k}": v for k, v in maxed.items()},
                          **{k: v for k, v in kept.items() if v is not None}})
 
@@ -128,6 +129,8 @@ def _reduced_metrics(run: Run, meter: StepMeter, routers: RouterStats | None, lo
     out: dict = {"loss": host["pipeline_loss"][0] if run.pipeline else host["sum/loss"][0] / gas_dp}
     out["grad_norm"] = host["grad_norm"][0] if norm_on_device else (float(grad_norm) if grad_norm is not None else None)
     out["memory_gb"] = host["max/memory_gb"][0]
+    if "group_norms" in host:  # indexer.stage sparse: each group's norm, which it is clipped by
+        out.update(zip(run.clipping.NAMES, host["group_norms"]))
     stop_asked = host["max/stop"][0] if stop is not None else 0.0  # async_save.SAVE_FAILED outranks a signal's 1
     if "sum/aux" in host:
         out.update(balancer.aux_metrics(host["sum/aux"]))

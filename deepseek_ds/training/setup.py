@@ -59,6 +59,7 @@ from ..parallel.layout import Layout
 from ..rewards import RewardFunctions, resolve_rewards
 from ..utils.private_api import keep_fp32_clip_norm
 from ..utils.redact import redact
+from .clip_groups import GroupClipping, indexer_parameter_groups
 from .process import apply_timeout_to_all_groups, init_distributed, setup_logging, share_cpu_threads
 
 
@@ -80,6 +81,7 @@ class Run:
     log: logging.Logger
     balancer: LoadBalancer | None = None  # MoE load balancing (the loop moves its biases once per step)
     indexer: IndexerLoss | None = None  # indexer.stage warmup / sparse: DeepSeek-V3.2's indexer loss
+    clipping: GroupClipping | None = None  # indexer.stage sparse with clipping: the LM and indexers clipped apart
     # dpo: the training split's reference log-probabilities (objectives/dpo_reference); grpo with beta > 0 and no
     # LoRA: the frozen starting model (objectives/grpo.py).
     reference: object = None
@@ -167,7 +169,13 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
                pipeline=cfg.parallel.pipeline_stages > 1,
                grad_accum=cfg.grad_accum_steps(layout.data_size), log=log,
                balancer=_balancer(cfg, mcfg, engine, layout), indexer=_indexer_loss(cfg, mcfg, engine), rewards=rewards,
+               clipping=GroupClipping(engine, engine.module) if sparse_indexers(cfg) and engine.gradient_clipping()
+               else None,
                saver=AsyncSaver(log if rank == 0 else None) if cfg.checkpoint.async_ else None)
+
+
+def sparse_indexers(cfg: RunConfig) -> bool:
+    return cfg.indexer.stage == "sparse"
 
 
 def _loss_scale(engine: DeepSpeedEngine):
@@ -294,6 +302,8 @@ def _engine(cfg: RunConfig, ds: dict, model, layout: Layout, log: logging.Logger
     biases = snapshot_biases(model)
     lora_on_autoep = cfg.lora.r and cfg.parallel.expert_parallel > 1
     trainable = (p for p in model.parameters() if p.requires_grad)
+    if sparse_indexers(cfg):  # clipped apart (GroupClipping), so kept in groups of their own
+        trainable = indexer_parameter_groups(model, list(trainable))
     with expert_lora.autoep_lora() if lora_on_autoep else contextlib.nullcontext(), \
             muon_tagging(log) if is_muon(ds) else contextlib.nullcontext():
         # LoRA on AutoEP: a generator, which the engine lists after AutoEP's replacements, so the experts' adapters

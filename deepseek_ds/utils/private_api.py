@@ -12,6 +12,7 @@ from datetime import timedelta
 import torch
 from deepspeed.moe import ep_experts
 from deepspeed.runtime.utils import clip_grad_norm_
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.sequence.layer import _SeqAllToAll
 from deepspeed.utils import groups
 from torch.distributed import ProcessGroup, distributed_c10d
@@ -75,6 +76,10 @@ PRIVATE: tuple[tuple[str, str, str], ...] = (
     ("deepspeed.utils.groups", "_init_tp_mesh_device", "the TP mesh, made before deepspeed.initialize"),
     ("deepspeed.runtime.engine.DeepSpeedEngine", "_global_grad_norm", "what get_global_grad_norm returns: "
      "the ZeRO-0 engine clips fp32 gradients without keeping their norm"),
+    ("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3", "_get_norm_groups", "each sub-group's gradient "
+     "norm, for clipping per group (training/clip_groups.py)"),
+    ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer", "_average_expert_grad_norms", "the expert "
+     "groups' gradient norms as DeepSpeed combines them, for clipping per group"),
     # benchmarks (bench/worker.py, bench/gpu_probes.py)
     ("deepspeed.runtime.pipe.engine.PipelineEngine", "_INSTRUCTION_MAP", "timing each pipeline instruction "
      "(the engine dispatches every schedule instruction through it)"),
@@ -322,3 +327,44 @@ def keep_fp32_clip_norm(engine) -> None:
         engine._global_grad_norm = clip_grad_norm_(parameters=engine.module.parameters(),
                                                    max_norm=engine.gradient_clipping(), mpu=engine.mpu)
     engine.clip_fp32_gradients = clip_fp32_gradients
+
+
+def clip_by_group_norms(optimizer, norm_for: Callable[[list, int], torch.Tensor]) -> list[list[torch.nn.Parameter]]:
+    """ZeRO 1-3's optimizer clips group i's gradients by the norm `norm_for(norms, i)` gives instead of the norm of all
+    its groups together (DeepSpeed combines every group's norm into one; no option does otherwise). norms: the step's
+    norm of each group as DeepSpeed computed it for that one (reduced over the ranks, loss-scaled); its groups are
+    ZeRO 1/2's parameter groups, ZeRO-3's sub-groups, called in order from 0. Returns each group's parameters. The
+    reported global norm stays DeepSpeed's, of all groups."""
+    norms: list = []
+    if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
+        norm_groups, clip = optimizer._get_norm_groups, optimizer.unscale_and_clip_grads
+
+        def recorded() -> list:
+            norms[:] = norm_groups()
+            return list(norms)
+        optimizer._get_norm_groups = recorded
+        optimizer.unscale_and_clip_grads = lambda sub_group, total_norm: clip(sub_group, norm_for(norms, sub_group))
+        return optimizer.fp16_groups
+    direct, average, clip = (optimizer.get_grad_norm_direct, optimizer._average_expert_grad_norms,
+                             optimizer.unscale_and_clip_grads)
+    norms += [None] * len(optimizer.bit16_groups)
+
+    def recorded_direct(gradients, params, norm_type=2):
+        norm = direct(gradients, params, norm_type)
+        for i, own in enumerate(optimizer.params_in_partition):
+            if own is params:
+                norms[i] = norm
+        return norm
+
+    def recorded_average(norm_groups: list) -> None:  # expert groups' norms, as DeepSpeed combines them
+        average(norm_groups)
+        norms[:] = norm_groups
+
+    def clipped(grad_groups_flat: list, total_norm):
+        group = next(i for i, fp32 in enumerate(optimizer.single_partition_of_fp32_groups)
+                     if fp32.grad is grad_groups_flat[0])
+        return clip(grad_groups_flat, norm_for(norms, group))
+    optimizer.get_grad_norm_direct = recorded_direct
+    optimizer._average_expert_grad_norms = recorded_average
+    optimizer.unscale_and_clip_grads = clipped
+    return optimizer.bit16_groups
