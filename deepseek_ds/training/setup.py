@@ -28,6 +28,7 @@ from ..data import (
     PackedDataset,
     dataset_info,
     ensure_builtin_dataset,
+    load_tokenizer,
     open_training_data,
     sample_count,
 )
@@ -88,6 +89,7 @@ class Run:
     valid_reference: object = None   # dpo with eval.interval: the validation split's
     base_buffers: list | None = None  # dpo / grpo with LoRA: the base's starting buffers (router biases), its reference's
     rewards: RewardFunctions | None = None  # grpo: the reward functions (grpo.reward)
+    tokenizer: object = None  # grpo: the dataset's tokenizer (EOS and padding of rollouts, completions decoded)
     saver: AsyncSaver | None = None  # checkpoint.async: the background writer (checkpoint/async_save.py)
 
     @property
@@ -169,6 +171,7 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
                pipeline=cfg.parallel.pipeline_stages > 1,
                grad_accum=cfg.grad_accum_steps(layout.data_size), log=log,
                balancer=_balancer(cfg, mcfg, engine, layout), indexer=_indexer_loss(cfg, mcfg, engine), rewards=rewards,
+               tokenizer=load_tokenizer(dataset_dir) if rewards else None,
                clipping=GroupClipping(engine, engine.module) if sparse_indexers(cfg) and engine.gradient_clipping()
                else None,
                saver=AsyncSaver(log if rank == 0 else None) if cfg.checkpoint.async_ else None)

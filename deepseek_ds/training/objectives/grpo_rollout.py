@@ -13,7 +13,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ...data import load_tokenizer
 from ...models.grpo_loss import group_advantages
 from ...models.router_replay import RoutingRecorder
 from ..evaluation import generate_batch, generation_model
@@ -41,9 +40,8 @@ def sample_completions(run: Run, prompts: list[list[int]], step: int, sampled: b
     """num_generations completions of each prompt (greedy, once each, when not `sampled`), micro_batch_size rows
     generated together; `routing` (a list) gets each row's experts per MoE layer (router_replay.RoutingRecorder)."""
     g, cfg = run.cfg.grpo, run.cfg
-    tokenizer = load_tokenizer(run.dataset_dir)
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    eos = run.tokenizer.eos_token_id
+    pad = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else eos
     rows = [p for p in prompts for _ in range(g.num_generations)] if sampled else list(prompts)
     # top_k 0: transformers' generation default of 50 off, as TRL samples.
     sampling = {"temperature": g.temperature, "top_p": g.top_p, "top_k": 0} if sampled else None
@@ -64,10 +62,9 @@ def score(run: Run, dataset, prompt_index: list[int], completion_ids: list[list[
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rewards [n] float64, each function's [F, n]) of the completions of `dataset`'s prompts `prompt_index`, on the
     decoded text."""
-    tokenizer = load_tokenizer(run.dataset_dir)
     prompts = [dataset.prompt_text(i) for i in prompt_index]
     answers = [dataset.answer(i) for i in prompt_index]
-    completions = [tokenizer.decode(ids, skip_special_tokens=True) for ids in completion_ids]
+    completions = [run.tokenizer.decode(ids, skip_special_tokens=True) for ids in completion_ids]
     total, per_function = run.rewards.score(prompts, completions, answers)
     device = run.engine.device
     return (torch.tensor(total, dtype=torch.float64, device=device),
