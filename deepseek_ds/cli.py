@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 from .bench import (
     checkpoint_bench,
@@ -24,6 +23,8 @@ from .bench import (
 )
 from .checkpoint import cli as checkpoint_cli
 from .checkpoint.existing import check_existing_checkpoint
+from .checkpoint.format import TAG
+from .checkpoint.integrity import newest_verified_tag
 from .config import RunConfig, filled_sections, load_and_validate, load_ds_config, load_run_config
 from .config.schema import TrainSection
 from .data import cli as data_cli
@@ -33,18 +34,21 @@ from .launcher import cli as launcher_cli
 from .launcher import per_host
 from .launcher.hostfile import read_hostfile, select_slots
 from .launcher.remote import LOCAL_HOSTS
-from .launcher.supervise import read_stop_record, run_launcher
+from .launcher.restarts import Progress, add_restart_args, run_with_restarts
+from .launcher.supervise import read_stop_record, rendezvous_port
 from .launcher.world import world_size
 from .models.flops import model_size
 from .models.pipeline import layer_costs, partition, partition_table, prepare_config
 from .models.presets import PRESETS, build_model_config
 from .plan import cli as plan_cli
+from .training.metrics import read_metrics
 from .utils.cli_args import add_master_port, add_run_args, add_slot_filters, add_world_args, positive_int, spellings
 from .utils.errors import run_command
 from .utils.system import deepspeed_executable
 
 # What every rank of `deepseek-ds train` runs: a module, so the launch works from any directory.
 TRAINING_MODULE = "deepseek_ds.training.main"
+METRICS = "metrics.jsonl"  # in train.output_dir (training/loop.py)
 
 
 def _world_size(args: argparse.Namespace) -> int:
@@ -89,10 +93,9 @@ def train_command(args: argparse.Namespace) -> list[str]:
             # One local host runs without pdsh, but DeepSpeed would still ssh to it first (its reachability check
             # and `hostname -I` for the master address): a machine without sshd needs neither.
             argv += ["--no_ssh_check", "--master_addr", "127.0.0.1"]
+        argv += ["--master_port", str(args.master_port)] if args.master_port else []
     else:
-        argv += ["--num_gpus", str(_world_size(args))]
-    if args.master_port:
-        argv += ["--master_port", str(args.master_port)]
+        argv += ["--num_gpus", str(_world_size(args)), "--master_port", str(rendezvous_port(args.master_port))]
     argv += ["--module", TRAINING_MODULE, "--config", args.config]
     if args.deepspeed_config:
         argv += ["--deepspeed_config", args.deepspeed_config]
@@ -103,12 +106,14 @@ def train_command(args: argparse.Namespace) -> list[str]:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Validate, then run the DeepSpeed launcher (the same command a user would type), passing signals on to it
-    (launcher/supervise.py says why); a stop on a signal that the ranks saved is status 0."""
+    (launcher/supervise.py says why) and, with --max-restarts, again after a failure (launcher/restarts.py); a stop on
+    a signal that the ranks saved is status 0."""
+    argv = train_command(args)  # first: a --master_port in use is refused before anything else
     cfg = validated(args)
-    argv = train_command(args)
     print(" ".join(argv), flush=True)
-    started = time.time()
-    status, signal_name = run_launcher(argv, multi_host=len(_hosts(args)) > 1)  # DeepSpeed's own test
+    status, signal_name, started = run_with_restarts(
+        argv, lambda: train_command(args), len(_hosts(args)) > 1,  # multi-host: DeepSpeed's own test
+        args.max_restarts, args.restart_backoff, lambda: _progress(cfg), os.path.join(cfg.train.output_dir, METRICS))
     if signal_name is None or status == 0:
         return status
     stopped = read_stop_record(cfg.train.output_dir, since=started)
@@ -117,6 +122,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"stopped on {signal_name}: step {stopped['step']} saved to {stopped['checkpoint']}; re-run the same "
           "command to resume", flush=True)
     return 0
+
+
+def _progress(cfg: RunConfig) -> Progress:
+    """The step a launch of `cfg` would resume from and the last step its metrics.jsonl records."""
+    tag = newest_verified_tag(cfg.checkpoint_dir, sizes_only=True)  # as check_existing_checkpoint picks it
+    path = os.path.join(cfg.train.output_dir, METRICS)
+    records = read_metrics(path) if os.path.isfile(path) else []
+    return Progress(int(TAG.match(tag).group(1)) if tag else 0, records[-1]["step"] if records else 0)
 
 
 def cmd_models_list(args: argparse.Namespace) -> int:
@@ -201,7 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     p = _add_run_parser(sub, "train", "validate a run, then start it with the DeepSpeed launcher", cmd_train)
-    add_master_port(p)
+    add_master_port(p, help="rendezvous port on the first host (default: a free port on this host without "
+                            "--hostfile, else DeepSpeed's 29500)")
+    add_restart_args(p)
     _add_run_parser(sub, "validate", "check a run YAML + DeepSpeed JSON + world size without starting anything",
                     cmd_validate)
     _add_models_parsers(sub)

@@ -5,8 +5,10 @@ the real launcher: tests/test_job_lifeline.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -15,10 +17,18 @@ import time
 import psutil
 import pytest
 
+from deepseek_ds import cli as cli_module
+from deepseek_ds.cli import build_parser, train_command
+from deepseek_ds.inference import cli as inference_cli
+from deepseek_ds.launcher import supervise
 from deepseek_ds.launcher.lifeline import SUPERVISOR_ENV
+from deepseek_ds.launcher.restarts import Progress, append_record, run_with_restarts
 from deepseek_ds.launcher.supervise import run_launcher
+from deepseek_ds.training.metrics import MetricsWriter, read_metrics
+from helpers import ROOT, cli
 
 pytestmark = pytest.mark.unit
+RECIPE = os.path.join(ROOT, "recipes", "tiny-v3.yaml")
 
 LAUNCH = """
 import signal, sys, time
@@ -164,3 +174,145 @@ def test_a_rank_ends_with_its_launch_py_and_ignores_a_pid_from_another_host(tmp_
     finally:
         for p in _job_processes(str(tmp_path)):
             p.kill()
+
+
+# ----------------------------------------------------------------------------------------------- rendezvous ports
+def _bound_port() -> socket.socket:
+    """A socket listening on a port (as another job's TCPStore would): the port is in use until it is closed."""
+    sock = socket.socket()
+    sock.bind(("", 0))
+    sock.listen()
+    return sock
+
+
+def _no_launch(monkeypatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"a process was started: {args}")
+    monkeypatch.setattr(supervise.subprocess, "Popen", refuse)
+    monkeypatch.setattr(inference_cli.os, "execv", refuse)
+
+
+def test_train_without_a_port_takes_a_free_one_and_refuses_one_in_use(monkeypatch, capsys):
+    command = train_command(build_parser().parse_args(["train", "--config", RECIPE, "--num_gpus", "2"]))
+    port = int(command[command.index("--master_port") + 1])
+    with socket.socket() as s:  # free: it binds as the ranks' store will (SO_REUSEADDR, every address)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("", port))
+    _no_launch(monkeypatch)
+    with _bound_port() as taken:
+        busy = taken.getsockname()[1]
+        assert cli(["train", "--config", RECIPE, "--num_gpus", "2", "--master_port", str(busy)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # refused before validation and before any process
+    assert err.splitlines() == [f"deepseek-ds: error: --master_port {busy} cannot be used on this host: in use "
+                                "(another job's rendezvous?) (leave --master_port out to take a free port, or give "
+                                "another)"]
+
+
+def test_a_launched_eval_takes_a_free_port_and_refuses_one_in_use(monkeypatch, capsys):
+    launched = []
+    monkeypatch.setattr(inference_cli.os, "execv", lambda path, argv: launched.append(argv))
+    assert cli(["eval", "--checkpoint", "runs/x", "--num_gpus", "2"]) == 0
+    port = int(launched[0][launched[0].index("--master_port") + 1])
+    assert supervise.port_free(port)["free"]
+    _no_launch(monkeypatch)
+    with _bound_port() as taken:
+        busy = taken.getsockname()[1]
+        assert cli(["eval", "--checkpoint", "runs/x", "--num_gpus", "2", "--master_port", str(busy)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"deepseek-ds: error: --master_port {busy} cannot be used on this host: in use (another job's rendezvous?) "
+        "(leave --master_port out to take a free port, or give another)"]
+
+
+# ----------------------------------------------------------------------------------------------- restarts
+# The production restart loop over stand-in launches: a command that exits with a given status.
+def _exits(status: int) -> list[str]:
+    return [sys.executable, "-c", f"import sys; sys.exit({status})"]
+
+
+def _restarts(tmp_path, statuses: list[int], checkpoints: list[int], max_restarts: int = 5, backoff_s: float = 0):
+    """run_with_restarts over launches that exit with `statuses` in turn, the newest checkpoint after each being
+    `checkpoints` (each failure logged 3 steps past it); returns (its result, the lines it printed)."""
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps({"step": 1, "loss": 9.0}) + "\n")
+    attempts, lines = iter(statuses[1:]), []
+    ended = []
+
+    def progress() -> Progress:
+        ended.append(None)
+        step = checkpoints[len(ended) - 1]
+        return Progress(step, step + 3)
+
+    result = run_with_restarts(_exits(statuses[0]), lambda: _exits(next(attempts)), False, max_restarts, backoff_s,
+                               progress, str(metrics), say=lines.append)
+    return result[:2], [line for line in lines if not line.startswith(sys.executable)]
+
+
+def test_a_failure_again_without_a_newer_checkpoint_stops_the_restarts_in_one_line(tmp_path):
+    result, lines = _restarts(tmp_path, [1, 247, 247, 0], [4, 8, 8])
+    assert result == (247, None)
+    assert lines == [
+        "deepseek-ds: restart 1 of 5 in 0 s: a rank failed (exit status 1) at step 7; resuming from step 4 "
+        "(3 steps lost)",
+        "deepseek-ds: restart 2 of 5 in 0 s: a rank was killed by SIGKILL (exit status 247) at step 11; resuming from "
+        "step 8 (3 steps lost)",
+        "deepseek-ds: not restarted: a rank was killed by SIGKILL (exit status 247) at step 11 again, with no "
+        "checkpoint newer than step 8 since the previous failure: a restart would repeat it"]
+    events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][1:]
+    assert [(e["event"], e["step"], e["restart"], e["exit_status"], e["steps_lost"]) for e in events] == [
+        ("restart", 4, 1, 1, 3), ("restart", 8, 2, 247, 3)]
+
+
+def test_restarts_end_at_the_limit_or_on_the_ranks_verdict(tmp_path):
+    assert _restarts(tmp_path, [1, 1, 0], [2, 4], max_restarts=1) == ((1, None), [
+        "deepseek-ds: restart 1 of 1 in 0 s: a rank failed (exit status 1) at step 5; resuming from step 2 "
+        "(3 steps lost)",
+        "deepseek-ds: not restarted: a rank failed (exit status 1) at step 7, and --max-restarts 1 are used up"])
+    assert _restarts(tmp_path, [3, 0], [2]) == ((3, None), [
+        "deepseek-ds: not restarted: exit status 3: training stopped on non-finite losses (the ranks' line says why)"])
+    assert _restarts(tmp_path, [1, 0], [2], max_restarts=0) == ((1, None), [])  # as without --max-restarts
+    assert _restarts(tmp_path, [1, 0], [2]) == ((0, None), [
+        "deepseek-ds: restart 1 of 5 in 0 s: a rank failed (exit status 1) at step 5; resuming from step 2 "
+        "(3 steps lost)"])
+
+
+def test_a_signal_during_the_back_off_ends_the_restarts(tmp_path):
+    def send():  # once the back-off's handler is set, never at a deadline (before it, SIGTERM would end pytest)
+        while "_back_off" not in getattr(signal.getsignal(signal.SIGTERM), "__qualname__", ""):
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+    threading.Thread(target=send, daemon=True).start()
+    result, lines = _restarts(tmp_path, [1, 0], [2], backoff_s=30)
+    assert result == (1, None)
+    assert lines[-1] == "deepseek-ds: not restarted: SIGTERM during the back-off"
+    assert "event" not in (tmp_path / "metrics.jsonl").read_text()  # no restart recorded: none happened
+
+
+def test_a_restart_record_survives_a_torn_line_and_the_resume(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')  # cut by the kill
+    append_record(str(path), {"event": "restart", "step": 2})
+    assert read_metrics(str(path), events=True) == [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5},
+                                                    {"event": "restart", "step": 2}]
+    writer = MetricsWriter(str(path), resume_step=2)  # what the restarted rank 0 does
+    writer.write({"step": 3, "loss": 1.25})
+    writer.close()
+    assert [r["step"] for r in writer.records] == [1, 2, 3]  # the summary and plot see steps only
+    assert read_metrics(str(path)) == writer.records
+    assert read_metrics(str(path), events=True)[2] == {"event": "restart", "step": 2}
+
+
+def test_train_ends_with_the_launchers_status_and_restarts_only_when_asked(tmp_path, monkeypatch, capsys):
+    """cmd_train's wiring (the production loop, _progress on a run without checkpoints), the launch a stand-in that
+    ends as a job with a SIGKILLed rank does: without --max-restarts exactly as before, one run and its status."""
+    monkeypatch.setattr(cli_module, "train_command", lambda args: _exits(247))
+    train = ["train", "--config", RECIPE, "--num_gpus", "2", "--set", f"train.output_dir={tmp_path}"]
+    assert cli(train) == 247
+    assert "restart" not in capsys.readouterr().out
+    assert cli([*train, "--max-restarts", "3", "--restart-backoff", "0"]) == 247
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("deepseek-ds:")]
+    assert lines == [
+        "deepseek-ds: restart 1 of 3 in 0 s: a rank was killed by SIGKILL (exit status 247) before the first step; "
+        "starting over (no checkpoint) (0 steps lost)",
+        "deepseek-ds: not restarted: a rank was killed by SIGKILL (exit status 247) before the first step again, with "
+        "no checkpoint newer than step 0 since the previous failure: a restart would repeat it"]

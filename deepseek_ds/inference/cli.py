@@ -11,7 +11,8 @@ import os
 import sys
 import tempfile
 
-from ..utils.cli_args import add_num_gpus, add_run_args, positive_int, spellings
+from ..launcher.supervise import rendezvous_port
+from ..utils.cli_args import add_master_port, add_num_gpus, add_run_args, positive_int, spellings
 from ..utils.errors import UserError, run_command
 
 # The commands import their modules when they run: torch, deepspeed and transformers take seconds to import, which
@@ -97,7 +98,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from ..utils.system import deepspeed_executable
 
     launcher = deepspeed_executable()
-    argv = [launcher, "--num_gpus", str(args.num_gpus), "--module", "deepseek_ds.inference.cli", "eval"]
+    argv = [launcher, "--num_gpus", str(args.num_gpus), "--master_port", str(rendezvous_port(args.master_port)),
+            "--module", "deepseek_ds.inference.cli", "eval"]
     os.execv(launcher, argv + _forwarded_eval_args(args))
     return 0  # not reached
 
@@ -205,6 +207,7 @@ def register(subparsers) -> None:
                                           "exact match and BLEU (--task)")
     add_eval_arguments(p)
     add_num_gpus(p, help="ranks to evaluate on (default: 1, in this process; > 1 starts the deepspeed launcher)")
+    add_master_port(p, help="with --num_gpus > 1: the ranks' rendezvous port (default: a free one)")
     p.set_defaults(func=_cmd_eval)
     p = subparsers.add_parser("generate", help="generate text from a model (greedy or top-p sampling)")
     add_generate_arguments(p)

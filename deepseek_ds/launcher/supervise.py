@@ -6,7 +6,8 @@ a session of its own and passes TERM/INT/HUP on to what handles them: the runner
 signals every rank and SIGKILLs the ones still alive 30 s later) on one host, the runner itself across hosts (it then
 stops the remote ranks through pdsh). The ranks finish their step, save it and write STOP_RECORD; launch.py still
 exits 1 after any signal, so a fresh STOP_RECORD is what says that the job stopped cleanly. A CLI that cannot pass
-anything on (kill -9) still takes the job with it: launcher/lifeline.py.
+anything on (kill -9) still takes the job with it: launcher/lifeline.py. A launch whose rendezvous is on this host
+gets its port here too (rendezvous_port).
 """
 
 from __future__ import annotations
@@ -21,9 +22,25 @@ import time
 import psutil
 
 from deepseek_ds.launcher.lifeline import runner_preexec, supervisor_env
+from deepseek_ds.launcher.probe import port_free
+from deepseek_ds.utils.errors import UserError
+from deepseek_ds.utils.net import free_port
 
 STOP_RECORD = "stopped.json"  # in train.output_dir: {"step", "signal", "checkpoint"}, written by rank 0 after the save
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def rendezvous_port(given: int | None) -> int:
+    """The --master_port of a launch whose rendezvous (rank 0's TCPStore) is on this host: a free port when none is
+    given (DeepSpeed's default, 29500, would collide with any other local job), else `given` once this host can bind
+    it, refused in one line before anything starts (otherwise every rank dies with an EADDRINUSE traceback)."""
+    if given is None:
+        return free_port()
+    bind = port_free(given)
+    if not bind["free"]:
+        raise UserError(f"--master_port {given} cannot be used on this host: {bind['error']} (another job's "
+                        "rendezvous?)", "leave --master_port out to take a free port, or give another")
+    return given
 
 
 def run_launcher(argv: list[str], multi_host: bool) -> tuple[int, str | None]:

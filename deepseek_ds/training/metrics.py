@@ -138,15 +138,16 @@ def console_line(record: dict) -> str:
 
 class MetricsWriter:
     """Appends one JSON object per optimizer step; keeps the values for the final summary and plot. A run resumed
-    at `resume_step` keeps the records up to it; those of steps after the checkpoint (trained again now) are
-    dropped, so every step appears once."""
+    at `resume_step` keeps the records up to it (events too: `deepseek-ds train --max-restarts`' restarts); those of
+    steps after the checkpoint (trained again now) are dropped, so every step appears once."""
 
     def __init__(self, path: str, resume_step: int = 0):
         self.path = path
-        self.records: list[dict] = []
+        kept = []
         if resume_step and os.path.exists(path):
-            self.records = [r for r in read_metrics(path) if r["step"] <= resume_step]
-        write_bytes_atomic(Path(path), "".join(json.dumps(r) + "\n" for r in self.records).encode())
+            kept = [r for r in read_metrics(path, events=True) if r["step"] <= resume_step]
+        write_bytes_atomic(Path(path), "".join(json.dumps(r) + "\n" for r in kept).encode())
+        self.records: list[dict] = [r for r in kept if "event" not in r]
         self._file = open(path, "a")
 
     def write(self, record: dict) -> None:
@@ -159,10 +160,11 @@ class MetricsWriter:
         self._file.close()
 
 
-def read_metrics(path: str) -> list[dict]:
-    """The records of a metrics.jsonl. A last line that does not parse was torn by a kill while it was written: it is
-    dropped, and loses nothing, because a step's record is written before that step's checkpoint, so its step is
-    after the one resumed from. A torn line anywhere else is damage, and an error."""
+def read_metrics(path: str, events: bool = False) -> list[dict]:
+    """The step records of a metrics.jsonl (events: also the records of events, {"event": ..., "step": ...}). A last
+    line that does not parse was torn by a kill while it was written: it is dropped, and loses nothing, because a
+    step's record is written before that step's checkpoint, so its step is after the one resumed from. A torn line
+    anywhere else is damage, and an error."""
     with open(path) as f:
         lines = [line for line in f if line.strip()]
     records = []
@@ -173,7 +175,7 @@ def read_metrics(path: str) -> list[dict]:
             if i < len(lines) - 1:
                 raise UserError(f"{path} line {i + 1} is not JSON ({e.msg})", "repair or delete that line (the "
                                 "checkpoints do not depend on it) and resume again") from None
-    return records
+    return [r for r in records if events or "event" not in r]
 
 
 def source_metrics(labels: list[str], sums: list[float]) -> dict:

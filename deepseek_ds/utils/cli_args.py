@@ -8,6 +8,7 @@ Spelling: flags that the `deepspeed` launcher also has keep DeepSpeed's spelling
 from __future__ import annotations
 
 import argparse
+import math
 
 SET_HELP = ("override one run YAML value, e.g. --set train.steps=50 or --set model.overrides.hidden_size=1024 "
             "(repeatable; applied in order, after the YAML; values are parsed as YAML)")
@@ -26,6 +27,20 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not a positive number")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number >= 0")
     return value
 
 
