@@ -70,6 +70,13 @@ table = ["| measure | SFT model | after GRPO |", "|---|---|---|",
          f"| steps (SFT, GRPO) | {sft_steps} | {metrics[-1]['step']} |",
          f"| seconds (SFT demo, GRPO training) | {sft_s} | {grpo_s} |"]
 print("\n".join(table))
+# Where a GRPO step's time goes (each phase's seconds, the mean over the ranks and the steps).
+phases = {name: sum(m[f"time_{name}"] for m in metrics) / len(metrics) for name in ("generation", "reference", "update")}
+step_s = sum(m["step_time"] for m in metrics) / len(metrics)
+split = ["| phase of a GRPO step | seconds (mean over steps) | share of the step |", "|---|---|---|",
+         *(f"| {name} | {s:.3f} | {s / step_s:.0%} |" for name, s in phases.items()),
+         f"| the whole step (metrics, all-reduces included) | {step_s:.3f} | 100% |"]
+print("\n".join(split))
 note = (f"{after['n']} held-out words; {total_s} s in all. Each GRPO step samples 8 completions of each of 8 prompts "
         "(temperature 1) and rewards the exact answer (exact_match); the validation reward is that of greedy "
         f"completions of {first['eval_prompts']} validation prompts.")
@@ -79,6 +86,6 @@ env = " ".join(f"{k}={os.environ[k]}" for k in ("GRPO_SFT_STEPS", "GRPO_STEPS", 
 command = " ".join(filter(None, [env, "bash scripts/grpo_demo.sh", args]))
 from deepseek_ds.bench.report import write_process_report
 write_process_report(report, "GRPO demo (scripts/grpo_demo.sh)", f"`{command}`", ranks=int(ranks), command=command,
-                     blocks=["\n".join(table), note])
+                     blocks=["\n".join(table), note, "\n".join(split)])
 print(f"wrote {report}")
 PY

@@ -192,6 +192,9 @@ def test_rollouts_rewards_advantages_and_gradient_norm_equal_a_recomputation(nam
     assert records[0]["grad_norm"] == pytest.approx(norm, rel=1e-5)
     assert records[0]["kl"] == pytest.approx(0.0, abs=1e-9) and records[1]["kl"] > 1e-7
     assert records[0]["reward"] == pytest.approx(sum(r["reward"] for r in first) / 8, rel=1e-9)
+    for r in records:  # the step's time split: each phase took time, and together no more than the step
+        phases = [r[f"time_{p}"] for p in ("generation", "reference", "update")]
+        assert min(phases) > 0 and sum(phases) <= r["step_time"] * 1.05, (phases, r["step_time"])
 
 
 @pytest.mark.launch

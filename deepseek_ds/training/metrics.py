@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import resource
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -112,6 +114,31 @@ class StepMeter:
         """memory_gb of this rank as a one-element device tensor (for the step's MAX all-reduce): made on the device,
         so no host-to-device copy (a blocking one syncs a GPU)."""
         return torch.full((1,), memory_gb(self.device), dtype=torch.float64, device=self.device)
+
+
+class PhaseTimes:
+    """Seconds this rank spends in each named phase of its steps (GRPO: generation, reference, update), summed until
+    taken. On a GPU each phase ends with a synchronize, so its work is counted in it and not in the next."""
+
+    def __init__(self, names: tuple[str, ...], device: torch.device):
+        self.names, self.device = names, device
+        self._seconds = dict.fromkeys(names, 0.0)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._seconds[name] += time.perf_counter() - started
+
+    def take(self) -> torch.Tensor:
+        """[seconds of each phase] (float64, on the device) since the last take, then zero."""
+        out = torch.tensor([self._seconds[n] for n in self.names], dtype=torch.float64, device=self.device)
+        self._seconds = dict.fromkeys(self.names, 0.0)
+        return out
 
 
 def console_line(record: dict) -> str:

@@ -61,6 +61,7 @@ from ..rewards import RewardFunctions, resolve_rewards
 from ..utils.private_api import keep_fp32_clip_norm
 from ..utils.redact import redact
 from .clip_groups import GroupClipping, indexer_parameter_groups
+from .metrics import PhaseTimes
 from .process import apply_timeout_to_all_groups, init_distributed, setup_logging, share_cpu_threads
 
 
@@ -90,6 +91,7 @@ class Run:
     base_buffers: list | None = None  # dpo / grpo with LoRA: the base's starting buffers (router biases), its reference's
     rewards: RewardFunctions | None = None  # grpo: the reward functions (grpo.reward)
     tokenizer: object = None  # grpo: the dataset's tokenizer (EOS and padding of rollouts, completions decoded)
+    phases: PhaseTimes | None = None  # grpo: the seconds of each step's generation, reference and update
     saver: AsyncSaver | None = None  # checkpoint.async: the background writer (checkpoint/async_save.py)
 
     @property
@@ -172,6 +174,7 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
                grad_accum=cfg.grad_accum_steps(layout.data_size), log=log,
                balancer=_balancer(cfg, mcfg, engine, layout), indexer=_indexer_loss(cfg, mcfg, engine), rewards=rewards,
                tokenizer=load_tokenizer(dataset_dir) if rewards else None,
+               phases=PhaseTimes(("generation", "reference", "update"), engine.device) if rewards else None,
                clipping=GroupClipping(engine, engine.module) if sparse_indexers(cfg) and engine.gradient_clipping()
                else None,
                saver=AsyncSaver(log if rank == 0 else None) if cfg.checkpoint.async_ else None)

@@ -51,7 +51,8 @@ class GRPO(Objective):
 
     def local_step(self, run: Run, batch) -> torch.Tensor:
         step, prompt_index = batch
-        rollouts = make_rollouts(run, prompt_index, step)
+        with run.phases.phase("generation"):  # sampling and scoring
+            rollouts = make_rollouts(run, prompt_index, step)
         run.loss_fn.add_rewards(rollouts.rewards, rollouts.per_function)
         engine, mb = run.engine, run.cfg.train.micro_batch_size
         rows = [_rows(rollouts.prompt_ids[a:a + mb], rollouts.completion_ids[a:a + mb], engine.device)
@@ -63,22 +64,27 @@ class GRPO(Objective):
         total = torch.zeros((), dtype=torch.float64, device=engine.device)
         for k, (ids, starts, completion, mask) in enumerate(rows):
             advantages = rollouts.advantages[k * mb:(k + 1) * mb].to(engine.device)
-            ref = reference_logps(run, ids, completion, starts)
-            if rollouts.routing is not None:  # the training forward routes each token as its sampling did
-                run.loss_fn.replay.replaying(rollouts.routing[k * mb:(k + 1) * mb], ids.shape[1])
-            loss = run.loss_fn(engine(ids), completion, starts, mask, advantages, ref, completions, tokens, scale)
-            engine.backward(loss)
-            if rollouts.routing is not None:
-                run.loss_fn.replay.replaying(None)
-            engine.step()
-            total += loss.detach().double()
+            with run.phases.phase("reference"):
+                ref = reference_logps(run, ids, completion, starts)
+            with run.phases.phase("update"):
+                if rollouts.routing is not None:  # the training forward routes each token as its sampling did
+                    run.loss_fn.replay.replaying(rollouts.routing[k * mb:(k + 1) * mb], ids.shape[1])
+                loss = run.loss_fn(engine(ids), completion, starts, mask, advantages, ref, completions, tokens, scale)
+                engine.backward(loss)
+                if rollouts.routing is not None:
+                    run.loss_fn.replay.replaying(None)
+                engine.step()
+                total += loss.detach().double()
         return total
 
     def metric_parts(self, run: Run, device: torch.device) -> torch.Tensor:
-        return run.loss_fn.take_parts(device)
+        return torch.cat([run.loss_fn.take_parts(device), run.phases.take().to(device)])
 
     def metrics(self, run: Run, parts: list[float]) -> dict[str, float]:
-        return run.loss_fn.metrics(parts)
+        """The loss's metrics, and time_<phase>: each phase's seconds in the step (the mean over the ranks)."""
+        phases = len(run.phases.names)
+        times = {f"time_{name}": s / run.world for name, s in zip(run.phases.names, parts[-phases:])}
+        return {**run.loss_fn.metrics(parts[:-phases]), **times}
 
     def evaluate(self, run: Run, dataset) -> dict:
         """eval_reward: the mean reward of greedy completions of the validation prompts (the first eval.batches
