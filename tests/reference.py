@@ -283,32 +283,50 @@ def _samples(data_dir: str, cfg: RunConfig):
     return StreamSamples(data_dir, cfg.data.seq_len, document_mask=cfg.data.document_mask)
 
 
+def initial_adapters(cfg: RunConfig) -> dict[str, torch.Tensor]:
+    """HF name -> tensor of the adapters a LoRA run of `cfg` starts from on any layout: models.lora draws each from
+    the run's seed and its module's HF name (an input of the reference, as the seeded base weights are)."""
+    from deepseek_ds.models.lora import apply_lora
+
+    mcfg = prepare_config(build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides))
+    layers = local_layers(build_model(mcfg, 1, seed=None))
+    apply_lora(torch.nn.ModuleList(layers), cfg.lora, mcfg, cfg.train.seed)
+    return {n: t.detach().clone() for n, t in hf_state_dict(layers).items() if ".lora_" in n}
+
+
+def peft_model(cfg: RunConfig, base_dir: str, initial: dict[str, torch.Tensor], attn_implementation: str = "sdpa"):
+    """transformers' model of base_dir with peft's adapters on it (in train mode), holding the initial adapters (HF
+    name -> tensor); they alone require gradients."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = prepare_config(AutoConfig.from_pretrained(base_dir), attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, config=config, dtype=torch.float32)
+    # Written out, not models/lora.py's: r 4 and alpha 8 on the family's default targets (DeepSeek: the MLA
+    # projections; Llama / Qwen2: attention and MLP), and with lora.routed_experts on transformers' fused experts.
+    assert (cfg.lora.r, cfg.lora.alpha, cfg.lora.target_modules) == (4, 8, None)
+    targets = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"] if config.model_type in PUBLISHED \
+        else ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if cfg.lora.routed_experts else None
+    inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets,
+                                       target_parameters=experts), model)
+    params = dict(model.named_parameters())
+    assert {n for n, p in params.items() if p.requires_grad} == set(initial)
+    with torch.no_grad():
+        for name, t in initial.items():
+            params[name].copy_(t)
+    return model.train()
+
+
 def lora_reference_losses(cfg: RunConfig, base_dir: str, data_dir: str, initial: dict[str, torch.Tensor],
                           grad_norms: list | None = None) -> list[float]:
     """transformers + peft + torch AdamW over the adapters in one process, from the same initial adapters (HF name
     -> tensor) and the same global batches; transformers' own causal-LM loss plus, for MoE models, the balancing
     above. grad_norms: each step's gradient norm (of the adapters) before clipping."""
-    from peft import LoraConfig, inject_adapter_in_model
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = prepare_config(AutoConfig.from_pretrained(base_dir))
-    model = AutoModelForCausalLM.from_pretrained(base_dir, config=config, dtype=torch.float32)
-    # Written out, not models/lora.py's: r 4 and alpha 8 on the family's default targets (DeepSeek: the MLA
-    # projections; Llama / Qwen2: attention and MLP), and with lora.routed_experts on transformers' fused experts.
-    assert (cfg.lora.r, cfg.lora.alpha, cfg.lora.target_modules) == (4, 8, None)
+    model = peft_model(cfg, base_dir, initial)
+    config, params = model.config, dict(model.named_parameters())
+    trainable = set(initial)
     moe = config.model_type in PUBLISHED
-    targets = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"] if moe else \
-        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if cfg.lora.routed_experts else None
-    inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets,
-                                       target_parameters=experts), model)
-    params = dict(model.named_parameters())
-    trainable = {n for n, p in params.items() if p.requires_grad}
-    assert trainable == set(initial)
-    with torch.no_grad():
-        for name, t in initial.items():
-            params[name].copy_(t)
-    model.train()
     t = cfg.train
     # MoE balancing as in training: the balance loss reaches the adapters, the router biases (buffers) move.
     balancing = Balancing(model, cfg.moe, config, t.global_batch_size).attach() if moe else None

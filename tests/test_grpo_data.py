@@ -245,8 +245,12 @@ def test_grpo_is_refused_before_launch_where_it_cannot_run(tmp_path, prompts_dir
             match=r"train.global_batch_size = 16 counts completions and must be divisible by grpo.num_generations = 3")
     refuse(*config(*answered, "grpo.num_generations=8"), world=4,
             match=r"= 2 prompts a step do not divide over the 4 data-parallel ranks")
-    refuse(*config(*answered, "grpo.num_iterations=2"), world=2,
-            match=r"grpo.num_iterations > 1 is not supported yet: set 1")
+    validate(*config(*answered, "grpo.num_iterations=2", "train.steps=10", "checkpoint.interval=4"), 2,
+             cuda_available=False)
+    for field in ("train.steps", "checkpoint.interval"):  # a checkpoint falls between generations
+        refuse(*config(*answered, "grpo.num_iterations=2", "train.steps=10", "checkpoint.interval=4", f"{field}=5"),
+               world=2, match=rf"{field} = 5 with grpo.num_iterations = 2: checkpoints are taken between generations "
+                              r"\(each has 2 updates\), so it must be a multiple of 2")
     refuse(*config(*answered, "parallel.pipeline_stages=2"), world=2,
             match=r"generates its rollouts with the whole model on every rank, but parallel.pipeline_stages = 2")
     refuse(*config(*answered, "parallel.expert_parallel=2"), world=2, match=r"but parallel.expert_parallel = 2")
@@ -263,4 +267,4 @@ def test_grpo_is_refused_before_launch_where_it_cannot_run(tmp_path, prompts_dir
             match=r"train.objective is grpo but data.path .* is a chat dataset, not a prompts dataset")
     refuse(*config("train.objective=grpo"), world=1, match=r"train.objective grpo needs data.path")
     refuse(*config(f"data.blend={{{prompts_dir}: 1.0}}"), world=1, match=r"data.blend of prompts datasets")
-    assert len(messages) == 13 and all(m.startswith("invalid configuration:\n  - ") for m in messages)
+    assert len(messages) == 14 and all(m.startswith("invalid configuration:\n  - ") for m in messages)

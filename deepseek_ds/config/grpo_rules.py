@@ -35,8 +35,12 @@ def grpo_errors(cfg: RunConfig, ds: dict, world_size: int, files: bool = True) -
     if named:
         errors.append(f"train.objective grpo generates its rollouts with the whole model on every rank, but {named}: "
                       "set them to 1 (ZeRO-3 shards the model instead)")
-    if g.num_iterations > 1:
-        errors.append("grpo.num_iterations > 1 is not supported yet: set 1")
+    if g.num_iterations > 1:  # a checkpoint holds no rollouts: it must fall between generations
+        for field, value in (("train.steps", t.steps), ("checkpoint.interval", cfg.checkpoint.interval)):
+            if value % g.num_iterations:
+                errors.append(f"{field} = {value} with grpo.num_iterations = {g.num_iterations}: checkpoints are taken "
+                              f"between generations (each has {g.num_iterations} updates), so it must be a multiple "
+                              f"of {g.num_iterations}")
     if files:
         try:
             resolve_rewards(g.reward, g.reward_weights)

@@ -70,7 +70,8 @@ class GrpoSection:
     importance_sampling_level: str = "token"
     """token: one ratio per token; sequence: the sequence's mean log-ratio for each token (GSPO)."""
     num_iterations: int = 1
-    """Optimizer updates per batch of rollouts (mu)."""
+    """Optimizer updates per batch of rollouts (mu), each a training step; from the second on, the ratio to the
+    sampling policy moves and clipping acts. train.steps and checkpoint.interval are multiples of it."""
     scale_rewards: str = "group"
     """Advantages (r - mean of the prompt's group) divided by the std of the group (group), of the whole batch (batch),
     or not divided (none, as Dr. GRPO recommends)."""

@@ -116,11 +116,14 @@ class GRPOLoss:
 
     def __call__(self, output, completion: torch.Tensor, starts: torch.Tensor, mask: torch.Tensor,
                  advantages: torch.Tensor, ref_logps: torch.Tensor | None, completions: torch.Tensor,
-                 tokens: torch.Tensor, ranks_x_accumulation: int) -> torch.Tensor:
-        """The micro-batch's scaled loss: rows [prompt | completion | padding], completion i from column starts[i]."""
+                 tokens: torch.Tensor, ranks_x_accumulation: int, old_logps: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """The micro-batch's scaled loss: rows [prompt | completion | padding], completion i from column starts[i].
+        old_logps: the sampling policy's log-probabilities (num_iterations > 1); None: the policy that sampled is this
+        one, one update per generation (TRL: old = current, detached)."""
         logps, entropy = completion_logps(output, completion, starts, self.temperature)
-        # One update per generation: the policy that sampled is this one (TRL: old = current, detached).
-        loss, kl, clipped = token_losses(self.s, logps, logps.detach(), ref_logps, advantages, mask)
+        old = logps.detach() if old_logps is None else old_logps
+        loss, kl, clipped = token_losses(self.s, logps, old, ref_logps, advantages, mask)
         weights = token_weights(self.s, mask, completions, tokens, ranks_x_accumulation)
         m = mask.float()
         self._add(torch.stack([(kl.detach() * m).sum(), (clipped * m).sum(), (entropy * m).sum(), m.sum(),

@@ -270,7 +270,7 @@ def _steps(run: Run, sampler: GlobalBatchSampler, metrics: MetricsWriter | None,
         if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
             with stop.busy():
                 last_saved = save(run, step, sampler.consumed_samples, background=run.saver is not None)
-        if stop.requested(stop_asked):
+        if stop.requested(stop_asked) and objective.stops_at(run, step):
             log.info("stop requested (%s): saving step %d and exiting", stop.received or "signal on another rank", step)
             break
     progress.close()

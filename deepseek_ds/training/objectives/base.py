@@ -30,6 +30,10 @@ class Objective:
         """Per global batch of `sampler`, this rank's micro-batches as local_step takes them."""
         raise NotImplementedError
 
+    def stops_at(self, run: Run, step: int) -> bool:
+        """Whether a checkpoint of `step` resumes exactly: a stop on a signal waits for the next such step."""
+        return True
+
     def local_step(self, run: Run, micro_batches: list) -> torch.Tensor:
         """One optimizer step on this rank's share of the global batch, nothing read to the host: the sum of this
         rank's scaled micro losses (a float64 device scalar, to be summed over the data-parallel ranks into

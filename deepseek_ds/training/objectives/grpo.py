@@ -5,6 +5,9 @@ reference (grpo.beta > 0) is the starting model: the base with its adapters off 
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+
 import deepspeed
 import torch
 import torch.distributed as dist
@@ -17,7 +20,7 @@ from ..evaluation import eval_sample_count, task_scores_run
 from ..setup import Run
 from .base import Objective
 from .dpo_reference import adapters_off
-from .grpo_rollout import make_rollouts, sample_completions, score
+from .grpo_rollout import Rollouts, make_rollouts, sample_completions, score
 
 PAD = 0  # the token id right-padding the rows (causal attention: real tokens never see it, no loss reads it)
 
@@ -45,34 +48,32 @@ class GRPO(Objective):
             run.base_buffers = [b.detach().clone() for b in run.engine.module.buffers()]
 
     def batches(self, run: Run, sampler: GlobalBatchSampler):
-        prompts = sampler.global_batch_size
-        for micro in sampler:  # one micro-batch: this rank's prompts of the step
-            yield sampler.consumed_samples // prompts, list(micro[0])
+        """Per global batch of prompts (a generation): its rollouts, then grpo.num_iterations steps on them."""
+        prompts, iterations = sampler.global_batch_size, run.cfg.grpo.num_iterations
+        for micro in sampler:  # one micro-batch: this rank's prompts of the generation
+            first_step = (sampler.consumed_samples // prompts - 1) * iterations + 1
+            generation = _generation(run, list(micro[0]), first_step)
+            for _ in range(iterations):
+                yield generation
 
-    def local_step(self, run: Run, batch) -> torch.Tensor:
-        step, prompt_index = batch
-        with run.phases.phase("generation"):  # sampling and scoring
-            rollouts = make_rollouts(run, prompt_index, step)
+    def stops_at(self, run: Run, step: int) -> bool:
+        """At the end of a generation: a checkpoint holds no rollouts, so one inside a generation would not resume
+        exactly (a stop on a signal waits for the generation's last update)."""
+        return step % run.cfg.grpo.num_iterations == 0
+
+    def local_step(self, run: Run, batch: Generation) -> torch.Tensor:
+        rollouts, engine, mb = batch.rollouts, run.engine, run.cfg.train.micro_batch_size
         run.loss_fn.add_rewards(rollouts.rewards, rollouts.per_function)
-        engine, mb = run.engine, run.cfg.train.micro_batch_size
-        rows = [_rows(rollouts.prompt_ids[a:a + mb], rollouts.completion_ids[a:a + mb], engine.device)
-                for a in range(0, len(rollouts.completion_ids), mb)]
-        tokens = sum(mask.sum() for _, _, _, mask in rows).double()
-        dist.all_reduce(tokens, group=run.layout.gradient_group)
         completions = torch.tensor(float(run.cfg.train.global_batch_size), dtype=torch.float64, device=engine.device)
         scale = run.layout.gradient_size * run.grad_accum
         total = torch.zeros((), dtype=torch.float64, device=engine.device)
-        for k, (ids, starts, completion, mask) in enumerate(rows):
-            advantages = rollouts.advantages[k * mb:(k + 1) * mb].to(engine.device)
-            with run.phases.phase("reference"):
-                ref = reference_logps(run, ids, completion, starts)
-            with run.phases.phase("update"):
-                if rollouts.routing is not None:  # the training forward routes each token as its sampling did
-                    run.loss_fn.replay.replaying(rollouts.routing[k * mb:(k + 1) * mb], ids.shape[1])
-                loss = run.loss_fn(engine(ids), completion, starts, mask, advantages, ref, completions, tokens, scale)
-                engine.backward(loss)
-                if rollouts.routing is not None:
-                    run.loss_fn.replay.replaying(None)
+        with run.phases.phase("update"):
+            for k, (ids, starts, completion, mask) in enumerate(batch.rows):
+                advantages = rollouts.advantages[k * mb:(k + 1) * mb].to(engine.device)
+                with _replaying(run, rollouts, k, ids.shape[1]):
+                    loss = run.loss_fn(engine(ids), completion, starts, mask, advantages, batch.ref_logps[k],
+                                       completions, batch.tokens, scale, batch.old_logps[k])
+                    engine.backward(loss)
                 engine.step()
                 total += loss.detach().double()
         return total
@@ -111,6 +112,53 @@ class GRPO(Objective):
     def validation_lines(self, record: dict) -> list[str]:
         return [f"  validation  reward {record['eval_reward']:.4f} over {record['eval_prompts']} prompts, greedy "
                 f"(step {record['step']})"]
+
+
+@dataclass
+class Generation:
+    """This rank's rollouts of one generation and what every update on them reads: each micro-batch's rows (ids,
+    starts, completion, mask), the reference's and, with num_iterations > 1, the sampling policy's log-probabilities
+    (None each otherwise), and the global batch's completion tokens."""
+    rollouts: Rollouts
+    rows: list[tuple]
+    ref_logps: list[torch.Tensor | None]
+    old_logps: list[torch.Tensor | None]
+    tokens: torch.Tensor
+
+
+def _generation(run: Run, prompt_index: list[int], step: int) -> Generation:
+    """Rollouts of `prompt_index` sampled at `step` (the generation's first), the reference's log-probabilities once
+    for all its updates, and with num_iterations > 1 the sampling policy's (TRL's old_per_token_logps)."""
+    engine, mb = run.engine, run.cfg.train.micro_batch_size
+    with run.phases.phase("generation"):  # sampling and scoring
+        rollouts = make_rollouts(run, prompt_index, step)
+        rows = [_rows(rollouts.prompt_ids[a:a + mb], rollouts.completion_ids[a:a + mb], engine.device)
+                for a in range(0, len(rollouts.completion_ids), mb)]
+        tokens = sum(mask.sum() for _, _, _, mask in rows).double()
+        dist.all_reduce(tokens, group=run.layout.gradient_group)
+        old = [None] * len(rows)
+        if run.cfg.grpo.num_iterations > 1:
+            with torch.no_grad():
+                for k, (ids, starts, completion, _) in enumerate(rows):
+                    with _replaying(run, rollouts, k, ids.shape[1]):
+                        old[k] = run.loss_fn.logps(engine(ids), completion, starts)
+    with run.phases.phase("reference"):
+        ref = [reference_logps(run, ids, completion, starts) for ids, starts, completion, _ in rows]
+    return Generation(rollouts, rows, ref, old, tokens)
+
+
+@contextlib.contextmanager
+def _replaying(run: Run, rollouts: Rollouts, k: int, width: int):
+    """With router replay, the forwards of micro-batch k route each token as its sampling did."""
+    if rollouts.routing is None:
+        yield
+        return
+    mb = run.cfg.train.micro_batch_size
+    run.loss_fn.replay.replaying(rollouts.routing[k * mb:(k + 1) * mb], width)
+    try:
+        yield
+    finally:
+        run.loss_fn.replay.replaying(None)
 
 
 def _rows(prompts: list[list[int]], completions: list[list[int]], device):
