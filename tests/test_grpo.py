@@ -126,7 +126,8 @@ GRPO_LAYOUTS = [("grpo-zero1", "ds_configs/zero1.json", []), ("grpo-zero3", "ds_
                 ("grpo-lora-zero1", "ds_configs/zero1.json", LORA),
                 # One generation, two updates on it (Adam's eps as test_equivalence's: gradient entries near 0
                 # would otherwise turn roundoff into whole lr-sized steps).
-                ("grpo-iterations2", "ds_configs/zero1.json", ITERATIONS)]
+                ("grpo-iterations2", "ds_configs/zero1.json", ITERATIONS),
+                ("grpo-replay", "ds_configs/zero1.json", ["grpo.router_replay=true"])]
 
 
 @pytest.fixture(scope="module")
@@ -299,6 +300,28 @@ def test_two_iterations_update_twice_on_one_generation_as_trl(grpo_runs, prompts
     # second update ignores the sampling policy (old = current) its norm is ~8x this one.
     assert [r["grad_norm"] for r in records] == pytest.approx(norms, rel=2e-5)
     assert records[1]["clip_ratio"] > 0  # the ratio moved past 1 +- epsilon: clipping acts
+
+
+@pytest.mark.launch
+def test_router_replay_through_the_launcher(grpo_runs):
+    """grpo.router_replay on tiny-v3 (MoE): the rollouts are those of the run without it (recording does not change
+    sampling), each step reports the share of routing decisions replay changed, and where it changed none (the
+    training forward would have chosen the same experts) the step equals the run without replay."""
+    import json
+
+    from helpers import read_metrics
+
+    def rows(name):
+        return [json.loads(line) for line in open(grpo_runs[name] / "rollouts.jsonl")]
+
+    assert [r for r in rows("grpo-replay") if r["step"] == 1] == [r for r in rows("grpo-zero1") if r["step"] == 1]
+    replay, plain = read_metrics(str(grpo_runs["grpo-replay"])), read_metrics(str(grpo_runs["grpo-zero1"]))
+    shares = [r["router_replay_changed"] for r in replay]
+    assert all(0 <= share < 0.05 for share in shares), shares
+    if shares[0] == 0:
+        assert replay[0]["grad_norm"] == plain[0]["grad_norm"]
+    else:
+        assert replay[0]["grad_norm"] != plain[0]["grad_norm"]
 
 
 @pytest.mark.launch
