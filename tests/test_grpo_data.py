@@ -251,6 +251,15 @@ def test_grpo_is_refused_before_launch_where_it_cannot_run(tmp_path, prompts_dir
         refuse(*config(*answered, "grpo.num_iterations=2", "train.steps=10", "checkpoint.interval=4", f"{field}=5"),
                world=2, match=rf"{field} = 5 with grpo.num_iterations = 2: checkpoints are taken between generations "
                               r"\(each has 2 updates\), so it must be a multiple of 2")
+    longest = max(PromptDataset(prompts_dir, split).longest() for split in ("train", "valid"))
+    assert longest == max(len(PromptDataset(prompts_dir, split).prompt_ids(i)) for split in ("train", "valid")
+                          for i in range(len(PromptDataset(prompts_dir, split))))
+    fits = 1024 - longest  # tiny-v3's max_position_embeddings
+    validate(*config(*answered, f"grpo.max_completion_length={fits}"), 2, cuda_available=False)
+    refuse(*config(*answered, f"grpo.max_completion_length={fits + 1}"), world=2,
+           match=rf"grpo.max_completion_length \({fits + 1}\) after data.path's longest prompt \({longest} tokens\) "
+                 rf"makes rows of 1025 tokens, past the model's max_position_embeddings \(1024\): lower "
+                 rf"grpo.max_completion_length to {fits} or less")
     refuse(*config(*answered, "parallel.pipeline_stages=2"), world=2,
             match=r"generates its rollouts with the whole model on every rank, but parallel.pipeline_stages = 2")
     refuse(*config(*answered, "parallel.expert_parallel=2"), world=2, match=r"but parallel.expert_parallel = 2")
@@ -267,4 +276,4 @@ def test_grpo_is_refused_before_launch_where_it_cannot_run(tmp_path, prompts_dir
             match=r"train.objective is grpo but data.path .* is a chat dataset, not a prompts dataset")
     refuse(*config("train.objective=grpo"), world=1, match=r"train.objective grpo needs data.path")
     refuse(*config(f"data.blend={{{prompts_dir}: 1.0}}"), world=1, match=r"data.blend of prompts datasets")
-    assert len(messages) == 14 and all(m.startswith("invalid configuration:\n  - ") for m in messages)
+    assert len(messages) == 15 and all(m.startswith("invalid configuration:\n  - ") for m in messages)

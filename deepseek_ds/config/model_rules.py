@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from ..data import DataError, PromptDataset, dataset_info
 from ..models.hf_io import has_weights, pickled_weights
 from ..models.layers import mtp_depth
 from ..models.lora import lora_errors, lora_name_errors
@@ -61,10 +62,30 @@ def model_errors(cfg: RunConfig, ds: dict, files: bool = True) -> list[str]:
         errors.append(f"grpo.router_replay: {mcfg.model_type} has " + ("no routed experts" if not fam.is_moe else
                       f"{fam.score_func} routers, which router replay does not serve (DeepSeek-V2/V3/V3.2's do)")
                       + "; set grpo.router_replay: false")
+    if cfg.train.objective == "grpo" and files:
+        errors += _rollout_length_errors(cfg, mcfg)
     if cfg.indexer.stage != "frozen" and mcfg.model_type != "deepseek_v32":
         errors.append(f"indexer.stage {cfg.indexer.stage}: deepseek-ds trains the lightning indexer of DeepSeek-V3.2 "
                       f"(model_type deepseek_v32), not of {mcfg.model_type}; set indexer.stage: frozen")
     return errors + _moe_errors(cfg, ds, mcfg) + _mtp_errors(cfg, mcfg) + _lora_errors(cfg, ds, mcfg, files)
+
+
+def _rollout_length_errors(cfg: RunConfig, mcfg) -> list[str]:
+    """GRPO's rows are a prompt and its completion: the longest must fit the model's positions."""
+    if not cfg.data.path:
+        return []  # grpo_rules asks for one
+    try:
+        longest = max(PromptDataset(cfg.data.path, split, verify_checksums=False).longest()
+                      for split in dataset_info(cfg.data.path)["splits"])
+    except (DataError, OSError, KeyError):
+        return []  # no prompts dataset there: the data rules say so
+    limit, completion = mcfg.max_position_embeddings, cfg.grpo.max_completion_length
+    if longest + completion <= limit:
+        return []
+    return [f"grpo.max_completion_length ({completion}) after data.path's longest prompt ({longest} tokens) makes rows "
+            f"of {longest + completion} tokens, past the model's max_position_embeddings ({limit}): lower "
+            f"grpo.max_completion_length to {max(limit - longest, 0)} or less, or prepare the prompts without the "
+            "longest ones"]
 
 
 def _family_refusals(cfg: RunConfig, mcfg) -> list[str]:

@@ -77,6 +77,10 @@ class PromptDataset:
     def __len__(self) -> int:
         return int(self._first[-1])
 
+    def longest(self) -> int:
+        """The most tokens of any prompt (0 without prompts), from the shards' offsets alone."""
+        return max((int(np.diff(b).max()) for b in self._bounds if len(b) > 1), default=0)
+
     def _locate(self, i: int) -> tuple[int, int]:
         if not 0 <= i < len(self):
             raise IndexError(f"prompt {i} out of range [0, {len(self)})")
