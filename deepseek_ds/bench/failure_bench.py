@@ -40,11 +40,13 @@ class FaultJob:
     """recipes/tiny-v3.yaml on 2 ranks under the real launcher, far from its last step; its output directory (unique
     per job) is in every process's argv, so what is left of the job can be found."""
 
-    def __init__(self, work_dir: Path, data_dir: str, *sets: str, script: str = "train.py", cli: bool = False):
+    def __init__(self, work_dir: Path, data_dir: str, *sets: str, script: str = "train.py", cli: bool = False,
+                 cli_args: tuple[str, ...] = ()):
         self.out = work_dir / "run"
         self.log = work_dir / "launcher.log"
-        # cli: `deepseek-ds train` (which runs the deepspeed launcher under it), else `deepspeed script`
-        launcher = [os.path.join(bin_dir(), "deepseek-ds"), "train"] if cli else [os.path.join(bin_dir(), "deepspeed")]
+        # cli: `deepseek-ds train` (which runs the deepspeed launcher under it, with cli_args), else `deepspeed script`
+        launcher = ([os.path.join(bin_dir(), "deepseek-ds"), "train", *cli_args] if cli
+                    else [os.path.join(bin_dir(), "deepspeed")])
         cmd = [*launcher, "--num_gpus", "2", "--master_port", str(free_port()), *([] if cli else [script]),
                "--config", RECIPE, "--set", f"train.output_dir={self.out}"]
         for s in (f"data.path={data_dir}", "train.steps=100000", "checkpoint.interval=0", "eval.interval=0", *sets):
@@ -214,6 +216,55 @@ def second_sigterm(work: Path, data_dir: str) -> Outcome:
         job.kill()
 
 
+@dataclasses.dataclass
+class Recovery:
+    """A rank killed under `deepseek-ds train --max-restarts` (launcher/restarts.py): how long until the job trains
+    again and what it lost."""
+    what: str
+    restarts: int
+    backoff_s: float
+    to_first_step_s: float  # from the kill until the first step after the restart is logged
+    steps_lost: int         # from the restart's record: logged steps after the checkpoint it resumed from
+    cause: str
+
+
+RECOVERY_COLUMNS = ["what happens", "restarts", "back-off (s)", "kill -> first step after the restart (s)",
+                    "steps lost", "cause logged"]
+
+
+def _recovery_table(rows: list[Recovery]) -> str:
+    return text_table([[r.what, str(r.restarts), f"{r.backoff_s:g}", f"{r.to_first_step_s:.1f}", str(r.steps_lost),
+                        r.cause] for r in rows], RECOVERY_COLUMNS,
+                      align=["left", "right", "right", "right", "right", "left"])
+
+
+def recovered_rank(work: Path, data_dir: str, interval: int = 4, backoff_s: float = 1.0) -> Recovery:
+    """Rank 1 SIGKILLed once step interval + 1 is logged, under --max-restarts 1 with checkpoint.interval `interval`:
+    the CLI restarts the job, which resumes from step `interval`."""
+    from ..training.metrics import read_metrics
+
+    job = FaultJob(work, data_dir, f"checkpoint.interval={interval}", cli=True,
+                   cli_args=("--max-restarts", "1", "--restart-backoff", f"{backoff_s:g}"))
+    try:
+        job.wait_for_steps(interval + 1)
+        job.ranks()[1].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        while True:
+            if job.proc.poll() is not None:
+                raise RuntimeError(f"the job ended instead of restarting:\n{job.text()[-3000:]}")
+            if time.monotonic() - killed > 300:
+                raise RuntimeError(f"no step after a restart in 300 s:\n{job.text()[-3000:]}")
+            records = read_metrics(str(job.out / "metrics.jsonl"), events=True)
+            events = [i for i, r in enumerate(records) if r.get("event") == "restart"]
+            if events and any("event" not in r for r in records[events[0] + 1:]):
+                event = records[events[0]]
+                return Recovery("rank 1 killed (kill -9) under --max-restarts 1", event["restart"], backoff_s,
+                                time.monotonic() - killed, event["steps_lost"], event["cause"])
+            time.sleep(0.05)
+    finally:
+        job.kill()
+
+
 def run_failure_bench(data_dir: str, work_dir: str, timeout_s: int) -> list[Outcome]:
     cases = [("killed", killed_rank), ("bad-start", bad_start), ("sigterm", sigterm), ("second", second_sigterm),
              ("hung", lambda work, data: hung_rank(work, data, timeout_s))]
@@ -234,8 +285,12 @@ def _bench(args: argparse.Namespace) -> int:
     data_dir = args.data or ensure_builtin_dataset(str(ROOT / "data_cache"), 2048, 8.0, progress=False)
     with tempfile.TemporaryDirectory() as tmp, HostLoad() as load:
         outcomes = run_failure_bench(data_dir, args.work_dir or tmp, args.dist_timeout_s)
+        work = Path(args.work_dir or tmp) / "recovered"
+        work.mkdir(parents=True)
+        recovery = _recovery_table([recovered_rank(work, data_dir)])
     text = _table(outcomes)
     print(text)
+    print(recovery)
     if args.out:
         from .report import write_process_report  # torch, imported only after the measurement
 
@@ -243,7 +298,11 @@ def _bench(args: argparse.Namespace) -> int:
             f"{RECIPE} on 2 ranks of this host through the real `deepspeed` launcher, each case a job of its own "
             "started from nothing and hit after its second step; seconds from the fault (or the signal) until the "
             "launcher exits, one run each. `processes left`: the job's processes still alive after it."),
-            ["```\n" + text + "\n```"], ranks=2, load=load)
+            ["```\n" + text + "\n```",
+             "Unattended recovery (`deepseek-ds train --max-restarts 1`, checkpoint.interval 4, rank 1 killed once step "
+             "5 is logged): the seconds from the kill until the restarted job logs its first step (the launcher's "
+             "exit, the back-off, a new launch, the resume), and the steps trained again.",
+             "```\n" + recovery + "\n```"], ranks=2, load=load)
     return 0
 
 
