@@ -25,7 +25,8 @@ def indexer_parameter_groups(model: nn.Module, trainable: list[nn.Parameter]) ->
     if not all(groups):
         raise ValueError("indexer.stage sparse: each pipeline stage needs both language-model and indexer parameters "
                          f"to clip them apart; this one has {len(groups[0])} and {len(groups[1])}")
-    return [{"params": g} for g in groups]
+    # Named: DeepSpeed's MoE split of the groups (expert parallelism) keys each group's expert part by its name.
+    return [{"name": name, "params": g} for name, g in zip(("lm", "indexer"), groups)]
 
 
 class GroupClipping:
