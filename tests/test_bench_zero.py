@@ -119,3 +119,35 @@ def test_bench_zero_measures_the_formula_and_writes_the_report(tmp_path, data_di
     for stage in (1, 2, 3):
         assert int(rows[stage]["buffers_bytes"]) >= bucket, f"ZeRO-{stage}"
         assert int(rows[stage]["buffers_bytes"]) < bucket + 4 * psi, f"ZeRO-{stage}"
+
+
+@pytest.mark.unit
+def test_muon_rows_take_plans_bytes_per_rank():
+    """With DeepSpeed's Muon, the row's expectation for each rank comes from the engine's tags and shapes as the worker
+    reports them, and equals `plan`'s from the layer specs (test_muon.py checks both against real engines); losses are
+    compared within one optimizer only."""
+    from deepseek_ds.models.muon import layer_shape, muon_split
+    from deepseek_ds.models.pipeline import build_model, prepare_config
+    from deepseek_ds.models.presets import build_model_config
+    from deepseek_ds.plan.params import SpecParams, rank_params
+    from deepseek_ds.plan.states import PERSISTENCE_DEFAULT, ZeroSettings, state_bytes
+
+    cfg = prepare_config(build_model_config("tiny-v3", None, {}))
+    model = build_model(cfg, 1, seed=1)
+    split = muon_split(model)
+    params = list(model.parameters())
+    spec = SpecParams(cfg)
+    planned = rank_params(spec, spec.bounds(1, "parameters", 64), 0, 1, 1)
+    for stage in (1, 2, 3):
+        reports = [{"rank": r, "dp_rank": r, "dp_size": 2, "param_numels": [p.numel() for p in params],
+                    "param_muon": list(split.values()), "param_shapes": [list(layer_shape(p)) for p in params],
+                    "param_element_size": 4} for r in range(2)]
+        for r in reports:
+            plan = state_bytes(planned, ZeroSettings(stage, 4, PERSISTENCE_DEFAULT, muon=True), 2, 1, r["dp_rank"])
+            assert zero_bench.expected_rank_optimizer_bytes(r, stage, master=True) == plan.optimizer, (stage, r)
+        adamw = zero_bench.expected_rank_optimizer_bytes({**reports[0], "param_muon": None}, stage, master=True)
+        assert (plan.optimizer < adamw) is (stage == 3)
+    rows = [{"optimizer": o, "losses": losses, "precision": "fp32"}
+            for o, losses in (("AdamW", [2.0]), ("AdamW", [2.0]), ("Muon", [1.5]), ("Muon", [1.5]))]
+    zero_bench.compare_losses(rows, None)
+    assert all(r["losses_agree"] for r in rows)

@@ -1,7 +1,7 @@
 """Muon (DeepSpeed's `"optimizer": {"type": "Muon"}`, ds_configs/zero*_muon.json): the rule of models/muon.py on the
 models, its refusals, and training through the real launcher: tiny-v3 (MoE) gives the same losses on 1 rank and
 on 2 ranks under every layout Muon serves, and tiny-dense follows a single-process torch.optim.Muon + AdamW
-reference (tests/reference_muon.py) with Newton-Schulz in fp32."""
+reference (tests/reference_muon.py) with Newton-Schulz in fp32; `plan` predicts the bytes each rank's engine holds."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ from deepseek_ds.config import ConfigError, filled_sections, load_and_validate, 
 from deepseek_ds.models.muon import RULE, muon_split, tag_muon
 from deepseek_ds.models.pipeline import build_model, prepare_config
 from deepseek_ds.models.presets import build_model_config
+from deepseek_ds.plan.estimate import element_bytes, estimate, layout_of, zero_settings
+from deepseek_ds.plan.params import SpecParams, rank_params
+from deepseek_ds.plan.states import state_bytes
 from helpers import read_metrics, train_layouts
 from reference_muon import fp32_newton_schulz, muon_reference_losses
 
@@ -200,3 +203,31 @@ def test_resume_is_bitwise(runs):
     assert [r["loss"] for r in half] == [r["loss"] for r in whole[:2]]
     assert [(r["step"], r["loss"]) for r in resumed] == [(r["step"], r["loss"]) for r in whole[2:]]
 
+
+@pytest.mark.launch
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_plan_predicts_the_bytes_muon_holds(stage, runs, data_dir):
+    """Every rank of the 2-rank ZeRO-1/2/3 Muon runs holds exactly the parameter, gradient and optimizer bytes `plan`
+    predicts (bench zero's probe, peaks over the run's optimizer steps): the Muon matrices as a group of their own
+    sorted by shape, ZeRO-3's momentum partitioned, ZeRO 1/2's momentum whole for every matrix overlapping the rank's
+    slice plus DeepSpeed's staged copy of it. Against AdamW's plan of the same layout: ZeRO-3 holds less optimizer
+    state; ZeRO 1/2 more (the staged copy and the whole matrices at the slices' edges outweigh Adam's second
+    moment on 2 ranks)."""
+    sets = SETS + [f"data.path={data_dir}"]
+    cfg, ds = load_and_validate("recipes/tiny-v3.yaml", f"ds_configs/zero{stage}_muon.json", sets, 2)
+    _, adamw_ds = load_and_validate("recipes/tiny-v3.yaml", f"ds_configs/zero{stage}.json", sets, 2)
+    lay = layout_of(cfg, ds, 2)
+    model = SpecParams(prepare_config(build_model_config("tiny-v3", None, {})))
+    params = rank_params(model, model.bounds(1, cfg.model.partition_method, cfg.data.seq_len), 0, 1, 1)
+    zero, adamw = zero_settings(ds, stage, element_bytes(ds)), zero_settings(adamw_ds, stage, element_bytes(adamw_ds))
+    assert zero.muon and not adamw.muon
+    fullest = 0
+    for rank in range(2):
+        held = json.loads((runs.output_dir(2, f"v3-zero{stage}") / f"held.rank{rank}.json").read_text())
+        got = state_bytes(params, zero, lay.dp, 1, held["dp_rank"])
+        assert (got.params, got.grads, got.optimizer) == tuple(held["held"][k] for k in ("params", "grads",
+                                                                                        "optimizer")), rank
+        fullest = max(fullest, got.optimizer)
+        adam = state_bytes(params, adamw, lay.dp, 1, held["dp_rank"]).optimizer
+        assert (got.optimizer < adam) is (stage == 3), (stage, got.optimizer, adam)
+    assert estimate(cfg, ds, lay, 2**40, fused_attention=False, model=model).fullest.optimizer == fullest

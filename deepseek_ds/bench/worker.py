@@ -27,13 +27,19 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ..config import load_and_validate, precision, zero_stage
 from ..data import micro_batches
+from ..models.muon import is_muon, layer_shape
 from ..training.loop import train_step
 from ..training.metrics import flops_per_token, peak_tflops
 from ..training.schedule import start_lr_schedule
 from ..training.setup import build_run
 from ..utils.cli_args import add_local_rank, add_run_args
 from ..utils.fs import write_json_atomic
-from ..utils.private_api import ZERO3_GRAD_PARTITIONS, pipeline_instructions, set_pipeline_instructions
+from ..utils.private_api import (
+    ZERO3_GRAD_PARTITIONS,
+    ZERO12_MUON_STAGED_MOMENTUM,
+    pipeline_instructions,
+    set_pipeline_instructions,
+)
 from ..utils.system import cpu_model
 
 PHASES = ("compute", "optimizer")
@@ -93,7 +99,8 @@ def held_bytes(engine) -> tuple[dict[str, int], str | None]:
     params: the model's parameters (ZeRO 1/2: the flat buffer they are views of, alignment padding included;
     ZeRO-3: the `ds_tensor` partitions plus parameters kept whole, i.e. persistent ones). optimizer: fp32 master
     weights and the optimizer's state tensors (Adam's exp_avg and exp_avg_sq; not the scalar step counter).
-    grads: parameters' .grad / DeepSpeed's grad_accum, and the optimizer's gradient partitions. buffers:
+    With Muon, ZeRO 1/2's staged copy of the momentum counts as optimizer state too. grads: parameters' .grad /
+    DeepSpeed's grad_accum, and the optimizer's gradient partitions. buffers:
     the gradient communication buckets (claimed first, before the gradients that are views into them during a
     backward) and anything else the optimizer holds. A storage shared by several views counts once, in the first
     category that claims it: params, buckets, grads, optimizer, other buffers."""
@@ -103,6 +110,7 @@ def held_bytes(engine) -> tuple[dict[str, int], str | None]:
     masters = [t for name in _MASTER_ATTRS for t in _walk(getattr(zero, name, None))]
     states = [v for state in inner.state.values() for key, v in state.items()
               if key != "step" and isinstance(v, torch.Tensor)]
+    states += list(_walk(getattr(zero, ZERO12_MUON_STAGED_MOMENTUM, None)))
     buckets = getattr(zero, _BUCKETS_ATTR, None)
     claims = [
         ("params", [t for p in params for t in (p.data, getattr(p, "ds_tensor", None)) if t is not None]),
@@ -316,6 +324,10 @@ def _steps(run, cfg, ds: dict, clock: PhaseClock, probe: StateProbe, warmup: int
         "skipped_steps": int(getattr(engine, "skipped_steps", 0)),
         # ZeRO-3 leaves partitioned parameters empty; ds_numel is their full size.
         "param_numels": [int(getattr(p, "ds_numel", p.numel())) for p in params],
+        # DeepSpeed's Muon: the engine's tags, and the shapes its Muon group is sorted by.
+        "param_muon": [bool(getattr(p, "use_muon", False)) for p in params] if is_muon(ds) else None,
+        "param_shapes": [list(layer_shape(p)) for p in params],
+        "optimizer_type": (ds.get("optimizer") or {}).get("type", "none"),
         "param_element_size": params[0].element_size() if params else 0,
         "world": run.world, "dp_size": run.dp_size, "grad_accum": run.grad_accum,
         "micro_batch_size": cfg.train.micro_batch_size, "global_batch_size": cfg.train.global_batch_size,

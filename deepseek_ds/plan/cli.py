@@ -177,7 +177,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**report.as_json(plan), **assumed, "step_time_s": t.total_s}, indent=2))
     else:
-        print(f"{plan.model}, {plan.precision}, {world} GPUs: {plan.layout}")
+        muon = ", Muon" if plan.optimizer == "Muon" else ""  # AdamW, the default, goes unsaid
+        print(f"{plan.model}, {plan.precision}{muon}, {world} GPUs: {plan.layout}")
         print(report.table(plan))
         if args.cpu:
             print(report.RUNTIME_NOTE)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import RunConfig, offloads, precision, zero_stage
+from ..models.muon import is_muon
 from ..models.pipeline import prepare_config
 from ..models.presets import build_model_config, num_routed_experts
 from . import activations
@@ -79,6 +80,7 @@ class Plan:
     layout: Layout
     gpu_memory: int
     ranks: list[RankEstimate]
+    optimizer: str = "AdamW"  # whose states the optimizer column counts: AdamW's, or DeepSpeed's Muon (with AdamW)
 
     @property
     def fullest(self) -> RankEstimate:
@@ -111,7 +113,8 @@ def zero_settings(ds: dict, stage: int, param_bytes: int) -> ZeroSettings:
     zero = ds.get("zero_optimization", {})
     return ZeroSettings(stage=stage, param_bytes=param_bytes,
                         persistence_threshold=int(zero.get("stage3_param_persistence_threshold", PERSISTENCE_DEFAULT)),
-                        offload_optimizer=offloads(ds, "optimizer"), offload_params=offloads(ds, "param"))
+                        offload_optimizer=offloads(ds, "optimizer"), offload_params=offloads(ds, "param"),
+                        muon=is_muon(ds))
 
 
 def buffer_bytes(ds: dict, layout: Layout, param_bytes: int, boundary_bytes: int, touched: int | None = None) -> int:
@@ -167,9 +170,10 @@ def estimate(cfg: RunConfig, ds: dict, layout: Layout, gpu_memory: int, fused_at
             cfg.model.activation_checkpoint_interval, with_loss=True, zero=layout.zero, sp=layout.sp,
             tiled_mlp=cfg.train.tiled_mlp, indexer=cfg.indexer.stage)
         acts = saved * (activations.in_flight(layout.pp, stage, layout.grad_accum) if layout.pp > 1 else 1) + recompute
-        # ZeRO-2's slices hold different parameters whole: the fullest data-parallel rank decides.
+        # ZeRO-2's slices hold different parameters whole (and ZeRO 1/2's Muon momentum the matrices overlapping each
+        # slice): the fullest data-parallel rank decides.
         n = layout.gradient_ranks
-        dp_ranks = range(n) if layout.zero == 2 else range(1)
+        dp_ranks = range(n) if layout.zero == 2 or (z.muon and layout.zero == 1) else range(1)
         dp_rank, states = max(((d, state_bytes(params, z, n, ep, d)) for d in dp_ranks),
                               key=lambda ds_: ds_[1].params + ds_[1].grads + ds_[1].optimizer)
         touched = sum(p.numel for p in params) if cpu else None
@@ -178,4 +182,5 @@ def estimate(cfg: RunConfig, ds: dict, layout: Layout, gpu_memory: int, fused_at
                                   buffers=buffer_bytes(ds, layout, f, boundary, touched), offloaded=states.offloaded,
                                   runtime=CPU_RUNTIME_BYTES if cpu else 0))
     name = cfg.model.preset or cfg.model.path
-    return Plan(model=name, precision=precision(ds), layout=layout, gpu_memory=gpu_memory, ranks=ranks)
+    return Plan(model=name, precision=precision(ds), layout=layout, gpu_memory=gpu_memory, ranks=ranks,
+                optimizer="Muon" if z.muon else "AdamW")

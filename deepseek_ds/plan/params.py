@@ -8,7 +8,8 @@ experts' adapters go with their experts, 1/EP per rank in the expert group. Para
 (DeepSeek-V4's lightning indexers, requires_grad False from the family's prepare_layer) are frozen as LoRA's base is:
 no gradient, no optimizer state, outside ZeRO's flat groups. DeepSeek-V3.2's indexers, frozen the same way by default,
 train with indexer.stage warmup (they alone: everything else frozen) or sparse (with everything else), as
-models.deepseek_v32.indexer.train_indexers leaves the built layers."""
+models.deepseek_v32.indexer.train_indexers leaves the built layers. Each parameter also carries whether Muon updates it
+(models/muon.py's rule, applied to the built layer), for a DeepSpeed JSON that selects Muon."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from torch import nn
 from ..models.deepseek_v32.indexer import train_indexers
 from ..models.flops import LayerCost
 from ..models.lora import apply_lora
+from ..models.muon import muon_split
 from ..models.pipeline import layer_costs, layer_specs, partition
 from ..models.tensor_parallel import split_dim
 
@@ -36,6 +38,11 @@ class Param:
     numel: int     # elements this rank holds (after the EP / TP split)
     expert: bool   # a routed-expert weight in AutoEP's own parameter group (expert_parallel > 1)
     trainable: bool = True  # False: a base weight LoRA freezes or a frozen layer part (no gradient or optimizer state)
+    muon_shape: tuple[int, ...] = ()  # its shape if Muon updates it under a Muon JSON (models/muon.py's rule)
+
+    @property
+    def muon(self) -> bool:
+        return bool(self.muon_shape)
 
 
 class SpecParams:
@@ -46,6 +53,7 @@ class SpecParams:
         self.mcfg = mcfg
         self.specs = layer_specs(mcfg, seed=None)
         self._built: dict[int, list[tuple[str, int, bool]]] = {}
+        self._muon: dict[int, dict[str, tuple[int, ...]]] = {}
         self._bounds: dict[tuple, list[int]] = {}
         self._costs: list[LayerCost] | None = None
         self._lora: dict[tuple, list[list[tuple[str, int, bool]]]] = {}
@@ -65,11 +73,21 @@ class SpecParams:
 
     def __getitem__(self, index: int) -> list[tuple[str, int, bool]]:
         """(name, elements, trainable) of spec `index`'s parameters, trainable as the built layer's requires_grad."""
+        self._build(index)
+        return self._built[index]
+
+    def muon(self, index: int) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of spec `index`'s parameters that Muon updates (the rule applied to the built layer)."""
+        self._build(index)
+        return self._muon[index]
+
+    def _build(self, index: int) -> None:
         if index not in self._built:
             with torch.device("meta"):
                 layer = self.specs[index].build()
             self._built[index] = [(name, p.numel(), p.requires_grad) for name, p in layer.named_parameters()]
-        return self._built[index]
+            shapes = {name: tuple(p.shape) for name, p in layer.named_parameters()}
+            self._muon[index] = {name: shapes[name] for name, muon in muon_split(layer).items() if muon}
 
     def with_indexers(self, index: int, stage: str) -> list[tuple[str, int, bool]]:
         """(name, elements, trainable) of spec `index`'s parameters under indexer.stage `stage`: frozen as built;
@@ -127,15 +145,17 @@ def rank_params(model: SpecParams, bounds: list[int], stage: int, ep: int, tp: i
     for i in range(a, b):
         spec = specs[i]
         entries = adapted[i] if adapted else model.with_indexers(i, indexer)
+        muon = {} if adapted else model.muon(i)  # validate() refuses LoRA with Muon
         if isinstance(spec, TiedLayerSpec):
             if spec.key in seen:
                 continue
             seen.add(spec.key)
-            (tied if pipeline else layers).extend((f"tied_modules.{spec.key}.{n}", k, t) for n, k, t in entries)
+            (tied if pipeline else layers).extend((f"tied_modules.{spec.key}.{n}", k, t, muon.get(n, ()))
+                                                  for n, k, t in entries)
         else:
-            layers.extend((f"{i}.{n}", k, t) for n, k, t in entries)
+            layers.extend((f"{i}.{n}", k, t, muon.get(n, ())) for n, k, t in entries)
     out, replaced = [], []
-    for name, numel, trainable in tied + layers:
+    for name, numel, trainable, muon in tied + layers:
         routed = ep > 1 and bool(_ROUTED.search(name))
         if adapted:
             # A rank holds its own experts (frozen, 1/EP) and, with lora.routed_experts, their adapters
@@ -149,7 +169,7 @@ def rank_params(model: SpecParams, bounds: list[int], stage: int, ep: int, tp: i
             replaced.append(Param(name, numel, expert=False))
         else:
             split = tp > 1 and split_dim(name, model.mcfg.model_type) is not None
-            out.append(Param(name, numel // tp if split else numel, expert=False, trainable=trainable))
+            out.append(Param(name, numel // tp if split else numel, expert=False, trainable=trainable, muon_shape=muon))
     # AutoEP swaps each MoE block for its own module; given a list, DeepSpeed drops the swapped parameters (routed
     # experts and the router) from the optimizer's list and appends their replacements at its end, layer by layer.
     return out + replaced

@@ -30,7 +30,7 @@ def table(plan: Plan, markdown: bool = False) -> str:
 
 def as_json(plan: Plan) -> dict:
     return {"fits": plan.fits, "gpu_memory_bytes": plan.gpu_memory, "model": plan.model, "precision": plan.precision,
-            "layout": plan.layout.as_dict(),
+            "optimizer": plan.optimizer, "layout": plan.layout.as_dict(),
             "ranks": [{"rank": r.rank, "stage": r.stage, "params_bytes": r.params, "grads_bytes": r.grads,
                        "optimizer_bytes": r.optimizer, "activation_bytes": r.activations, "buffers_bytes": r.buffers,
                        "offloaded_bytes": r.offloaded, "runtime_bytes": r.runtime, "total_bytes": r.total}

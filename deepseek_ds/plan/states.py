@@ -8,13 +8,23 @@ parameter that overlaps the rank's slice whole; ZeRO-1 keeps whole gradients unt
 ZeRO-3 (partition_parameters.py) pads each parameter to a multiple of N and keeps 1/N of it, plus parameters of at
 most stage3_param_persistence_threshold elements whole on every rank. Expert parameters (AutoEP) form their own
 group, partitioned over the expert-data-parallel group (data parallel / EP) instead of the data-parallel one.
+With DeepSpeed's Muon (engine.py's _muon_param_groups) the Muon-tagged matrices form one group (sorted by shape) and
+the rest a second, each flattened and padded on its own; utils/zero_partition.py's optimizer_state_bytes says what each keeps.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..utils.zero_partition import ADAM_BYTES, MASTER_BYTES, zero3_partition_numel, zero12_flat_numel
+from ..utils.zero_partition import (
+    ADAM_BYTES,
+    MASTER_BYTES,
+    muon_groups,
+    optimizer_state_bytes,
+    overlapping_numel,
+    zero3_partition_numel,
+    zero12_flat_numel,
+)
 from .params import Param
 
 # DeepSpeed splits a MoE group above this many elements (moe/utils.py split_params_into_different_moe_groups...).
@@ -29,6 +39,7 @@ class ZeroSettings:
     persistence_threshold: int  # ZeRO-3: parameters this small stay whole on every rank
     offload_optimizer: bool = False
     offload_params: bool = False
+    muon: bool = False  # the JSON selects DeepSpeed's Muon (with AdamW for the parameters the rule leaves it)
 
 
 @dataclass(frozen=True)
@@ -39,10 +50,15 @@ class StateBytes:
     offloaded: int  # of those, the bytes kept in host memory
 
 
-def _groups(params: list[Param]) -> list[tuple[list[int], bool]]:
-    """(element counts, is_expert) per optimizer parameter group, as the engine builds them from build_run's single
-    group: without experts one group; with AutoEP the dense parameters, then the experts in groups of at most
-    MAX_MOE_GROUP elements."""
+def _groups(params: list[Param], muon: bool) -> list[tuple[list[int], bool, bool]]:
+    """(element counts, is_expert, is_muon) per optimizer parameter group, as the engine builds them from build_run's
+    single group: without experts one group (with Muon two: the Muon matrices, then the rest); with AutoEP the
+    dense parameters, then the experts in groups of at most MAX_MOE_GROUP elements (validate() refuses AutoEP with
+    Muon)."""
+    if muon:
+        trainable = [p for p in params if p.trainable]
+        return [(g, False, m) for g, m in muon_groups([p.numel for p in trainable], [p.muon_shape for p in trainable],
+                                                      [p.muon for p in trainable])]
     dense = [p.numel for p in params if p.trainable and not p.expert]
     experts, groups = [p.numel for p in params if p.trainable and p.expert], [(dense, False)]
     current: list[int] = []
@@ -53,41 +69,50 @@ def _groups(params: list[Param]) -> list[tuple[list[int], bool]]:
         current.append(n)
     if current:
         groups.append((current, True))
-    return [g for g in groups if g[0]]
+    return [(g, expert, False) for g, expert in groups if g]
 
 
-def _overlapping(numels: list[int], start: int, end: int) -> int:
-    """Elements of the parameters of a flat group that overlap [start, end) (get_partition_info's rule)."""
-    total, offset = 0, 0
-    for n in numels:
-        if start <= offset < end or offset < start < offset + n:
-            total += n
-        offset += n
-    return total
-
-
-def _zero12(numels: list[int], n: int, rank: int, z: ZeroSettings) -> tuple[int, int, int]:
+def _zero12(numels: list[int], n: int, rank: int, z: ZeroSettings, muon: bool) -> tuple[int, int, int]:
     flat = zero12_flat_numel(numels, n)
     part = flat // n
     # ZeRO-1: whole gradients in the parameters' .grad until the boundary; ZeRO-2: the partition buffer. On the last
     # rank, the zeros that pad its gradient list to the partition at the step (a group not a multiple of 2 N long).
-    grads = z.param_bytes * ((sum(numels) if z.stage == 1 else _overlapping(numels, rank * part, (rank + 1) * part))
-                             + (flat - sum(numels) if rank == n - 1 else 0))
-    return z.param_bytes * flat, grads, (MASTER_BYTES + ADAM_BYTES) * part
+    held = sum(numels) if z.stage == 1 else overlapping_numel(numels, rank * part, (rank + 1) * part)
+    grads = z.param_bytes * (held + (flat - sum(numels) if rank == n - 1 else 0))
+    # Muon's momentum is in the gradients' dtype (DeepSpeed's _muon_momentum_buffer).
+    return z.param_bytes * flat, grads, optimizer_state_bytes(numels, muon, n, rank, z.stage, z.param_bytes)
 
 
-def _zero3(numels: list[int], n: int, z: ZeroSettings) -> tuple[int, int, int]:
+def _muon_grads(groups: list[tuple[list[int], bool, bool]], n: int, rank: int, z: ZeroSettings) -> int:
+    """ZeRO 1/2 with Muon: the most gradient bytes the rank holds. Before the accumulation boundary ZeRO-1 holds every
+    gradient whole (ZeRO-2 less than after it); from the boundary to the step, the parameters' gradients are gone
+    and the rank holds the reduced gradient of every parameter overlapping its slice of each group, whole, Muon's
+    update of each such matrix (a new whole tensor, get_flat_partition) and, on the last rank, the zeros padding
+    each group's list to the partition."""
+    boundary = 0
+    for numels, _, muon in groups:
+        flat = zero12_flat_numel(numels, n)
+        part = flat // n
+        boundary += overlapping_numel(numels, rank * part, (rank + 1) * part) * (2 if muon else 1)
+        boundary += flat - sum(numels) if rank == n - 1 else 0
+    whole = sum(sum(numels) for numels, _, _ in groups) if z.stage == 1 else 0
+    return z.param_bytes * max(whole, boundary)
+
+
+def _zero3(numels: list[int], n: int, z: ZeroSettings, muon: bool = False) -> tuple[int, int, int]:
     part = zero3_partition_numel(numels, n)
     # A persistent parameter stays gathered: a view of its all-gather buffer, N partitions long.
     persistent = sum(-(-x // n) * n for x in numels if x <= z.persistence_threshold)
-    return z.param_bytes * (part + persistent), z.param_bytes * part, (MASTER_BYTES + ADAM_BYTES) * part
+    # Muon's momentum is in the communication dtype, the parameters' by default (stage3.py's _create_momentum_buffer).
+    return (z.param_bytes * (part + persistent), z.param_bytes * part,
+            optimizer_state_bytes(numels, muon, n, 0, 3, z.param_bytes))
 
 
 def state_bytes(params: list[Param], z: ZeroSettings, dp: int, ep: int, dp_rank: int) -> StateBytes:
     """Bytes one rank holds. `dp_rank`: the rank's index in its data-parallel group (ZeRO-2's slices hold different
     parameters whole, so ranks differ by a few parameters); the expert group's index is dp_rank // ep."""
     total = [0, 0, 0]
-    for numels, expert in _groups(params):
+    for numels, expert, muon in _groups(params, z.muon):
         n = dp // ep if expert else dp
         rank = dp_rank // ep if expert else dp_rank
         if z.stage == 0:
@@ -96,11 +121,13 @@ def state_bytes(params: list[Param], z: ZeroSettings, dp: int, ep: int, dp_rank:
             master = MASTER_BYTES * size if z.param_bytes != MASTER_BYTES else 0
             got = (z.param_bytes * size, z.param_bytes * size, ADAM_BYTES * size + master)
         elif z.stage in (1, 2):
-            got = _zero12(numels, n, rank, z)
+            got = _zero12(numels, n, rank, z, muon)
         else:
-            got = _zero3(numels, n, z)
+            got = _zero3(numels, n, z, muon)
         total = [t + g for t, g in zip(total, got)]
     params_b, grads_b, optim_b = total
+    if z.muon and z.stage in (1, 2):
+        grads_b = _muon_grads(_groups(params, True), dp, dp_rank, z)
     # Frozen weights (LoRA's base, V4's indexers) stay out of ZeRO's flat groups: whole on every rank, or under
     # ZeRO-3 partitioned like the others (1/N each, and whole besides up to the persistence threshold).
     frozen = [p.numel for p in params if not p.trainable]

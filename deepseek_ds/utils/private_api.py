@@ -86,6 +86,8 @@ PRIVATE: tuple[tuple[str, str, str], ...] = (
     ("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3",
      "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition", "ZeRO-3's gradient partitions, counted as "
      "gradients by bench zero"),
+    ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer", "_muon_pending_momentum", "ZeRO 1/2's staged "
+     "copy of Muon's momentum, counted as optimizer state by bench zero (plan counts it)"),
     ("torch", "_fused_sdp_choice", "which backend scaled_dot_product_attention picks (the GPU check)"),
     # export (inference/export.py), JIT builds (utils/jit_lock.py)
     ("torch.nn.Module", "_parameters", "export's cast replaces a module's tensors in place"),
@@ -301,6 +303,9 @@ ONNX_REGISTRATION_LOGGER = "torch.onnx._internal.exporter._registration"
 # ------------------------------------------------------------------------------------------ benchmarks
 # ZeRO-3's per-parameter gradient partitions (a name-mangled field): bench zero counts them as gradients.
 ZERO3_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
+# ZeRO 1/2's copy of Muon's momentum that a step's update is staged in until the step survives the overflow check
+# (kept between steps, out of optimizer.state): per group, (staged buffer, flat master partition).
+ZERO12_MUON_STAGED_MOMENTUM = "_muon_pending_momentum"
 
 
 def pipeline_instructions(engine_cls) -> dict:
