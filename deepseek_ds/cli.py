@@ -12,6 +12,7 @@ import sys
 
 from .bench import (
     checkpoint_bench,
+    comm_bench,
     data_bench,
     failure_bench,
     indexer_bench,
@@ -41,6 +42,7 @@ from .models.flops import model_size
 from .models.pipeline import layer_costs, partition, partition_table, prepare_config
 from .models.presets import PRESETS, build_model_config
 from .plan import cli as plan_cli
+from .plan import comm as plan_comm
 from .training.metrics import read_metrics
 from .utils.cli_args import add_master_port, add_run_args, add_slot_filters, add_world_args, positive_int, spellings
 from .utils.errors import run_command
@@ -236,6 +238,7 @@ def _register_modules(sub) -> None:
     for module in (data_bench, checkpoint_bench, zero_bench, pipeline_bench, overhead, lora_bench, sequence_bench,
                    failure_bench, indexer_bench):
         module.register(bench)
+    comm_bench.register(bench, planned=plan_comm.run_comm_bytes)  # plan's model, which bench may not import
 
 
 def _run_data(config: str, sets: list[str]):

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.utils import groups, safe_get_full_grad, safe_get_full_optimizer_state
 
+from deepseek_ds.bench.comm_counter import counting
 from deepseek_ds.config import load_and_validate
 from deepseek_ds.training.loop import train
 from deepseek_ds.training.main import parse_args
@@ -99,9 +100,13 @@ def run_layouts(argv: list[str], train_one: Callable[[Run], object] = train,
     parser = argparse.ArgumentParser()
     parser.add_argument("--layouts", required=True, type=json.loads)
     parser.add_argument("--first-grads", action="store_true", help="record step 1's gradients (see above)")
+    parser.add_argument("--count-comm", action="store_true",
+                        help="count each layout's communication per step: bench comm's counter, comm.rank<R>.json")
     ours, shared = parser.parse_known_args(argv)
     if ours.first_grads:
         train_one = train_recording_first_gradients
+    if ours.count_comm:
+        train_one = counting(train_one)
     for ds_config, sets in ours.layouts:
         layout = shared + ["--deepspeed_config", ds_config] + [a for s in sets for a in ("--set", s)]
         with around(layout):

@@ -136,8 +136,9 @@ def test_lora_under_autoep_shards_expert_adapters_over_the_expert_data_parallel_
     assert rank.optimizer == 12 * (dense // world + experts // ep // edp)  # fp32 master + Adam's two moments
     assert rank.grads == 4 * (dense + experts // ep)  # ZeRO-1: whole fp32 gradients of what this rank trains
     assert rank.params == 4 * (frozen + dense + experts // ep)
-    # The step's gradient all-reduces (ring, 2 (n-1)/n of the bytes): dense adapters over the data-parallel ranks,
-    # expert adapters over their expert-data-parallel group only (none with EP = dp); all-to-alls made free here.
+    # The step's gradient all-reduces (ring, 2 (n-1)/n of the bytes) and ZeRO-1's all-gathers of the updated
+    # parameters ((n-1)/n): dense adapters over the data-parallel ranks, expert adapters over their
+    # expert-data-parallel group only (none with EP = dp); all-to-alls made free here, the metrics (< 1 kB) aside.
     hw = Hardware(peak_tflops=1.0, mfu=1.0, bandwidth=1.0, intra_bandwidth=1e30, gpus_per_node=8)
-    want = 2 * (world - 1) / world * 4 * dense + 2 * (edp - 1) / edp * 4 * (experts // ep)
-    assert step_time(cfg, plan, hw, SpecParams(model_config(cfg))).comm_s == pytest.approx(want, rel=1e-9)
+    want = 3 * (world - 1) / world * 4 * dense + 3 * (edp - 1) / edp * 4 * (experts // ep)
+    assert step_time(cfg, plan, hw, SpecParams(model_config(cfg)), ds).comm_s == pytest.approx(want, abs=1000)

@@ -20,6 +20,7 @@ from ..utils.cli_args import add_hostfile, add_num_gpus, add_run_args, add_slot_
 from ..utils.errors import UserError
 from ..utils.fmt import parse_bytes
 from . import report
+from .comm import comm_json
 from .estimate import attention_is_fused, estimate, layout_of, model_config
 from .params import SpecParams
 from .steptime import DEFAULT_GPU, GPUS, Hardware, search, step_time
@@ -173,9 +174,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(report.ranking(found, args.top))
         return 0 if found else 1
     plan = estimate(cfg, ds, layout_of(cfg, ds, world), memory, attention_is_fused(cfg, args.cpu), model, cpu=args.cpu)
-    t = step_time(cfg, plan, hw, model)
+    t = step_time(cfg, plan, hw, model, ds)
+    comm = comm_json(cfg, ds, plan, model)
     if args.json:
-        print(json.dumps({**report.as_json(plan), **assumed, "step_time_s": t.total_s}, indent=2))
+        print(json.dumps({**report.as_json(plan), **assumed, "step_time_s": t.total_s,
+                          "bandwidth_bytes_per_s": {"between_nodes": hw.bandwidth, "inside_node": hw.intra_bandwidth},
+                          "comm_bytes": comm}, indent=2))
     else:
         muon = ", Muon" if plan.optimizer == "Muon" else ""  # AdamW, the default, goes unsaid
         print(f"{plan.model}, {plan.precision}{muon}, {world} GPUs: {plan.layout}")
@@ -184,6 +188,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(report.RUNTIME_NOTE)
         print(report.verdict(plan).removeprefix("plan: "))
         print("estimated " + report.why(plan, t))
+        print(report.comm_line(comm))
         print(f"compute at MFU {args.mfu:.0%} of {peak_source}")
     return 0 if plan.fits else 1
 

@@ -45,3 +45,11 @@ def why(plan: Plan, t: StepTime) -> str:
 def ranking(found: list[tuple[Plan, StepTime]], top: int) -> str:
     rows = [[str(i + 1), str(p.layout), why(p, t)] for i, (p, t) in enumerate(found[:top])]
     return text_table(rows, ["#", "layout", "why"], align=("right", "left", "left"))
+
+
+def comm_line(comm: dict) -> str:
+    """The busiest stage's bytes per rank and step by collective (plan --json's comm_bytes)."""
+    s = max(comm["stages"], key=lambda stage: stage["wire_bytes"])
+    kinds = ", ".join(f"{k.replace('_', '-')} {human_bytes(v)}" for k, v in s["by_kind"].items() if v)
+    where = f" (stage {s['stage']}, the busiest)" if len(comm["stages"]) > 1 else ""
+    return f"communication per rank and step{where}: {kinds}; {human_bytes(s['wire_bytes'])} on the wire"

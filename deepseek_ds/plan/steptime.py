@@ -1,13 +1,12 @@
 """Estimated optimizer-step time of a layout, and the search over every layout validate() accepts for a GPU count.
 
 time = the slowest stage's compute (training FLOPs per token from models.flops, the one formula, less the weight
-gradients of LoRA's frozen base, at a stated MFU of the GPU's peak) stretched by the 1F1B bubble, (m + p - 1) / m for p stages and m micro-batches, plus the
-communication a step must move at a stated bandwidth per GPU, not overlapped (an upper bound): gradient reduction
-over the data-parallel group (ring: 2 (n-1)/n x the trainable bytes; ZeRO-3 reduce-scatters them, (n-1)/n, and
-all-gathers every parameter, frozen ones too, twice),
-expert gradients over the expert-data-parallel group, MoE all-to-all (dispatch and combine, forward and backward)
-tensor-parallel all-reduces (two per layer forward, two backward) and sequence-parallel all-to-alls (q, k, v and the
-output per layer, forward and backward). Sequence ranks split a replica's tokens: each computes 1/sp of them.
+gradients of LoRA's frozen base, at a stated MFU of the GPU's peak) stretched by the 1F1B bubble, (m + p - 1) / m
+for p stages and m micro-batches, plus the communication a step must move at a stated bandwidth per GPU, not
+overlapped (an upper bound): plan/comm.py's transfers of each rank (the bytes bench comm measures), each at a ring
+algorithm's wire bytes (2 (n-1)/n of an all-reduce, (n-1)/n of the other collectives, a send whole), the expert,
+tensor and sequence groups at the bandwidth inside a node when they fit in one, the rest between nodes; the slowest
+stage's. Sequence ranks split a replica's tokens: each computes 1/sp of them.
 """
 
 from __future__ import annotations
@@ -20,9 +19,11 @@ from ..config import ConfigError, RunConfig, validate
 from ..models import flops
 from ..models.presets import num_routed_experts
 from ..training.metrics import PEAK_TFLOPS_BF16
-from .activations import layer_kinds
+from .comm import transfers
 from .estimate import Plan, attention_is_fused, estimate, layout_of
-from .params import SpecParams, lora_active, rank_params
+from .params import SpecParams, lora_active
+
+LOCAL_GROUPS = ("expert", "tensor", "sequence")
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,8 @@ class StepTime:
         return self.tokens / self.total_s
 
 
-def step_time(cfg: RunConfig, plan: Plan, hw: Hardware, model: SpecParams) -> StepTime:
+def step_time(cfg: RunConfig, plan: Plan, hw: Hardware, model: SpecParams, ds: dict | None = None) -> StepTime:
+    """`ds`: the DeepSpeed JSON (ZeRO-3's persistence threshold and reuse distance; None: DeepSpeed's defaults)."""
     mcfg, lay = model.mcfg, plan.layout
     seq = cfg.data.seq_len
     bounds = model.bounds(lay.pp, cfg.model.partition_method, seq)
@@ -85,43 +87,16 @@ def step_time(cfg: RunConfig, plan: Plan, hw: Hardware, model: SpecParams) -> St
         per_layer = [f - 2 * frozen + 6 * adapters
                      for f, (frozen, adapters) in zip(per_layer, lora_active(model, cfg.lora))]
     replica_tokens = lay.micro * lay.grad_accum * seq
-    f = 2 if plan.precision in ("bf16", "fp16") else 4
     stage_flops = [sum(per_layer[a:b]) for a, b in zip(bounds, bounds[1:])]
     compute = max(stage_flops) * replica_tokens / (lay.tp * lay.sp) / (hw.peak_tflops * 1e12 * hw.mfu)
     bubble = (lay.pp - 1) / (lay.grad_accum + lay.pp - 1)
-    comm = 0.0
-    ep = lay.ep if num_routed_experts(mcfg) else 1
-    for stage in range(lay.pp):
-        params = rank_params(model, bounds, stage, ep, lay.tp, cfg.lora, cfg.indexer.stage)
-        # ZeRO-3 gathers every parameter, frozen (LoRA's base) or not, in the forward and again in the backward.
-        gathers, reductions = (2, 1) if lay.zero == 3 else (0, 2)
-        dense = sum((gathers + reductions * p.trainable) * p.numel for p in params if not p.expert) * f
-        expert = sum((gathers + reductions * p.trainable) * p.numel for p in params if p.expert) * f
-        n = lay.gradient_ranks
-        edp = n // ep
-        between = (n - 1) / n * dense + ((edp - 1) / edp * expert if edp > 1 else 0)
-        decoders = [i - 1 for i in range(bounds[stage], bounds[stage + 1]) if 1 <= i <= mcfg.num_hidden_layers]
-        moe = sum(1 for i in decoders if layer_kinds(mcfg)[i] == "moe")
-        rank_tokens = replica_tokens / lay.sp
-        token_bytes = rank_tokens * mcfg.hidden_size * f
-        inside = 4 * moe * token_bytes * getattr(mcfg, "num_experts_per_tok", 0) * (ep - 1) / ep
-        inside += 4 * len(decoders) * token_bytes * 2 * (lay.tp - 1) / lay.tp
-        # Ulysses: q, k, v and the output all-to-all'd in the forward, their gradients in the backward.
-        inside += 2 * len(decoders) * rank_tokens * attention_widths(mcfg) * f * (lay.sp - 1) / lay.sp
-        # Expert, tensor and sequence groups are consecutive ranks: inside one node when they fit in it.
-        local = hw.intra_bandwidth if ep * lay.tp * lay.sp <= hw.gpus_per_node else hw.bandwidth
-        comm = max(comm, between / hw.bandwidth + inside / local)
+    # Expert, tensor and sequence groups are consecutive ranks: inside one node when they fit in it; the data,
+    # expert-data and pipeline groups span nodes.
+    inside = lay.ep * lay.tp * lay.sp <= hw.gpus_per_node
+    comm = max(sum(t.wire_bytes / (hw.intra_bandwidth if inside and t.group in LOCAL_GROUPS else hw.bandwidth)
+                   for t in transfers(cfg, ds or {}, plan, model, stage)) for stage in range(lay.pp))
     return StepTime(compute_s=compute, bubble=bubble, comm_s=comm,
                     tokens=lay.micro * lay.grad_accum * lay.dp * seq)
-
-
-def attention_widths(mcfg) -> int:
-    """Elements per token of one layer's q, k, v and attention output (all heads): what Ulysses moves each way."""
-    h = mcfg.num_attention_heads
-    if hasattr(mcfg, "kv_lora_rank"):
-        return h * (2 * (mcfg.qk_nope_head_dim + mcfg.qk_rope_head_dim) + 2 * mcfg.v_head_dim)
-    d = mcfg.hidden_size // h
-    return (2 * h + 2 * mcfg.num_key_value_heads) * d
 
 
 def _divisors(n: int) -> list[int]:
@@ -159,6 +134,6 @@ def search(cfg: RunConfig, ds: dict, world: int, gpu_memory: int, hw: Hardware, 
     for c, d in candidates(cfg, ds, world, model.mcfg):
         plan = estimate(c, d, layout_of(c, d, world), gpu_memory, attention_is_fused(c, cpu), model, cpu=cpu)
         if plan.fits:
-            ranked.append((plan, step_time(c, plan, hw, model)))
+            ranked.append((plan, step_time(c, plan, hw, model, d)))
     return sorted(ranked, key=lambda ps: ps[1].total_s)
 
