@@ -54,7 +54,7 @@ def run_loop(monkeypatch, step_outcome, max_consecutive_skips: int, saved: list[
                   "max_consecutive_skips": max_consecutive_skips}})
     engine = FakeEngine()
     run = SimpleNamespace(cfg=cfg, engine=engine, model_config=build_model_config("tiny-dense"), world=1, rank=1,
-                          loss_fn=SimpleNamespace(mtp_depth=0), balancer=None, indexer=None, pipeline=False, dp_size=1,
+                          loss_fn=SimpleNamespace(mtp_depth=0), balancer=None, indexer=None, clipping=None, pipeline=False, dp_size=1,
                           layout=Layout(Degrees(), world=1, rank=0, data_rank=0, data_size=1),
                           grad_accum=1, dataset=[np.zeros(9, np.int64)] * 4,
                           log=logging.getLogger("test_skipped_steps"), saver=None,
