@@ -200,13 +200,7 @@ def test_rollouts_rewards_advantages_and_gradient_norm_equal_a_recomputation(nam
     cfg = load_run_config("recipes/tiny-v3.yaml", SETS + [f"data.path={prompts_data}"])
     hf, _ = reference_model(cfg)
     hf.train()
-    s = GRPOSettings(cfg.grpo.beta, cfg.grpo.epsilon, cfg.grpo.epsilon, cfg.grpo.loss_type,
-                     cfg.grpo.importance_sampling_level, cfg.grpo.max_completion_length)
-    prompts, completions = [r["prompt_ids"] for r in first], [r["completion_ids"] for r in first]
-    trl = _trl(hf, s, cfg.grpo.temperature)
-    with torch.no_grad():  # the reference is the starting model: the policy itself at step 1
-        ref = trl._get_per_token_logps_and_entropies(hf, *_joined(prompts, completions),
-                                                     max(map(len, completions)))[0]
+    trl, prompts, completions, ref = _trl_on(hf, cfg, first)  # the reference: the policy itself at step 1
     trl._compute_loss(hf, _trl_inputs(prompts, completions, torch.tensor([r["advantage"] for r in first]), ref,
                                       0)).backward()
     norm = torch.sqrt(sum(p.grad.double().norm() ** 2 for p in hf.parameters() if p.grad is not None)).item()
@@ -237,13 +231,7 @@ def test_lora_rollouts_and_gradient_norm_equal_trl_on_peft(grpo_runs, prompts_da
                           + [f"data.path={prompts_data}"])
     initial = initial_adapters(cfg)
     model = peft_model(cfg, lora_base, initial, "eager")
-    s = GRPOSettings(cfg.grpo.beta, cfg.grpo.epsilon, cfg.grpo.epsilon, cfg.grpo.loss_type,
-                     cfg.grpo.importance_sampling_level, cfg.grpo.max_completion_length)
-    prompts, completions = [r["prompt_ids"] for r in first], [r["completion_ids"] for r in first]
-    trl = _trl(model, s, cfg.grpo.temperature)
-    with torch.no_grad():
-        ref = trl._get_per_token_logps_and_entropies(model, *_joined(prompts, completions),
-                                                     max(map(len, completions)))[0]
+    trl, prompts, completions, ref = _trl_on(model, cfg, first)  # B = 0: the base's, the reference's
     trl._compute_loss(model, _trl_inputs(prompts, completions, torch.tensor([r["advantage"] for r in first]), ref,
                                          0)).backward()
     params = dict(model.named_parameters())
@@ -278,13 +266,8 @@ def test_two_iterations_update_twice_on_one_generation_as_trl(grpo_runs, prompts
     cfg = load_run_config("recipes/tiny-v3.yaml", SETS + ITERATIONS + [f"data.path={prompts_data}"])
     hf, _ = reference_model(cfg)
     hf.train()
-    s = GRPOSettings(cfg.grpo.beta, cfg.grpo.epsilon, cfg.grpo.epsilon, cfg.grpo.loss_type,
-                     cfg.grpo.importance_sampling_level, cfg.grpo.max_completion_length)
-    prompts, completions = [r["prompt_ids"] for r in rows], [r["completion_ids"] for r in rows]
-    trl = _trl(hf, s, cfg.grpo.temperature)
-    with torch.no_grad():  # the starting model: the reference, and the policy that sampled
-        start = trl._get_per_token_logps_and_entropies(hf, *_joined(prompts, completions),
-                                                       max(map(len, completions)))[0]
+    # The starting model: the reference, and the policy that sampled.
+    trl, prompts, completions, start = _trl_on(hf, cfg, rows)
     inputs = _trl_inputs(prompts, completions, torch.tensor([r["advantage"] for r in rows]), start, 0)
     inputs["old_per_token_logps"] = start
     params = [p for p in hf.parameters() if p.requires_grad]
@@ -340,6 +323,19 @@ def test_a_resumed_run_draws_the_same_rollouts_and_steps_bitwise(grpo_runs):
     assert [r["step"] for r in resumed] == [1, 2]
     for key in ("loss", "grad_norm", "reward", "kl", "entropy"):
         assert [r[key] for r in resumed] == [r[key] for r in straight], key
+
+
+def _trl_on(model, cfg, rows: list[dict]):
+    """(TRL's trainer on `model` at the run's grpo settings, the rollout rows' prompts and completions, the model's
+    log-probabilities of the completions, without gradient)."""
+    g = cfg.grpo
+    s = GRPOSettings(g.beta, g.epsilon, g.epsilon, g.loss_type, g.importance_sampling_level, g.max_completion_length)
+    prompts, completions = [r["prompt_ids"] for r in rows], [r["completion_ids"] for r in rows]
+    trl = _trl(model, s, g.temperature)
+    with torch.no_grad():
+        logps = trl._get_per_token_logps_and_entropies(model, *_joined(prompts, completions),
+                                                       max(map(len, completions)))[0]
+    return trl, prompts, completions, logps
 
 
 def _joined(prompts, completions):
