@@ -108,8 +108,15 @@ LAYOUTS = [
     ("zero1", 2, "ds_configs/zero1.json", []),
     ("zero2", 2, "ds_configs/zero2.json", []),
     ("zero3", 2, "ds_configs/zero3.json", []),
-    ("pp2-zero1", 2, "ds_configs/zero1_pp.json", ["parallel.pipeline_stages=2"]),
-    ("pp4-zero1", 4, "ds_configs/zero1_pp.json", ["parallel.pipeline_stages=4"]),
+    # 8 micro-batches, as the other pipeline schedules run them (below, and test_schedules_equal_1f1b).
+    ("pp2-zero1", 2, "ds_configs/zero1_pp.json", ["parallel.pipeline_stages=2", "train.micro_batch_size=1"]),
+    ("pp4-zero1", 4, "ds_configs/zero1_pp.json", ["parallel.pipeline_stages=4", "train.micro_batch_size=1"]),
+    ("pp2-zbh1-zero1", 2, "ds_configs/zero1_pp.json", ["parallel.pipeline_stages=2", "train.micro_batch_size=1",
+                                                       "parallel.pipeline_schedule=zb-h1"]),
+    # With activation checkpointing (the split backward recomputes through torch's non-reentrant checkpoint).
+    ("pp4-zbh1-zero1", 4, "ds_configs/zero1_pp.json", ["parallel.pipeline_stages=4", "train.micro_batch_size=1",
+                                                       "parallel.pipeline_schedule=zb-h1",
+                                                       "model.activation_checkpoint_interval=1"]),
     # 4 ranks: also exercises activation checkpointing inside the pipeline (embedding first layer excluded).
     ("pp2xdp2-zero1-ckpt", 4, "ds_configs/zero1_pp.json", ["parallel.pipeline_stages=2",
                                                            "model.activation_checkpoint_interval=1"]),
@@ -194,10 +201,21 @@ def test_losses_equal_single_process_reference(name, ranks, ds_config, extra, re
         assert error <= 1e-5, f"{name}: step 1's gradient of {param} is off by {error:.2e} of its largest entry"
 
 
+@pytest.mark.launch
+@pytest.mark.parametrize("name,ranks,base", [("pp2-zbh1-zero1", 2, "pp2-zero1"), ("pp4-zbh1-zero1", 4, "pp4-zero1")])
+def test_schedules_equal_1f1b(name, ranks, base, runs):
+    """The same 8 micro-batches in another order give DeepSpeed's 1F1B losses and gradient norms (the gradients
+    themselves are compared with the reference's above)."""
+    records, baseline = runs(ranks, name), runs(ranks, base)
+    for key in ("loss", "grad_norm"):
+        got, want = [r[key] for r in records], [r[key] for r in baseline]
+        assert got == pytest.approx(want, rel=1e-6, abs=0), f"{name}: {key} {got} vs 1f1b's {want}"
+
+
 # The 2-rank launch's layouts: issue 53's on tiny-v3 (ZeRO-0..3, PP=2, SP=2; EP=2 on tiny-v32, the same AutoEP
 # all-to-alls: the launch has no tiny-v3 EP layout; TP=2 runs in test_tensor_parallel.py's launch) and the other
 # families'. Not the trained indexer's (its metrics differ by a few bytes) nor LoRA's (an HF directory).
-COMM_LAYOUTS = ["zero0", "zero1", "zero2", "zero3", "pp2-zero1", "sp2-zero2", "v32-ep2-zero1", "qwen2-zero3",
+COMM_LAYOUTS = ["zero0", "zero1", "zero2", "zero3", "pp2-zero1", "pp2-zbh1-zero1", "sp2-zero2", "v32-ep2-zero1", "qwen2-zero3",
                 "qwen2-pp2-zero1", "v4-zero1", "v4-zero3", "v4-pp2-zero1", "v32-zero1", "v32-zero3", "v32-pp2-zero1"]
 
 

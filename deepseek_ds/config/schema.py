@@ -21,6 +21,7 @@ RESUME_SCHEDULES = ("keep", "replan")
 BUILTIN_CORPORA = ("stdlib",)
 TRUNCATIONS = ("drop", "truncate_left", "truncate_right")
 OBJECTIVES = ("lm", "dpo", "grpo")
+PIPELINE_SCHEDULES = ("1f1b", "zb-h1", "dualpipev")
 
 
 def yaml_key(f: dataclasses.Field) -> str:
@@ -188,10 +189,18 @@ class ParallelSection:
     sequence_parallel: int = 1
     """Ranks each sequence is split over (DeepSpeed-Ulysses for MLA: attention all-to-alls sequence shards into head
     shards); 1: none. world = pipeline_stages x tensor_parallel x sequence_parallel x data-parallel size."""
+    pipeline_schedule: str = "1f1b"
+    """The order of the pipeline's forward and backward passes: 1f1b (DeepSpeed's), zb-h1 (zero bubble: each backward
+    split into its input and weight halves, the weight halves filling the bubble) or dualpipev (DeepSeek's DualPipe
+    folded into a V: each rank holds stage r and stage 2p-1-r)."""
 
     def __post_init__(self):
-        _refuse(_at_least("parallel", 1, pipeline_stages=self.pipeline_stages, expert_parallel=self.expert_parallel,
-                          tensor_parallel=self.tensor_parallel, sequence_parallel=self.sequence_parallel))
+        problems = _at_least("parallel", 1, pipeline_stages=self.pipeline_stages, expert_parallel=self.expert_parallel,
+                             tensor_parallel=self.tensor_parallel, sequence_parallel=self.sequence_parallel)
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            problems.append(f"parallel.pipeline_schedule = {self.pipeline_schedule!r}: use one of "
+                            f"{', '.join(PIPELINE_SCHEDULES)}")
+        _refuse(problems)
 
     @property
     def degrees(self) -> Degrees:

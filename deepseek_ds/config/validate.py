@@ -21,6 +21,7 @@ from ..models.presets import ModelConfigError, build_model_config, num_routed_ex
 from ..models.tensor_parallel import tensor_parallel_errors
 from ..models.tiled import tiled_mlp_errors
 from ..parallel.degrees import layout_errors
+from ..parallel.schedule_rules import pipeline_schedule_errors
 from ..parallel.sequence import sequence_parallel_errors
 from .deepspeed_json import (
     asynchronous_checkpoint_engines,
@@ -47,6 +48,7 @@ def validate(cfg: RunConfig, ds: dict, world_size: int, cuda_available: bool | N
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()
     errors = (unknown_top_level_keys(ds) + _layout_errors(cfg, world_size) + _deepspeed_errors(cfg, ds, cuda_available)
+              + _pipeline_schedule_errors(cfg, ds, world_size)
               + model_errors(cfg, ds, files) + (_blend_or_data_errors(cfg) if files else []) + _task_errors(cfg, files)
               + _nan_policy_errors(cfg, ds) + missing_monitor_packages(ds)
               + asynchronous_checkpoint_engines(ds) + _tensor_parallel_errors(cfg, ds)
@@ -123,6 +125,14 @@ def _deepspeed_errors(cfg: RunConfig, ds: dict, cuda_available: bool) -> list[st
         errors.append("deepspeed_config bf16.loss_scale is not a DeepSpeed field (bf16 needs no loss scaling); "
                       "remove it")
     return errors
+
+
+def _pipeline_schedule_errors(cfg: RunConfig, ds: dict, world_size: int) -> list[str]:
+    p = cfg.parallel
+    if world_size % p.degrees.model_parallel:
+        return []  # no whole number of replicas: _layout_errors says so
+    return pipeline_schedule_errors(p.pipeline_schedule, p.pipeline_stages, cfg.grad_accum_steps(p.degrees.data(world_size)),
+                                    zero_stage(ds), precision(ds))
 
 
 def _gradient_clipping(cfg: RunConfig, ds: dict) -> float:

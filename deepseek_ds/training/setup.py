@@ -57,6 +57,7 @@ from ..models.tensor_parallel import shard_elements, sum_rope_key_grads
 from ..models.tiled import tile_mlps
 from ..parallel import expert_lora, sequence
 from ..parallel.layout import Layout
+from ..parallel.zero_bubble import ZeroBubbleEngine
 from ..rewards import RewardFunctions, resolve_rewards
 from ..utils.private_api import keep_fp32_clip_norm
 from ..utils.redact import redact
@@ -317,6 +318,8 @@ def _engine(cfg: RunConfig, ds: dict, model, layout: Layout, log: logging.Logger
         # optimizer partitions follow.
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable if lora_on_autoep
                                                else list(trainable), config=ds, mpu=layout.tensor_groups)
+    if cfg.parallel.pipeline_schedule == "zb-h1":
+        engine = ZeroBubbleEngine.adopt(engine)
     restore_fp32_biases(engine.module, biases)
     keep_fp32_clip_norm(engine)  # ZeRO-0's gradient norm, as ZeRO 1-3's engines keep theirs
     timeouts = apply_timeout_to_all_groups(cfg.train.dist_timeout_s)
