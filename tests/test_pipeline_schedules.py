@@ -90,7 +90,8 @@ def _run_pipeline(p: int, m: int) -> dict[int, list[tuple[str, int]]]:
                     done[r].append(("W", cmd.kwargs["micro_batch"]))
                 pos[r] += 1
                 progressed = True
-        assert progressed, f"deadlock: stages wait at {[streams[r][pos[r]] for r in range(p) if pos[r] < len(streams[r])]}"
+        waiting = [streams[r][pos[r]] for r in range(p) if pos[r] < len(streams[r])]
+        assert progressed, f"deadlock: stages wait at {waiting}"
     assert all(not buffers[r] and not pending_w[r] and loaded[r] == (m if r in (0, p - 1) else 0) for r in range(p))
     return done
 

@@ -10,7 +10,8 @@ def min_micro_batches(schedule: str, stages: int) -> int:
     return {"zb-h1": stages, "dualpipev": 2 * stages}.get(schedule, 1)
 
 
-def pipeline_schedule_errors(schedule: str, stages: int, micro_batches: int, zero_stage: int, precision: str) -> list[str]:
+def pipeline_schedule_errors(schedule: str, stages: int, micro_batches: int, zero_stage: int,
+                             precision: str) -> list[str]:
     if schedule == "1f1b":
         return []
     name = f"parallel.pipeline_schedule = {schedule}"
