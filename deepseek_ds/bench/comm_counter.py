@@ -36,6 +36,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from deepspeed.comm import comm as ds_comm
+from torch.distributed import distributed_c10d
 
 from ..config import load_and_validate
 from ..training.loop import train
@@ -156,6 +157,11 @@ class CommCounter:
             if backend is not None:
                 self._wrap(backend, name, instance=True)
             self._wrap(dist, name, instance=False)
+        # torch's P2POp accepts only distributed_c10d's own isend/irecv (DeepSpeed's DualPipeV batches its sends as
+        # P2POps of torch.distributed's): the counted ones stand in there too.
+        for name in ("isend", "irecv"):
+            self._patched.append((distributed_c10d, name, getattr(distributed_c10d, name), False))
+            setattr(distributed_c10d, name, getattr(dist, name))
         return self
 
     def __exit__(self, *exc) -> None:

@@ -85,7 +85,9 @@ class Layout:
 
     def describe(self) -> str:
         tp = f"tp={self.tensor_parallel} " if self.tensor_parallel > 1 else ""
-        return (f"dp={self.data_parallel} pp={self.pipeline_stages} ep={self.expert_parallel} {tp}"
+        # DualPipeV (the only schedule with two stages per pipeline rank) files differ from 1F1B's of the same pp.
+        dual = " dualpipev" if self.pipeline_parts and len(self.pipeline_parts) == 2 * self.pipeline_stages + 1 else ""
+        return (f"dp={self.data_parallel} pp={self.pipeline_stages}{dual} ep={self.expert_parallel} {tp}"
                 f"zero={self.zero_stage} {self.precision}")
 
     @classmethod

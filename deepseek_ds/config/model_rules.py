@@ -11,7 +11,7 @@ from ..models.hf_io import has_weights, pickled_weights
 from ..models.layers import mtp_depth
 from ..models.lora import lora_errors, lora_name_errors
 from ..models.moe import resolve_settings
-from ..models.pipeline import partition
+from ..models.pipeline import partition, partition_stages
 from ..models.presets import ModelConfigError, build_model_config, first_moe_layer, num_routed_experts
 from ..models.registry import family_of
 from .deepspeed_json import expert_gradient_path_errors, zero_stage
@@ -35,8 +35,10 @@ def model_errors(cfg: RunConfig, ds: dict, files: bool = True) -> list[str]:
         return [str(e)]
     errors = []
     n_layers = mcfg.num_hidden_layers + 3  # + embedding, final norm, head
-    if p.pipeline_stages > n_layers:
-        errors.append(f"parallel.pipeline_stages ({p.pipeline_stages}) exceeds the number of pipeline layers "
+    stages = partition_stages(p.pipeline_stages, p.pipeline_schedule)
+    if stages > n_layers:
+        two = " x 2 (dualpipev: two stages per rank)" if stages > p.pipeline_stages else ""
+        errors.append(f"parallel.pipeline_stages ({p.pipeline_stages}){two} exceeds the number of pipeline layers "
                       f"({n_layers}: {mcfg.num_hidden_layers} decoder layers + embedding, norm, head)")
     experts = num_routed_experts(mcfg)
     if p.expert_parallel > 1 and not experts:
@@ -153,15 +155,20 @@ def _moe_errors(cfg: RunConfig, ds: dict, mcfg) -> list[str]:
 
 def _stages_without_experts(cfg: RunConfig, mcfg) -> list[str]:
     """AutoEP refuses a pipeline stage that holds no MoE layer (it finds nothing to replace)."""
+    p = cfg.parallel
     try:
-        parts = partition(mcfg, cfg.parallel.pipeline_stages, cfg.model.partition_method, cfg.data.seq_len)
+        parts = partition(mcfg, partition_stages(p.pipeline_stages, p.pipeline_schedule), cfg.model.partition_method,
+                          cfg.data.seq_len)
     except ValueError as e:
         return [str(e)]
+    held = [set(range(parts[st], parts[st + 1])) for st in range(len(parts) - 1)]
+    if len(held) > p.pipeline_stages:  # dualpipev: rank r holds stages r and 2p-1-r
+        held = [held[r] | held[2 * p.pipeline_stages - 1 - r] for r in range(p.pipeline_stages)]
     # Spec i (embedding at 0) is decoder layer i - 1; MoE from first_k_dense_replace on.
     moe_specs = set(range(first_moe_layer(mcfg) + 1, mcfg.num_hidden_layers + 1))
-    empty = [st for st in range(len(parts) - 1) if not moe_specs & set(range(parts[st], parts[st + 1]))]
+    empty = [rank for rank, specs in enumerate(held) if not moe_specs & specs]
     if not empty:
         return []
-    return [f"parallel.expert_parallel = {cfg.parallel.expert_parallel} needs an MoE layer on every pipeline stage, "
+    return [f"parallel.expert_parallel = {p.expert_parallel} needs an MoE layer on every pipeline stage, "
             f"but stage(s) {empty} of partition {parts} hold none; change model.partition_method (e.g. "
             "counts:a,b,...) or parallel.pipeline_stages"]

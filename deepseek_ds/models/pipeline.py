@@ -9,6 +9,7 @@ from functools import partial
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime import utils as ds_utils
+from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -199,6 +200,18 @@ class DeepSeekPipelineModule(PipelineModule):
 setattr(DeepSeekPipelineModule, PARTITION_LAYERS, DeepSeekPipelineModule.use_fixed_parts)
 
 
+class DeepSeekDualPipeVModule(DualPipeVModule, DeepSeekPipelineModule):
+    """DeepSpeed's DualPipeV container (parallel.pipeline_schedule dualpipev) with our partition over 2 x
+    pipeline_stages stages: rank r holds stage r and stage 2p-1-r, so rank 0 holds the embedding and the head (with
+    MTP, the whole tail) and computes the loss. DualPipeVModule doubles its stage count, then partitions through
+    DeepSeekPipelineModule's step (ours), then builds both of the rank's stages."""
+
+
+def partition_stages(num_stages: int, schedule: str = "1f1b") -> int:
+    """How many stages the model is cut into for `num_stages` pipeline ranks: DualPipeV cuts it into two per rank."""
+    return 2 * num_stages if schedule == "dualpipev" else num_stages
+
+
 class SequentialLM(nn.Module):
     """All layers in one module, for the plain DeepSpeed engine (ZeRO 0-3 without pipeline parallelism).
     Built from the same specs and seeds as the pipeline, so both start from identical weights. `layers[i]` is the
@@ -264,12 +277,17 @@ def to_device(inputs, device):
 
 
 def build_model(config, num_stages: int, seed: int, parts: list[int] | None = None, topology=None,
-                activation_checkpoint_interval: int = 0, loss_fn: TokenWeightedLoss | None = None) -> nn.Module:
+                activation_checkpoint_interval: int = 0, loss_fn: TokenWeightedLoss | None = None,
+                schedule: str = "1f1b") -> nn.Module:
+    """num_stages: pipeline ranks; parts: partition_stages(num_stages, schedule) + 1 boundaries (schedule
+    dualpipev: DeepSpeed's DualPipeV container, which the engine runs with its DualPipeV schedule)."""
     specs = layer_specs(config, seed)
     if num_stages == 1 and topology is None:
         return SequentialLM(specs, activation_checkpoint_interval)
-    return DeepSeekPipelineModule(
-        specs, parts=parts or partition(config, num_stages), num_stages=None if topology else num_stages,
+    container = DeepSeekDualPipeVModule if schedule == "dualpipev" else DeepSeekPipelineModule
+    return container(
+        specs, parts=parts or partition(config, partition_stages(num_stages, schedule)),
+        num_stages=None if topology else num_stages,
         topology=topology, loss_fn=loss_fn, activation_checkpoint_interval=activation_checkpoint_interval,
         # Reentrant checkpointing of the embedding (first) layer breaks the graph: only decoder layers qualify.
         checkpointable_layers=["DecoderLayerPipe"])

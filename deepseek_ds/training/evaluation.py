@@ -26,6 +26,7 @@ import sacrebleu
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine
 from torch import nn
 
 from ..config import ConfigError
@@ -110,6 +111,19 @@ def _pipeline_eval_loss(engine, sums: TokenSums):
         engine.module.loss_fn, engine.monitor.enabled = loss_fn, monitoring
 
 
+def pipeline_eval_chunks(engine, batches: list[tuple]) -> list[list[tuple]]:
+    """The micro-batches of each eval_batch call: all at once, but DualPipeV's in chunks of its training count (its
+    engine files a micro-batch's second-phase buffers by that count, whatever eval_batch is given: DeepSpeed 0.19.8),
+    the last padded with ignored labels (which add nothing to the sums)."""
+    if not (isinstance(engine, DualPipeVEngine) and batches):
+        return [batches]
+    n = engine.micro_batches
+    input_ids, labels, *rest = batches[0]
+    padding = (input_ids, torch.full_like(labels, IGNORE_INDEX), *rest)
+    padded = batches + [padding] * (-len(batches) % n)
+    return [padded[i:i + n] for i in range(0, len(padded), n)]
+
+
 def evaluate(model, batches: list[tuple], device, pipeline: bool = False, counts: bool = True,
              query_mask: bool = False) -> EvalResult:
     """Evaluate `model` (a module, a DeepSpeed engine, or a PipelineEngine with pipeline=True) on this rank's
@@ -117,16 +131,17 @@ def evaluate(model, batches: list[tuple], device, pipeline: bool = False, counts
     rank's sums are another's copy (a tensor-parallel rank other than 0 sees its replica's batches) and add nothing.
     query_mask: the model's inputs carry one as in training (trainable indexers: a pipeline keeps one shape)."""
     sums = TokenSums()
-    # Packed sequences: the model takes their position ids.
-    batches = [split_micro_batch(mb, query_mask=query_mask) for mb in batches]
     if pipeline:
         with _pipeline_eval_loss(model, sums):
-            model.eval_batch(iter(batches), compute_loss=True, bcast_loss=False, num_micro_batches=len(batches))
+            for chunk in pipeline_eval_chunks(model, batches):
+                chunk = [split_micro_batch(mb, query_mask=query_mask) for mb in chunk]
+                model.eval_batch(iter(chunk), compute_loss=True, bcast_loss=False, num_micro_batches=len(chunk))
     else:
         was_training = model.training
         model.eval()
         with torch.no_grad():
-            for inputs, labels in batches:
+            # Packed sequences: the model takes their position ids.
+            for inputs, labels in (split_micro_batch(mb, query_mask=query_mask) for mb in batches):
                 sums(model(to_device(inputs, device)), labels.to(device))
         model.train(was_training)
     total = sums.sums(device) if counts else torch.zeros_like(sums.sums(device))

@@ -48,6 +48,7 @@ from ..models.pipeline import (
     defer_logits,
     local_layers,
     partition,
+    partition_stages,
     partition_table,
     prepare_config,
 )
@@ -239,14 +240,16 @@ def _open_training_data(cfg: RunConfig, dataset_dir: str, mcfg: PretrainedConfig
 
 def _build_model(cfg: RunConfig, ds: dict, mcfg: PretrainedConfig, layout: Layout, loss_fn, log: logging.Logger):
     torch.manual_seed(cfg.train.seed)
-    pp = cfg.parallel.pipeline_stages
+    pp, schedule = cfg.parallel.pipeline_stages, cfg.parallel.pipeline_schedule
     if pp > 1:
-        parts = partition(mcfg, pp, cfg.model.partition_method, cfg.data.seq_len)
+        parts = partition(mcfg, partition_stages(pp, schedule), cfg.model.partition_method, cfg.data.seq_len)
         if layout.rank == 0:
-            log.info("pipeline partition (%s):\n%s", cfg.model.partition_method,
+            log.info("pipeline partition (%s%s):\n%s", cfg.model.partition_method,
+                     f"; dualpipev: rank r holds stages r and {2 * pp - 1}-r" if schedule == "dualpipev" else "",
                      partition_table(mcfg, parts, cfg.data.seq_len))
         model = build_model(mcfg, pp, cfg.train.seed, parts=parts, topology=layout.topology,
-                            activation_checkpoint_interval=cfg.model.activation_checkpoint_interval, loss_fn=loss_fn)
+                            activation_checkpoint_interval=cfg.model.activation_checkpoint_interval, loss_fn=loss_fn,
+                            schedule=schedule)
     else:
         # ZeRO-3: each layer is partitioned over the ranks as it is built, so no rank holds the whole model at start.
         # Not with AutoEP, which rebuilds the experts of an ordinary model. LoRA's adapters, injected after the load,

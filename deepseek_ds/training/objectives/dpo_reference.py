@@ -32,7 +32,7 @@ from ...data.pairs import small_valid_warning
 from ...models.pipeline import local_layers, split_micro_batch, to_device
 from ...models.preference_loss import sequence_logps
 from ...utils.fs import write_bytes_atomic, write_json_atomic
-from ..evaluation import _pipeline_eval_loss
+from ..evaluation import _pipeline_eval_loss, pipeline_eval_chunks
 from ..setup import Run
 
 REFERENCE_DIR = "reference_logps"
@@ -248,7 +248,7 @@ def reference_pass(run: Run, dataset, start: int = 0, count: int | None = None) 
     # Whole micro-batches (a pipeline's shapes are fixed), the last rows repeating the last pair.
     per_rank = math.ceil(math.ceil(n / run.dp_size) / mb) * mb
     mine = [start + min(i, n - 1) for i in range(run.dp_rank * per_rank, (run.dp_rank + 1) * per_rank)]
-    batches = [split_micro_batch(micro_batch(dataset, mine[a:a + mb])) for a in range(0, per_rank, mb)]
+    raw = [micro_batch(dataset, mine[a:a + mb]) for a in range(0, per_rank, mb)]
     rows: list[torch.Tensor] = []
 
     def collect(logits, labels):
@@ -258,12 +258,15 @@ def reference_pass(run: Run, dataset, start: int = 0, count: int | None = None) 
 
     if run.pipeline:
         with _pipeline_eval_loss(engine, collect):
-            engine.eval_batch(iter(batches), compute_loss=True, bcast_loss=False, num_micro_batches=len(batches))
+            for chunk in pipeline_eval_chunks(engine, raw):
+                engine.eval_batch(iter([split_micro_batch(b) for b in chunk]), compute_loss=True, bcast_loss=False,
+                                  num_micro_batches=len(chunk))
+        del rows[len(raw):]  # a DualPipeV chunk's padding
     else:
         was_training = engine.module.training
         engine.module.eval()
         with torch.no_grad():
-            for inputs, labels in batches:
+            for inputs, labels in map(split_micro_batch, raw):
                 collect(engine(to_device(inputs, engine.device)), labels.to(engine.device))
         engine.module.train(was_training)
     out = torch.cat(rows) if rows else torch.zeros(per_rank, 4, dtype=torch.float64, device=engine.device)
