@@ -19,7 +19,7 @@ from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from torch.utils.checkpoint import checkpoint
 
-from ..utils.private_api import (
+from ..utils.private_pipeline import (
     PipelineEngineExtension,
     backward_input,
     backward_weight,

@@ -1,5 +1,6 @@
 """The one seam to DeepSpeed's, torch's and transformers' private names: every access the project makes to one goes
-through a small named function or constant here, each saying why no public API does it. DeepSpeed is pinned exactly
+through a small named function or constant here (or, for DeepSpeed's pipeline engine, its sibling private_pipeline.py),
+each saying why no public API does it. DeepSpeed is pinned exactly
 (requirements/cpu.txt); after an upgrade, tests/test_private_api.py walks PRIVATE and names each entry the new
 version lacks, with its reason, so an upgrade breaks in this one place."""
 
@@ -11,14 +12,11 @@ from datetime import timedelta
 
 import torch
 from deepspeed.moe import ep_experts
-from deepspeed.runtime.pipe import p2p
-from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.utils import clip_grad_norm_
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.sequence.layer import _SeqAllToAll
 from deepspeed.utils import groups
 from torch.distributed import ProcessGroup, distributed_c10d
-from torch.distributed.pipelining import _backward as pipelining_backward
 from torch.utils import cpp_extension
 
 # (owner's import path, attribute, why the project needs it). An owner that is a class may hold the attribute on
@@ -336,77 +334,6 @@ def pipeline_instructions(engine_cls) -> dict:
 def set_pipeline_instructions(engine, table: dict) -> None:
     """`table` as this engine's instruction table (an instance copy shadows the class's)."""
     engine._INSTRUCTION_MAP = table
-
-
-class PipelineEngineExtension(PipelineEngine):
-    """DeepSpeed's PipelineEngine with its private extension points under public names, for an engine of our own
-    schedule: `train_schedule()`, `extra_instructions` (instruction class -> method, added to DeepSpeed's table),
-    `around_schedule()`, `output_grad(grad)` (the last stage's output gradient as DeepSpeed scales it), and
-    `whole_backward` / `backward_running` to reuse DeepSpeed's backward."""
-
-    extra_instructions: dict = {}
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        cls._INSTRUCTION_MAP = {**PipelineEngine._INSTRUCTION_MAP, **cls.extra_instructions}
-
-    def train_schedule(self):
-        return PipelineEngine._train_schedule(self)
-
-    def around_schedule(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    def output_grad(self, grad):
-        return PipelineEngine._backward_prologue_per_tensor(self, grad)
-
-    def whole_backward(self, buffer_id: int) -> None:
-        self._exec_backward_pass(buffer_id)
-
-    @contextlib.contextmanager
-    def backward_running(self) -> Iterator[None]:
-        self._running_engine_backward = True
-        try:
-            yield
-        finally:
-            self._running_engine_backward = False
-
-    def _train_schedule(self):
-        return self.train_schedule()
-
-    def _exec_schedule(self, pipe_schedule):
-        with self.around_schedule():
-            super()._exec_schedule(pipe_schedule)
-
-    def _backward_prologue_per_tensor(self, grad):
-        return self.output_grad(grad)
-
-
-def backward_input(outputs: list, output_grads: list | None, inputs: list, weights: list) -> list[dict]:
-    """The input half of a stage's backward (sets each input's .grad); returns what the weight half needs."""
-    return pipelining_backward.stage_backward_input(outputs, output_grads, inputs, iter(weights))[1]
-
-
-def backward_weight(weights: list, groups: list[dict]) -> None:
-    """The weight half: accumulates into each weight's .grad."""
-    pipelining_backward.stage_backward_weight(iter(weights), groups)
-
-
-@contextlib.contextmanager
-def pipeline_sends_in_background(sends: list) -> Iterator[None]:
-    """Inside: DeepSpeed's pipeline sends start without waiting for their receiver; each (work, tensor) is appended
-    to `sends` (the tensor kept alive until the caller waits), and those already done are dropped as new ones
-    start. DeepSpeed's p2p.send refuses async_op, so its send is replaced for the duration."""
-    blocking = p2p.send
-
-    def start(tensor, dest_stage, async_op=False):
-        sends[:] = [(work, kept) for work, kept in sends if not work.is_completed()]
-        sends.append((torch.distributed.isend(tensor, p2p._grid.stage_to_global(stage_id=dest_stage)), tensor))
-
-    p2p.send = start
-    try:
-        yield
-    finally:
-        p2p.send = blocking
 
 
 def sdpa_backend_choice(q, k, v, attn_mask, dropout_p: float, is_causal: bool) -> int:
