@@ -182,6 +182,9 @@ QUOTED_PLANS = [
      _V3_LORA + "false --deepspeed_config ds_configs/zero1_bf16.json --gpus 16 --gpu h200 --layout pp=1,ep=16,zero=1"),
     ("docs/guides/long-context.md", "needs 144.45 GiB per GPU, 115.01 GiB of it activations",
      _V2_LITE_128K + " --layout sp=1"),
+    ("docs/guides/plan.md", "1F1B's bubble is 32% (14.71 s/step, fullest rank 22.53 GiB)",
+     "deepseek-ds plan --config recipes/deepseek-v3.yaml --gpus 2048 --gpu-memory 80GB "
+     "--layout pp=16,ep=64,tp=1,zero=1,micro=1 --set train.global_batch_size=4096"),
 ]
 PLAN_FIGURE = re.compile(r"\d+\.\d\d GiB|\d+%")
 

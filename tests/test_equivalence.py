@@ -229,7 +229,8 @@ def test_schedules_equal_1f1b(name, ranks, base, runs):
 # all-to-alls: the launch has no tiny-v3 EP layout; TP=2 runs in test_tensor_parallel.py's launch) and the other
 # families'. Not the trained indexer's (its metrics differ by a few bytes) nor LoRA's (an HF directory).
 COMM_LAYOUTS = ["zero0", "zero1", "zero2", "zero3", "pp2-zero1", "pp2-zbh1-zero1", "sp2-zero2", "v32-ep2-zero1",
-                "qwen2-zero3", "qwen2-pp2-zero1", "v4-zero1", "v4-zero3", "v4-pp2-zero1", "v32-zero1", "v32-zero3", "v32-pp2-zero1"]
+                "pp2-dualpipev-zero1", "qwen2-zero3", "qwen2-pp2-zero1", "v4-zero1", "v4-zero3", "v4-pp2-zero1", "v32-zero1",
+                "v32-zero3", "v32-pp2-zero1"]
 
 
 @pytest.mark.launch

@@ -247,12 +247,6 @@ def test_chunked_loss_bytes_equal_what_autograd_saves(preset, overrides, monkeyp
     assert plain - kept >= batch * seq * mcfg.vocab_size * 4 * (1 + depth) and plain_transient == work
 
 
-@pytest.mark.unit
-def test_in_flight_micro_batches_follow_1f1b():
-    assert [activations.in_flight(4, s, 8) for s in range(4)] == [4, 3, 2, 1]
-    assert [activations.in_flight(4, s, 2) for s in range(4)] == [2, 2, 2, 1]
-
-
 # ------------------------------------------------------------------------------------------- CLI
 TINY = ["--config", "recipes/tiny-v3.yaml", "--set", "data.builtin=stdlib"]
 

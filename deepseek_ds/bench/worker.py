@@ -12,7 +12,7 @@ import argparse
 import gc
 import logging
 import os
-import resource
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -28,8 +28,9 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from ..config import load_and_validate, precision, zero_stage
 from ..data import micro_batches
 from ..models.muon import is_muon, layer_shape
+from ..parallel.zero_bubble import BackwardInput, BackwardWeight
 from ..training.loop import train_step
-from ..training.metrics import flops_per_token, peak_tflops
+from ..training.metrics import flops_per_token, peak_memory_bytes, peak_tflops
 from ..training.schedule import start_lr_schedule
 from ..training.setup import build_run
 from ..utils.cli_args import add_local_rank, add_run_args
@@ -41,11 +42,14 @@ from ..utils.private_api import (
     set_pipeline_instructions,
 )
 from ..utils.system import cpu_model
+from .saved_activations import SavedActivations, storage_key
 
 PHASES = ("compute", "optimizer")
 CATEGORIES = ("params", "grads", "optimizer", "buffers")
 MODEL_STATES = ("params", "grads", "optimizer")
 HELD = (*CATEGORIES, "offloaded")  # what held_bytes() reports
+# A pipeline stage's compute: forward and backward, the zero-bubble schedule's two halves of a backward too.
+COMPUTE_INSTRUCTIONS = (schedule.ForwardPass, schedule.BackwardPass, BackwardInput, BackwardWeight)
 
 # Where DeepSpeed's optimizers (ZeRO 1/2, ZeRO 3, FP16/BF16 at stage 0) keep fp32 master weights and gradient
 # partitions. A name that a DeepSpeed version lacks is simply absent; what it holds then lands in "buffers".
@@ -80,15 +84,6 @@ def _walk(obj, depth: int = 0, seen: set[int] | None = None) -> Iterator[torch.T
         return
     for item in items:
         yield from _walk(item, depth + 1, seen)
-
-
-def _storage_key(t: torch.Tensor) -> tuple[str, int, int] | None:
-    if t.layout != torch.strided or t.device.type == "meta":
-        return None
-    storage = t.untyped_storage()
-    if storage.nbytes() == 0:
-        return None
-    return str(t.device), storage.data_ptr(), storage.nbytes()
 
 
 def held_bytes(engine) -> tuple[dict[str, int], str | None]:
@@ -126,7 +121,7 @@ def held_bytes(engine) -> tuple[dict[str, int], str | None]:
     held = dict.fromkeys(HELD, 0)
     for category, tensors in claims:
         for t in tensors:
-            key = _storage_key(t)
+            key = storage_key(t)
             if key is not None and key not in claimed:
                 claimed.add(key)
                 held[category] += key[2]
@@ -158,8 +153,11 @@ class StateProbe:
 class PhaseClock:
     """Seconds per phase since reset(): `compute` is forward + backward (the work of a pipeline stage),
     `optimizer` the optimizer step and the gradient reductions a pipeline runs just before it; `span` runs from
-    the start of the first compute call to the end of the last. On GPU each timed call ends with a synchronize,
-    so asynchronous kernels are charged to the phase that launched them."""
+    the start of the first compute call to the end of the last, `first` and `last` are those two instants on
+    time.perf_counter's clock (CLOCK_MONOTONIC: one clock for every process of a host). `instructions`: per
+    compute instruction ("ForwardPass", "BackwardInput", ...; DualPipeV's with its phase, "ForwardPass/1"), the
+    [seconds, calls] of its calls. On GPU each timed call ends with a synchronize, so asynchronous kernels are
+    charged to the phase that launched them."""
 
     def __init__(self, device: torch.device):
         self._sync = torch.cuda.synchronize if device.type == "cuda" else None
@@ -167,6 +165,7 @@ class PhaseClock:
 
     def reset(self) -> None:
         self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.instructions: dict[str, list] = {}
         self._first: float | None = None
         self._last = 0.0
 
@@ -174,7 +173,16 @@ class PhaseClock:
     def span(self) -> float:
         return self._last - self._first if self._first is not None else 0.0
 
-    def wrap(self, phase: str, fn: Callable, around: Callable[[], None] | None = None) -> Callable:
+    @property
+    def first(self) -> float | None:
+        return self._first
+
+    @property
+    def last(self) -> float | None:
+        return self._last if self._first is not None else None
+
+    def wrap(self, phase: str, fn: Callable, around: Callable[[], None] | None = None,
+             name: str | None = None) -> Callable:
         def timed(*args, **kwargs):
             if around:
                 around()  # outside the timed span: snapshots are slow
@@ -187,6 +195,11 @@ class PhaseClock:
             if phase == "compute":
                 self._first = start if self._first is None else self._first
                 self._last = end
+            if name:
+                key = name if kwargs.get("phase") is None else f"{name}/{kwargs['phase']}"
+                total = self.instructions.setdefault(key, [0.0, 0])
+                total[0] += end - start
+                total[1] += 1
             if around:
                 around()
             return out
@@ -197,11 +210,12 @@ def instrument(engine, clock: PhaseClock, probe: StateProbe) -> list:
     """Time this engine's phases without changing what it computes, and snapshot what the rank holds at the same
     points of every step whatever the ZeRO stage; returns the hooks' handles. The pipeline engine dispatches every
     schedule instruction through its instruction table, so an instance copy with timed entries shadows the
-    class's; the plain engine is driven through forward/backward/step, wrapped on the instance."""
+    class's (the engine's own class: zb-h1's and DualPipeV's engines add instructions and replace methods); the
+    plain engine is driven through forward/backward/step, wrapped on the instance."""
     if isinstance(engine, PipelineEngine):
-        table = pipeline_instructions(PipelineEngine)
-        for instr in (schedule.ForwardPass, schedule.BackwardPass):
-            table[instr] = clock.wrap("compute", table[instr])
+        table = pipeline_instructions(type(engine))
+        for instr in (i for i in COMPUTE_INSTRUCTIONS if i in table):
+            table[instr] = clock.wrap("compute", table[instr], name=instr.__name__)
         for instr in (schedule.ReduceTiedGrads, schedule.ReduceGrads, schedule.OptimizerStep):
             table[instr] = clock.wrap("optimizer", table[instr], around=probe.snapshot)
         set_pipeline_instructions(engine, table)
@@ -218,14 +232,6 @@ def instrument(engine, clock: PhaseClock, probe: StateProbe) -> list:
     if first is None or engine.zero_optimization_stage() == 3:
         return []
     return [first.register_hook(lambda grad: probe.snapshot(("buffers",)))]
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """CUDA: the most allocated since the variant's first step. CPU: the process's peak RSS (Linux reports KiB),
-    which cannot be reset, so later variants of one launch include earlier ones."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def memory_now_bytes(device: torch.device) -> int:
@@ -306,18 +312,27 @@ def _steps(run, cfg, ds: dict, clock: PhaseClock, probe: StateProbe, warmup: int
     memory_before, peak_before = memory_now_bytes(engine.device), peak_memory_bytes(engine.device)
     steps = []
     total = warmup + timed + 1
+    saved = SavedActivations(engine.module.parameters())
     for i in range(total):
         probe.armed = i == total - 1  # the last step is measured, not timed
         clock.reset()
         start = time.perf_counter()
-        loss = train_step(run, next(batches))
+        if probe.armed:
+            with saved:
+                loss = train_step(run, next(batches))
+        else:
+            loss = train_step(run, next(batches))
         steps.append({"loss": loss, "seconds": time.perf_counter() - start, **clock.seconds, "span": clock.span,
+                      "first": clock.first, "last": clock.last, "instructions": clock.instructions,
                       "timed": warmup <= i < total - 1})
     params = [p for p in engine.module.parameters() if p.requires_grad]
     return {
         "rank": run.rank, "stage_id": int(getattr(engine, "stage_id", 0)), "dp_rank": run.dp_rank,
+        "host": socket.gethostname(), "pipeline_schedule": cfg.parallel.pipeline_schedule,
         "device": device_name(engine.device), "steps": steps, "held": probe.peak,
         "optimizer_device": probe.optimizer_device, "peak_memory": peak_memory_bytes(engine.device),
+        # The most activation bytes (autograd's saved tensors) held at once during the measured step.
+        "peak_activations": saved.peak,
         "peak_reserved": peak_reserved_bytes(engine.device),
         "memory_before_steps": memory_before, "peak_memory_before_steps": peak_before,
         # Optimizer steps fp16's loss scaler skipped on overflow (0 under bf16 and fp32).

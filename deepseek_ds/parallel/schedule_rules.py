@@ -6,7 +6,10 @@ from __future__ import annotations
 
 def min_micro_batches(schedule: str, stages: int) -> int:
     """The fewest micro-batches per step a schedule runs: ZB-H1 starts up to p forwards before its first backward;
-    DualPipeV's V sends 2p micro-batches out before the first returns (DeepSpeed's DualPipeVSchedule asserts it)."""
+    DualPipeV's V sends 2p micro-batches out before the first returns (DeepSpeed's DualPipeVSchedule asserts it).
+    Without a pipeline, one."""
+    if stages == 1:
+        return 1
     return {"zb-h1": stages, "dualpipev": 2 * stages}.get(schedule, 1)
 
 

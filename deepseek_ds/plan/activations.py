@@ -1,5 +1,5 @@
-"""Activation bytes: what autograd keeps from the forward of one micro-batch, per layer, and how many micro-batches a
-pipeline stage holds at once under 1F1B.
+"""Activation bytes: what autograd keeps from the forward of one micro-batch, per layer (how many micro-batches a
+pipeline stage holds at once under each schedule: schedule_model.in_flight).
 
 Per token, counted from what transformers' modules save for backward (checked against
 torch.autograd.graph.saved_tensors_hooks in tests/test_plan.py): an RMSNorm keeps its input and rsqrt in fp32 and
@@ -190,7 +190,3 @@ def stage_micro_batch_bytes(mcfg, bounds: list[int], stage: int, tokens: int, se
             transient = max(transient, loss_chunk_bytes(mcfg, f))
     return int(saved * tokens), transient
 
-
-def in_flight(pp: int, stage: int, micro_batches: int) -> int:
-    """Micro-batches whose activations stage `stage` holds at the peak of a 1F1B schedule (the first stage pp)."""
-    return min(pp - stage, micro_batches)

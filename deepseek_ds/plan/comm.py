@@ -30,8 +30,10 @@ from dataclasses import dataclass
 
 from ..models.layers import mtp_depth
 from ..models.moe import AUX_TERMS, resolve_settings
+from ..models.pipeline import partition_stages
 from ..models.presets import num_routed_experts
 from ..models.registry import family_of
+from ..parallel import schedule_model
 from ..training.router_stats import BIAS_STATS, moe_layer_indices
 from . import activations_v32
 from .activations import layer_kinds, stream_width
@@ -83,11 +85,14 @@ def transfers(cfg, ds: dict, plan: Plan, model: SpecParams, stage: int) -> list[
     mcfg, lay = model.mcfg, plan.layout
     f = 2 if plan.precision in ("bf16", "fp16") else 4
     seq, m, b = cfg.data.seq_len, lay.grad_accum, lay.micro
-    bounds = model.bounds(lay.pp, cfg.model.partition_method, seq)
+    schedule = cfg.parallel.pipeline_schedule
+    bounds = model.bounds(partition_stages(lay.pp, schedule) if lay.pp > 1 else 1, cfg.model.partition_method, seq)
+    held = schedule_model.parts(schedule, lay.pp, stage)  # DualPipeV: two half stages
     experts = num_routed_experts(mcfg)
     ep = lay.ep if experts else 1
     n, world = lay.gradient_ranks, lay.pp * lay.dp * lay.sp * lay.tp
-    params = rank_params(model, bounds, stage, ep, lay.tp, cfg.lora, cfg.indexer.stage)
+    params = [param for part in held for param in rank_params(model, bounds, part, ep, lay.tp, cfg.lora,
+                                                                cfg.indexer.stage)]
     zero = ds.get("zero_optimization", {})
     out: list[Transfer] = []
 
@@ -117,13 +122,19 @@ def transfers(cfg, ds: dict, plan: Plan, model: SpecParams, stage: int) -> list[
     states = b * seq * stream_width(mcfg) * f
     ids = b * seq * (INT64 * (2 if mtp_depth(mcfg) or family_of(mcfg).carries_token_ids else 1)
                      + (INT32 if activations_v32.trains(cfg.indexer.stage) else 0))
-    if stage < lay.pp - 1:
-        add("send_recv", "pipe", 2, m * (states + ids))
-    if stage > 0:
-        add("send_recv", "pipe", 2, m * states)
+    # Forward: to the next rank; backward: the gradient to the previous one. DualPipeV's second half stage runs the
+    # other way, so its ranks send both ways (the last rank turns a micro-batch around locally).
+    downstream, upstream = stage < lay.pp - 1, stage > 0
+    for forward, backward in ([(downstream, upstream), (upstream, downstream)] if len(held) > 1
+                              else [(downstream, upstream)]):
+        if forward:
+            add("send_recv", "pipe", 2, m * (states + ids))
+        if backward:
+            add("send_recv", "pipe", 2, m * states)
     add("broadcast", "pipe", lay.pp, 2 * FP32)
 
-    decoders = [i - 1 for i in range(bounds[stage], bounds[stage + 1]) if 1 <= i <= mcfg.num_hidden_layers]
+    decoders = [i - 1 for part in held for i in range(bounds[part], bounds[part + 1])
+                if 1 <= i <= mcfg.num_hidden_layers]
     moe = sum(1 for i in decoders if layer_kinds(mcfg)[i] == "moe")
     top_k = getattr(mcfg, "num_experts_per_tok", 0) or 0
     add("all_to_all", "expert", ep, m * moe * (4 * hidden * top_k + experts * INT32))

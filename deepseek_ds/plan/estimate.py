@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 from ..config import RunConfig, offloads, precision, zero_stage
 from ..models.muon import is_muon
-from ..models.pipeline import prepare_config
+from ..models.pipeline import partition_stages, prepare_config
 from ..models.presets import build_model_config, num_routed_experts
+from ..parallel import schedule_model
 from . import activations
 from .params import SpecParams, rank_params
 from .states import PERSISTENCE_DEFAULT, ZeroSettings, state_bytes
@@ -156,7 +157,10 @@ def estimate(cfg: RunConfig, ds: dict, layout: Layout, gpu_memory: int, fused_at
     model = model or SpecParams(mcfg)
     f = element_bytes(ds)
     z = zero_settings(ds, layout.zero, f)
-    bounds = model.bounds(layout.pp, cfg.model.partition_method, cfg.data.seq_len)
+    schedule = cfg.parallel.pipeline_schedule
+    # DualPipeV cuts the model into 2 pp half stages, rank r holding r and 2 pp - 1 - r (models/pipeline.py).
+    bounds = model.bounds(partition_stages(layout.pp, schedule) if layout.pp > 1 else 1, cfg.model.partition_method,
+                          cfg.data.seq_len)
     ep = layout.ep if num_routed_experts(mcfg) else 1
     # A sequence rank holds seq_len / sp tokens of each sequence, and attends over the whole sequence for heads / sp
     # heads: per token of its own, what a rank without SP keeps per token (the score matrix's seq_len columns too).
@@ -164,12 +168,18 @@ def estimate(cfg: RunConfig, ds: dict, layout: Layout, gpu_memory: int, fused_at
     boundary = tokens * activations.stream_width(mcfg) * f
     ranks = []
     for stage in range(layout.pp):
-        params = rank_params(model, bounds, stage, ep, layout.tp, cfg.lora, cfg.indexer.stage)
-        saved, recompute = activations.stage_micro_batch_bytes(
-            mcfg, bounds, stage, tokens, cfg.data.seq_len, f, layout.tp, fused_attention,
-            cfg.model.activation_checkpoint_interval, with_loss=True, zero=layout.zero, sp=layout.sp,
-            tiled_mlp=cfg.train.tiled_mlp, indexer=cfg.indexer.stage)
-        acts = saved * (activations.in_flight(layout.pp, stage, layout.grad_accum) if layout.pp > 1 else 1) + recompute
+        held = schedule_model.in_flight(schedule, layout.pp, stage, layout.grad_accum)
+        params = [param for part in schedule_model.parts(schedule, layout.pp, stage)
+                  for param in rank_params(model, bounds, part, ep, layout.tp, cfg.lora, cfg.indexer.stage)]
+        acts, recompute = 0, 0
+        for part, micro_batches in held:
+            saved, transient = activations.stage_micro_batch_bytes(
+                mcfg, bounds, part, tokens, cfg.data.seq_len, f, layout.tp, fused_attention,
+                cfg.model.activation_checkpoint_interval, with_loss=True, zero=layout.zero, sp=layout.sp,
+                tiled_mlp=cfg.train.tiled_mlp, indexer=cfg.indexer.stage)
+            acts += saved * micro_batches
+            recompute = max(recompute, transient)  # once per rank: one backward runs at a time
+        acts += recompute
         # ZeRO-2's slices hold different parameters whole (and ZeRO 1/2's Muon momentum the matrices overlapping each
         # slice): the fullest data-parallel rank decides.
         n = layout.gradient_ranks

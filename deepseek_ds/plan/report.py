@@ -38,8 +38,9 @@ def as_json(plan: Plan) -> dict:
 
 
 def why(plan: Plan, t: StepTime) -> str:
+    schedule = f" ({t.schedule})" if plan.layout.pp > 1 else ""
     return (f"{t.total_s:.2f} s/step, {t.tokens_per_s:,.0f} tokens/s: compute {t.compute_s:.2f} s, bubble "
-            f"{t.bubble:.0%}, communication {t.comm_s:.2f} s; fullest rank {human_bytes(plan.fullest.total)}")
+            f"{t.bubble:.0%}{schedule}, communication {t.comm_s:.2f} s; fullest rank {human_bytes(plan.fullest.total)}")
 
 
 def ranking(found: list[tuple[Plan, StepTime]], top: int) -> str:

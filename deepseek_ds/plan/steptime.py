@@ -1,12 +1,15 @@
 """Estimated optimizer-step time of a layout, and the search over every layout validate() accepts for a GPU count.
 
 time = the slowest stage's compute (training FLOPs per token from models.flops, the one formula, less the weight
-gradients of LoRA's frozen base, at a stated MFU of the GPU's peak) stretched by the 1F1B bubble, (m + p - 1) / m
-for p stages and m micro-batches, plus the communication a step must move at a stated bandwidth per GPU, not
-overlapped (an upper bound): plan/comm.py's transfers of each rank (the bytes bench comm measures), each at a ring
-algorithm's wire bytes (2 (n-1)/n of an all-reduce, (n-1)/n of the other collectives, a send whole), the expert,
-tensor and sequence groups at the bandwidth inside a node when they fit in one, the rest between nodes; the slowest
-stage's. Sequence ranks split a replica's tokens: each computes 1/sp of them.
+gradients of LoRA's frozen base, at a stated MFU of the GPU's peak) stretched by parallel.pipeline_schedule's bubble
+b, time / (1 - b), for p stages and m micro-batches (parallel/schedule_model.py: 1F1B (p-1)/(m+p-1); ZB-H1
+(p-1)/(3m+p-1) and DualPipeV (5p-6)/(6m+5p-6), taking a layer's forward, input gradient and weight gradient to cost
+alike; DualPipeV's slowest rank is the one whose two half stages compute most), plus the communication a step must
+move at a stated bandwidth per GPU, not overlapped (an upper bound): plan/comm.py's transfers of each rank (the bytes
+bench comm measures), each at a ring algorithm's wire bytes (2 (n-1)/n of an all-reduce, (n-1)/n of the other
+collectives, a send whole), the expert, tensor and sequence groups at the bandwidth inside a node when they fit in
+one, the rest between nodes; the slowest stage's. Sequence ranks split a replica's tokens: each computes 1/sp of
+them.
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ from dataclasses import dataclass
 
 from ..config import ConfigError, RunConfig, validate
 from ..models import flops
+from ..models.pipeline import partition_stages
 from ..models.presets import num_routed_experts
+from ..parallel import schedule_model
+from ..parallel.schedule_rules import min_micro_batches
 from ..training.metrics import PEAK_TFLOPS_BF16
 from .comm import transfers
 from .estimate import Plan, attention_is_fused, estimate, layout_of
@@ -62,7 +68,8 @@ class Hardware:
 @dataclass(frozen=True)
 class StepTime:
     compute_s: float
-    bubble: float        # (p-1)/(m+p-1)
+    bubble: float        # the schedule's idle share of the pipelined window
+    schedule: str        # parallel.pipeline_schedule
     comm_s: float
     tokens: int          # per optimizer step, all ranks
 
@@ -79,7 +86,8 @@ def step_time(cfg: RunConfig, plan: Plan, hw: Hardware, model: SpecParams, ds: d
     """`ds`: the DeepSpeed JSON (ZeRO-3's persistence threshold and reuse distance; None: DeepSpeed's defaults)."""
     mcfg, lay = model.mcfg, plan.layout
     seq = cfg.data.seq_len
-    bounds = model.bounds(lay.pp, cfg.model.partition_method, seq)
+    schedule = cfg.parallel.pipeline_schedule
+    bounds = model.bounds(partition_stages(lay.pp, schedule) if lay.pp > 1 else 1, cfg.model.partition_method, seq)
     per_layer = flops.layer_flops(model.costs, mcfg, seq)
     if cfg.lora.r:
         # A weight's 6 FLOPs per element and token are 2 forward, 2 for its input's gradient and 2 for its own
@@ -87,15 +95,17 @@ def step_time(cfg: RunConfig, plan: Plan, hw: Hardware, model: SpecParams, ds: d
         per_layer = [f - 2 * frozen + 6 * adapters
                      for f, (frozen, adapters) in zip(per_layer, lora_active(model, cfg.lora))]
     replica_tokens = lay.micro * lay.grad_accum * seq
-    stage_flops = [sum(per_layer[a:b]) for a, b in zip(bounds, bounds[1:])]
+    part_flops = [sum(per_layer[a:b]) for a, b in zip(bounds, bounds[1:])]
+    stage_flops = [sum(part_flops[part] for part in schedule_model.parts(schedule, lay.pp, stage))
+                   for stage in range(lay.pp)]
     compute = max(stage_flops) * replica_tokens / (lay.tp * lay.sp) / (hw.peak_tflops * 1e12 * hw.mfu)
-    bubble = (lay.pp - 1) / (lay.grad_accum + lay.pp - 1)
+    bubble = schedule_model.bubble(schedule, lay.pp, lay.grad_accum)
     # Expert, tensor and sequence groups are consecutive ranks: inside one node when they fit in it; the data,
     # expert-data and pipeline groups span nodes.
     inside = lay.ep * lay.tp * lay.sp <= hw.gpus_per_node
     comm = max(sum(t.wire_bytes / (hw.intra_bandwidth if inside and t.group in LOCAL_GROUPS else hw.bandwidth)
                    for t in transfers(cfg, ds or {}, plan, model, stage)) for stage in range(lay.pp))
-    return StepTime(compute_s=compute, bubble=bubble, comm_s=comm,
+    return StepTime(compute_s=compute, bubble=bubble, schedule=schedule, comm_s=comm,
                     tokens=lay.micro * lay.grad_accum * lay.dp * seq)
 
 
@@ -129,10 +139,14 @@ def candidates(cfg: RunConfig, ds: dict, world: int, mcfg) -> list[tuple[RunConf
 
 def search(cfg: RunConfig, ds: dict, world: int, gpu_memory: int, hw: Hardware, cpu: bool,
            model: SpecParams) -> list[tuple[Plan, StepTime]]:
-    """Every valid layout that fits, fastest first (`cpu`: on DeepSpeed's CPU accelerator)."""
+    """Every valid layout that fits, fastest first (`cpu`: on DeepSpeed's CPU accelerator); not those with fewer
+    micro-batches than the run's pipeline schedule runs."""
     ranked = []
     for c, d in candidates(cfg, ds, world, model.mcfg):
-        plan = estimate(c, d, layout_of(c, d, world), gpu_memory, attention_is_fused(c, cpu), model, cpu=cpu)
+        layout = layout_of(c, d, world)
+        if layout.grad_accum < min_micro_batches(c.parallel.pipeline_schedule, layout.pp):
+            continue
+        plan = estimate(c, d, layout, gpu_memory, attention_is_fused(c, cpu), model, cpu=cpu)
         if plan.fits:
             ranked.append((plan, step_time(c, plan, hw, model, d)))
     return sorted(ranked, key=lambda ps: ps[1].total_s)
