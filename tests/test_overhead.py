@@ -1,5 +1,5 @@
-"""`deepseek-ds bench overhead` in a smoke run: the table's rows hold real timings, and the bare loop really is the
-same computation (its first loss is ours). No timed asserts: this host is shared."""
+"""`deepseek-ds bench overhead` in a smoke run: the table's rows hold real timings, and the bare loops really are the
+same computation (their first loss is ours). No timed asserts: this host is shared."""
 
 import csv
 import math
@@ -17,14 +17,17 @@ def test_bench_overhead_smoke(data_dir, tmp_path, capsys):
     printed = capsys.readouterr().out
     with open(out / "overhead.csv") as f:
         rows = list(csv.DictReader(f))
-    assert [r["reference"] for r in rows] == ["bare transformers + AdamW", "transformers.Trainer"]
+    assert [r["reference"] for r in rows] == ["bare transformers + AdamW", "bare DeepSpeed engine",
+                                              "transformers.Trainer"]
     for r in rows:
         for key in ("ours_s", "reference_s", "ratio"):
             assert math.isfinite(float(r[key])) and float(r[key]) > 0, (key, r)
         assert float(r["ratio"]) == pytest.approx(float(r["reference_s"]) / float(r["ours_s"]))
-    bare, trainer = rows
+    bare, engine, trainer = rows
     # Same initial weights, same first global batch, same token-weighted loss: the same number.
     assert float(bare["ours_first_loss"]) == pytest.approx(float(bare["reference_first_loss"]), rel=1e-5)
+    # The bare engine is a second run of the same config: the same engine and weights, so the same loss.
+    assert float(engine["ours_first_loss"]) == pytest.approx(float(engine["reference_first_loss"]), rel=1e-6)
     # Trainer's loss drops each sample's last target (it shifts labels itself): close, not equal.
     assert float(trainer["ours_first_loss"]) == pytest.approx(float(trainer["reference_first_loss"]), rel=0.05)
     assert "reference / ours" in printed and (out / "overhead.md").read_text().count("|") > 10

@@ -1,12 +1,14 @@
 """`deepseek-ds bench overhead`: the toolkit's training step against what it could be and what users pick instead.
 
 1 rank: our loop step (the step and every metric of metrics.jsonl) against a bare transformers + torch.optim.AdamW
-loop on the same initial weights, global batches and threads, alternating step by step in one process (eager, and
-with --compile also both regionally compiled). 2 ranks: our step against transformers.Trainer with its DeepSpeed
-integration on the same model, batch shape and DeepSpeed JSON; without CUDA, where that integration cannot run,
-Trainer without DeepSpeed (DDP over gloo) on the same ranks, labelled so; Trainer's steps alternate with ours too
-(ours runs in its step-end callback). Ratios are reference step time / our step time: above 1 we are faster. Each
-ratio comes from one launch, side by side, because a shared host's load changes from minute to minute.
+loop, and against the bare DeepSpeed engine (a second run of the same config: its engine's forward, loss, backward
+and step alone, so what the toolkit adds around the engine), on the same initial weights, global batches and threads,
+alternating step by step in one process (eager, and with --compile also both regionally compiled). 2 ranks: our
+step against transformers.Trainer with its DeepSpeed integration on the same model, batch shape and DeepSpeed JSON;
+without CUDA, where that integration cannot run, Trainer without DeepSpeed (DDP over gloo) on the same ranks,
+labelled so; Trainer's steps alternate with ours too (ours runs in its step-end callback). Ratios are reference step
+time / our step time: above 1 we are faster. Each ratio comes from one launch, side by side, because a shared host's
+load changes from minute to minute.
 """
 
 from __future__ import annotations
@@ -77,8 +79,9 @@ def _row(reference: str, variant: dict, ranks: int, key: str) -> dict:
 
 def rows(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
     """The table's rows and notes (why a comparison fell back)."""
-    out = [_row("bare transformers + AdamW", v, 1, "bare")
-           for v in _launch(args, 1, ["--against", "bare", "--compile", args.compile], "bare")]
+    out = [_row(reference, v, 1, key)
+           for v in _launch(args, 1, ["--against", "bare", "--compile", args.compile], "bare")
+           for reference, key in (("bare transformers + AdamW", "bare"), ("bare DeepSpeed engine", "engine"))]
     notes, extra = [], ["--against", "trainer"]
     if not torch.cuda.is_available():
         notes.append(CPU_TRAINER_NOTE)

@@ -1,18 +1,20 @@
 """The per-rank worker of `deepseek-ds bench overhead`, started by bench/overhead.py under the `deepspeed` launcher.
 
 `--against bare` (1 rank): the toolkit's loop step (training.loop.recorded_step: the step and every metric of
-metrics.jsonl) and a bare transformers + torch.optim.AdamW step on a copy of the same initial weights, the same
-global batches, in the same process (same threads), alternating step by step so that a shared host's load hits
-both alike. `--against trainer`: the toolkit's steps and transformers.Trainer's on the same model, batches and
-DeepSpeed JSON (its DeepSpeed integration; `--trainer-deepspeed no`: plain Trainer), alternating step by step
-too (our step runs in Trainer's step-end callback). Rank 0 writes the seconds and
-losses of every step to --result.
+metrics.jsonl), a bare transformers + torch.optim.AdamW step on a copy of the same initial weights, and the bare
+DeepSpeed engine (a second run built from the same config, so the same engine, model and initial weights, driven by
+forward, backward and step alone), on the same global batches, in the same process (same threads), alternating
+step by step (each in turn first) so that a shared host's load hits all three alike. `--against trainer`: the
+toolkit's steps and transformers.Trainer's on the same model, batches and DeepSpeed JSON (its DeepSpeed
+integration; `--trainer-deepspeed no`: plain Trainer), alternating step by step too (our step runs in Trainer's
+step-end callback). Rank 0 writes the seconds and losses of every step to --result.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import os
 import sys
 import time
@@ -23,8 +25,8 @@ import torch.nn.functional as F
 from ..config import load_and_validate
 from ..data import micro_batches
 from ..models.hf_io import to_hf_model
-from ..models.loss import IGNORE_INDEX
-from ..models.pipeline import local_layers
+from ..models.loss import IGNORE_INDEX, valid_token_counts
+from ..models.pipeline import local_layers, split_micro_batch, to_device
 from ..training.loop import recorded_step, router_stats, step_meter
 from ..training.metrics import MetricsWriter
 from ..training.schedule import start_lr_schedule
@@ -95,6 +97,36 @@ class BareLoop:
         return time.perf_counter() - start, float(total)
 
 
+class EngineLoop:
+    """DeepSpeed's engine with nothing of the loop around it: per micro-batch forward, the run's loss, backward and
+    step. The loss's token weights come from the global batch's counts on the host (1 rank: nothing to reduce); no
+    metrics, no host read but DeepSpeed's own. Its run is a second one built from the same config (same initial
+    weights and schedule), so it walks the same weights ours does, step by step, without sharing ours: its model's
+    hooks (expert load, balance losses) still run, but nothing applies its load to the router biases."""
+
+    def __init__(self, run):
+        if run.pipeline or run.world != 1:
+            raise ValueError("EngineLoop: one rank, no pipeline (its loss needs no reduction)")
+        self.run, self.batches = run, micro_batches(run.dataset, run.sampler())
+        start_lr_schedule(run.engine)
+
+    def __call__(self) -> tuple[float, float]:
+        """(seconds, loss) of one step."""
+        engine, loss_fn = self.run.engine, self.run.loss_fn
+        start = time.perf_counter()
+        batch = next(self.batches)
+        loss_fn.set_global_tokens(valid_token_counts(batch, loss_fn.mtp_depth), 1, self.run.grad_accum)
+        total = torch.zeros((), dtype=torch.float64, device=engine.device)
+        for inputs, labels in (split_micro_batch(mb, mtp=loss_fn.mtp_depth > 0) for mb in batch):
+            loss = loss_fn(engine(to_device(inputs, engine.device)), to_device(labels, engine.device))
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach()
+        _sync(engine.device)
+        seconds = time.perf_counter() - start
+        return seconds, float(total) / self.run.grad_accum
+
+
 def hf_copy(run, compiled: bool):
     """An independent transformers model holding a copy of the run's initial weights (regionally compiled like
     ours when `compiled`)."""
@@ -105,8 +137,8 @@ def hf_copy(run, compiled: bool):
     return model
 
 
-def build(args: argparse.Namespace, world: int, compiled: bool):
-    sets = args.set + [f"train.compile={str(compiled).lower()}", "eval.interval=0"]
+def build(args: argparse.Namespace, world: int, compiled: bool, extra: tuple[str, ...] = ()):
+    sets = args.set + [f"train.compile={str(compiled).lower()}", "eval.interval=0", *extra]
     cfg, ds = load_and_validate(args.config, args.deepspeed_config, sets, world)
     return build_run(cfg, ds), ds
 
@@ -114,12 +146,17 @@ def build(args: argparse.Namespace, world: int, compiled: bool):
 def against_bare(args: argparse.Namespace, compiled: bool) -> dict:
     run, _ = build(args, 1, compiled)
     ours, bare = OurLoop(run), BareLoop(run, hf_copy(run, compiled))
+    engine_dir = os.path.join(run.cfg.train.output_dir, "engine")
+    engine = EngineLoop(build(args, 1, compiled, (f"train.output_dir={engine_dir}",))[0])
     steps = []
     for i in range(args.warmup + args.steps):
-        t_ours, l_ours, lr = ours()
-        t_bare, l_bare = bare(lr)
-        steps.append({"ours_s": t_ours, "bare_s": t_bare, "ours_loss": l_ours, "bare_loss": l_bare,
-                      "timed": i >= args.warmup})
+        lr = run.engine.get_lr()[0]  # what our step reads and uses: the bare loop takes the same schedule
+        loops = [("ours", lambda: ours()[:2]), ("bare", functools.partial(bare, lr)), ("engine", engine)]
+        # Each loop takes each place in the round (first, second, third) in turn: no place favours one.
+        measured = {name: loop() for name, loop in loops[i % 3:] + loops[:i % 3]}
+        step = {f"{name}_{key}": value for name, (s, loss) in measured.items()
+                for key, value in (("s", s), ("loss", loss))}
+        steps.append({**step, "timed": i >= args.warmup})
     return {"variant": "compiled" if compiled else "eager", "steps": steps, "threads": torch.get_num_threads()}
 
 
