@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
-from ..parallel.zero_bubble import BackwardInput, BackwardWeight, ZeroBubbleSchedule
+from .zero_bubble import BackwardInput, BackwardWeight, ZeroBubbleSchedule
 
 # The plan's assumption: a transformer layer's input half of the backward costs its forward, and so does its weight
 # half (both are one matmul per forward matmul).
