@@ -119,7 +119,9 @@ LAYOUTS = [
                                                        "model.activation_checkpoint_interval=1"]),
     ("pp2-dualpipev-zero1", 2, "ds_configs/zero1_pp.json", ["parallel.pipeline_stages=2", "train.micro_batch_size=1",
                                                             "parallel.pipeline_schedule=dualpipev"]),
-    # 8 model stages need 8 pipeline layers: tiny-v3 has 7 (embedding, 4 decoder layers, norm, head).
+    # 8 model stages need 8 pipeline layers: tiny-v3 has 7 (embedding, 4 decoder layers, norm, head); 1f1b beside it.
+    ("pp4-6layers-zero1", 4, "ds_configs/zero1_pp.json", ["model.overrides.num_hidden_layers=6",
+                                                          "parallel.pipeline_stages=4", "train.micro_batch_size=1"]),
     ("pp4-dualpipev-zero1", 4, "ds_configs/zero1_pp.json", ["model.overrides.num_hidden_layers=6",
                                                             "parallel.pipeline_stages=4", "train.micro_batch_size=1",
                                                             "parallel.pipeline_schedule=dualpipev"]),
@@ -214,6 +216,7 @@ def test_losses_equal_single_process_reference(name, ranks, ds_config, extra, re
 @pytest.mark.launch
 @pytest.mark.parametrize("name,ranks,base", [("pp2-zbh1-zero1", 2, "pp2-zero1"), ("pp4-zbh1-zero1", 4, "pp4-zero1"),
                                              ("pp2-dualpipev-zero1", 2, "pp2-zero1"),
+                                             ("pp4-dualpipev-zero1", 4, "pp4-6layers-zero1"),
                                              ("pp2xdp2-dualpipev-zero1-ckpt", 4, "pp2xdp2-zero1-ckpt")])
 def test_schedules_equal_1f1b(name, ranks, base, runs):
     """The same micro-batches in another order give DeepSpeed's 1F1B losses and gradient norms (the gradients
