@@ -16,11 +16,12 @@ from collections.abc import Callable
 
 from ..config import load_and_validate
 from ..utils.cli_args import add_run_args, positive_int, spellings
+from ..utils.collectives import KINDS
 from ..utils.errors import LaunchError, UserError
 from ..utils.net import free_port
 from ..utils.system import deepspeed_executable, launch_env
 from . import report
-from .comm_counter import KINDS, counts_file, read_counts
+from .comm_counter import counts_file, read_counts
 from .report import Column
 
 # name -> (DeepSpeed JSON, --set values): each parallelism alone on 2 ranks, ZeRO-1 under it.

@@ -43,9 +43,6 @@ from ..training.loop import train
 from ..training.main import parse_args
 from ..training.setup import Run, build_run
 
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send_recv", "broadcast", "reduce", "gather",
-         "scatter")
-
 
 def _bytes(t) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0

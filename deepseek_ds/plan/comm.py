@@ -35,20 +35,20 @@ from ..models.presets import num_routed_experts
 from ..models.registry import family_of
 from ..parallel import schedule_model
 from ..training.router_stats import BIAS_STATS, moe_layer_indices
+from ..utils.collectives import PLANNED_KINDS
 from . import activations_v32
 from .activations import layer_kinds, stream_width
 from .estimate import Plan, attention_is_fused, estimate, layout_of, model_config
 from .params import SpecParams, rank_params
 from .states import PERSISTENCE_DEFAULT
 
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send_recv", "broadcast")
 REUSE_DISTANCE_DEFAULT = 1_000_000_000  # DeepSpeedZeroConfig.max_reuse_distance
 FP64, FP32, INT32, INT64 = 8, 4, 4, 8
 
 
 @dataclass(frozen=True)
 class Transfer:
-    kind: str    # one of KINDS
+    kind: str    # one of PLANNED_KINDS
     group: str   # "data", "expert_data", "pipe", "expert", "tensor", "sequence" or "world"
     ranks: int   # the group's size
     bytes: float  # per rank and optimizer step, as comm_counter counts them
@@ -195,7 +195,7 @@ def comm_bytes(cfg, ds: dict, plan: Plan, model: SpecParams) -> list[dict[str, i
     """Per pipeline stage, one rank's bytes per optimizer step by collective kind (every kind, zeros included)."""
     stages = []
     for stage in range(plan.layout.pp):
-        kinds = dict.fromkeys(KINDS, 0.0)
+        kinds = dict.fromkeys(PLANNED_KINDS, 0.0)
         for t in transfers(cfg, ds, plan, model, stage):
             kinds[t.kind] += t.bytes
         stages.append({k: round(v) for k, v in kinds.items()})
