@@ -9,6 +9,7 @@ Rank 0 writes every rank's report, per global batch size, to one JSON file (--re
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import os
@@ -317,10 +318,7 @@ def _steps(run, cfg, ds: dict, clock: PhaseClock, probe: StateProbe, warmup: int
         probe.armed = i == total - 1  # the last step is measured, not timed
         clock.reset()
         start = time.perf_counter()
-        if probe.armed:
-            with saved:
-                loss = train_step(run, next(batches))
-        else:
+        with saved if probe.armed else contextlib.nullcontext():
             loss = train_step(run, next(batches))
         steps.append({"loss": loss, "seconds": time.perf_counter() - start, **clock.seconds, "span": clock.span,
                       "first": clock.first, "last": clock.last, "instructions": clock.instructions,

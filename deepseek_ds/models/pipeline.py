@@ -208,8 +208,9 @@ class DeepSeekDualPipeVModule(DualPipeVModule, DeepSeekPipelineModule):
 
 
 def partition_stages(num_stages: int, schedule: str = "1f1b") -> int:
-    """How many stages the model is cut into for `num_stages` pipeline ranks: DualPipeV cuts it into two per rank."""
-    return 2 * num_stages if schedule == "dualpipev" else num_stages
+    """How many stages the model is cut into for `num_stages` pipeline ranks: DualPipeV cuts it into two per rank
+    (without a pipeline, one)."""
+    return 2 * num_stages if schedule == "dualpipev" and num_stages > 1 else num_stages
 
 
 class SequentialLM(nn.Module):

@@ -95,6 +95,7 @@ class ZeroBubbleEngine(PipelineEngineExtension):
         # DeepSpeed's checkpoints (reentrant or not) refuse torch.autograd.grad, which the input half is: torch's
         # non-reentrant one allows it and gives the same gradients.
         engine.module.activation_checkpoint_func = _checkpoint
+        engine.weights = [p for p in engine.module.parameters() if p.requires_grad]  # fixed once the engine is built
         engine.weight_halves = deque()  # each input half's parameter groups (torch's), oldest first
         engine.sends = []
         return engine
@@ -129,7 +130,7 @@ class ZeroBubbleEngine(PipelineEngineExtension):
             output_grads = [g.clone() for g in _floating(self.grad_layer)]
         inputs = [t for t in _floating(self.pipe_buffers["inputs"][buffer_id]) if t.requires_grad]
         with self.backward_running():
-            self.weight_halves.append(backward_input(outputs, output_grads, inputs, self.trainable()))
+            self.weight_halves.append(backward_input(outputs, output_grads, inputs, self.weights))
         self.pipe_buffers["outputs"][buffer_id] = None
 
     def weight_half(self, micro_batch: int) -> None:
@@ -137,7 +138,7 @@ class ZeroBubbleEngine(PipelineEngineExtension):
         if not groups:
             return
         with self.backward_running():
-            backward_weight(self.trainable(), groups)
+            backward_weight(self.weights, groups)
         # After every backward ZeRO 1 moves .grad into its accumulation buffer when that has another dtype: the
         # weight half's gradients arrive after the input half's backward ended.
         self.optimizer.backward_epilogue()
@@ -147,8 +148,5 @@ class ZeroBubbleEngine(PipelineEngineExtension):
         # backward the user started from an unscaled loss. The input half starts from a scaled one, and the weight
         # half runs the outputs' nodes again: the hook would divide a second and a third time.
         return grad
-
-    def trainable(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.module.parameters() if p.requires_grad]
 
     extra_instructions = {BackwardInput: input_half, BackwardWeight: weight_half}

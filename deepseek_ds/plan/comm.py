@@ -86,7 +86,7 @@ def transfers(cfg, ds: dict, plan: Plan, model: SpecParams, stage: int) -> list[
     f = 2 if plan.precision in ("bf16", "fp16") else 4
     seq, m, b = cfg.data.seq_len, lay.grad_accum, lay.micro
     schedule = cfg.parallel.pipeline_schedule
-    bounds = model.bounds(partition_stages(lay.pp, schedule) if lay.pp > 1 else 1, cfg.model.partition_method, seq)
+    bounds = model.bounds(partition_stages(lay.pp, schedule), cfg.model.partition_method, seq)
     held = schedule_model.parts(schedule, lay.pp, stage)  # DualPipeV: two half stages
     experts = num_routed_experts(mcfg)
     ep = lay.ep if experts else 1

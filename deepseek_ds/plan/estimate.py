@@ -159,8 +159,7 @@ def estimate(cfg: RunConfig, ds: dict, layout: Layout, gpu_memory: int, fused_at
     z = zero_settings(ds, layout.zero, f)
     schedule = cfg.parallel.pipeline_schedule
     # DualPipeV cuts the model into 2 pp half stages, rank r holding r and 2 pp - 1 - r (models/pipeline.py).
-    bounds = model.bounds(partition_stages(layout.pp, schedule) if layout.pp > 1 else 1, cfg.model.partition_method,
-                          cfg.data.seq_len)
+    bounds = model.bounds(partition_stages(layout.pp, schedule), cfg.model.partition_method, cfg.data.seq_len)
     ep = layout.ep if num_routed_experts(mcfg) else 1
     # A sequence rank holds seq_len / sp tokens of each sequence, and attends over the whole sequence for heads / sp
     # heads: per token of its own, what a rank without SP keeps per token (the score matrix's seq_len columns too).

@@ -87,7 +87,7 @@ def step_time(cfg: RunConfig, plan: Plan, hw: Hardware, model: SpecParams, ds: d
     mcfg, lay = model.mcfg, plan.layout
     seq = cfg.data.seq_len
     schedule = cfg.parallel.pipeline_schedule
-    bounds = model.bounds(partition_stages(lay.pp, schedule) if lay.pp > 1 else 1, cfg.model.partition_method, seq)
+    bounds = model.bounds(partition_stages(lay.pp, schedule), cfg.model.partition_method, seq)
     per_layer = flops.layer_flops(model.costs, mcfg, seq)
     if cfg.lora.r:
         # A weight's 6 FLOPs per element and token are 2 forward, 2 for its input's gradient and 2 for its own

@@ -77,8 +77,6 @@ PRIVATE: tuple[tuple[str, str, str], ...] = (
      "training schedule (DeepSpeed's DualPipeVEngine extends PipelineEngine the same way)"),
     ("deepspeed.runtime.pipe.engine.PipelineEngine", "_exec_schedule", "PipelineEngineExtension: around one "
      "schedule's run"),
-    ("deepspeed.runtime.pipe.engine.PipelineEngine", "_INSTRUCTION_MAP", "PipelineEngineExtension: an engine's "
-     "own instructions"),
     ("deepspeed.runtime.pipe.engine.PipelineEngine", "_exec_backward_pass", "PipelineEngineExtension: DeepSpeed's "
      "whole backward of one micro-batch"),
     ("deepspeed.runtime.pipe.engine.PipelineEngine", "_running_engine_backward", "PipelineEngineExtension: set "
@@ -100,7 +98,8 @@ PRIVATE: tuple[tuple[str, str, str], ...] = (
      "groups' gradient norms as DeepSpeed combines them, for clipping per group"),
     # benchmarks (bench/worker.py, bench/gpu_probes.py)
     ("deepspeed.runtime.pipe.engine.PipelineEngine", "_INSTRUCTION_MAP", "timing each pipeline instruction "
-     "(the engine dispatches every schedule instruction through it)"),
+     "(the engine dispatches every schedule instruction through it), and PipelineEngineExtension's own "
+     "instructions"),
     ("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3",
      "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition", "ZeRO-3's gradient partitions, counted as "
      "gradients by bench zero"),
