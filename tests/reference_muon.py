@@ -48,11 +48,12 @@ def fp32_newton_schulz() -> Iterator[None]:
         yield
 
 
-def muon_reference_losses(cfg: RunConfig, data_dir: str, muon_lr: float, momentum: float = 0.95) -> list[float]:
-    """Each step's loss of a dense model (no MoE balancing, no MTP) trained with Muon + AdamW, no clipping. The
-    Muon learning rate follows the AdamW group's schedule (the same WarmupCosineLR ratio)."""
+def muon_reference_run(cfg: RunConfig, data_dir: str, muon_lr: float,
+                       momentum: float = 0.95) -> tuple[list[float], list[float]]:
+    """Each step's loss and gradient norm (of every gradient, before clipping) of a dense model (no MoE balancing, no
+    MTP) trained with Muon + AdamW, the gradients clipped to train.grad_clip (if > 0) before either optimizer sees
+    them. The Muon learning rate follows the AdamW group's schedule (the same WarmupCosineLR ratio)."""
     t = cfg.train
-    assert t.grad_clip == 0
     torch.manual_seed(t.seed)
     model, mcfg = reference_model(cfg)
     model.train()
@@ -61,12 +62,13 @@ def muon_reference_losses(cfg: RunConfig, data_dir: str, muon_lr: float, momentu
     muon = torch.optim.Muon(muon_params, lr=muon_lr, weight_decay=t.weight_decay, momentum=momentum, nesterov=True,
                             adjust_lr_fn="original")
     data = StreamSamples(data_dir, cfg.data.seq_len)
-    losses = []
+    losses, norms = [], []
     for step in range(1, t.steps + 1):
         (input_ids, labels), = step_batch(data, step, t.global_batch_size, t.seed, t.shuffle)
         logits = model(input_ids=input_ids).logits
         loss = model.loss_function(logits=logits, labels=None, shift_labels=labels, vocab_size=mcfg.vocab_size)
         loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf")).item())
         muon.param_groups[0]["lr"] = muon_lr * adam.param_groups[0]["lr"] / t.lr
         adam.step()
         muon.step()
@@ -74,4 +76,4 @@ def muon_reference_losses(cfg: RunConfig, data_dir: str, muon_lr: float, momentu
         adam.zero_grad()
         muon.zero_grad()
         losses.append(loss.item())
-    return losses
+    return losses, norms

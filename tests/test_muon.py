@@ -1,7 +1,9 @@
 """Muon (DeepSpeed's `"optimizer": {"type": "Muon"}`, ds_configs/zero*_muon.json): the rule of models/muon.py on the
-models, its refusals, and training through the real launcher: tiny-v3 (MoE) gives the same losses on 1 rank and
-on 2 ranks under every layout Muon serves, and tiny-dense follows a single-process torch.optim.Muon + AdamW
-reference (tests/reference_muon.py) with Newton-Schulz in fp32; `plan` predicts the bytes each rank's engine holds."""
+models, its refusals, and training through the real launcher: tiny-v3 (MoE) gives the same losses and gradient
+norms on 1 rank and on 2 ranks under every layout Muon serves (ZeRO 1-3, PP, EP), with and without gradient
+clipping, and tiny-dense follows a single-process torch.optim.Muon + AdamW reference (tests/reference_muon.py, the
+gradients clipped before either optimizer) with Newton-Schulz in fp32; `plan` predicts the bytes each rank's engine
+holds."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from deepseek_ds.checkpoint.format import CheckpointError, Layout
 from deepseek_ds.checkpoint.resuming import _check_reshardable
@@ -19,25 +22,37 @@ from deepseek_ds.models.presets import build_model_config
 from deepseek_ds.plan.estimate import element_bytes, estimate, layout_of, zero_settings
 from deepseek_ds.plan.params import SpecParams, rank_params
 from deepseek_ds.plan.states import state_bytes
+from deepseek_ds.utils.private_optimizer import MuonBlocks, muon_update_in_blocks
 from helpers import read_metrics, train_layouts
-from reference_muon import fp32_newton_schulz, muon_reference_losses
+from reference_muon import fp32_newton_schulz, muon_reference_run
 
 STEPS = 4
 MUON_LR = 0.02  # ds_configs/zero*_muon.json's muon_lr
 # test_equivalence's settings (seed 7 and Adam's eps 1e-5 keep tiny-v3's routing clear of near ties), no clipping
-# (refused with Muon: DeepSpeed clips the orthogonalised update).
+# unless CLIP: below every step's gradient norm here (checked), so each step is clipped, by a different factor.
 SETS = [f"train.steps={STEPS}", "train.micro_batch_size=2", "train.global_batch_size=8", "data.seq_len=64",
         "train.warmup_steps=0", "checkpoint.interval=0", "train.eps=1e-5", "train.seed=7", "train.grad_clip=0"]
+CLIP_NORM = 1.0
+CLIP = [f"train.grad_clip={CLIP_NORM}"]
 DENSE = ["model.preset=tiny-dense"]
 V4 = ["model.preset=tiny-v4", "model.attn_implementation=eager"]
+EP = ["parallel.expert_parallel=2"]
+PP = ["parallel.pipeline_stages=2"]
 LAYOUTS = [
     # (id, ranks, deepspeed config, extra overrides): the layouts of one rank count train in one launch.
     ("v3-1rank", 1, "ds_configs/zero1_muon.json", []),
+    ("v3-1rank-clip", 1, "ds_configs/zero1_muon.json", CLIP),
     ("v3-zero1", 2, "ds_configs/zero1_muon.json", []),
     ("v3-zero2", 2, "ds_configs/zero2_muon.json", []),
     ("v3-zero3", 2, "ds_configs/zero3_muon.json", []),
-    ("v3-pp2-zero1", 2, "ds_configs/zero1_pp_muon.json", ["parallel.pipeline_stages=2"]),
+    ("v3-pp2-zero1", 2, "ds_configs/zero1_pp_muon.json", PP),
+    ("v3-ep2-zero1", 2, "ds_configs/zero1_muon.json", EP),
+    ("v3-zero2-clip", 2, "ds_configs/zero2_muon.json", CLIP),
+    ("v3-zero3-clip", 2, "ds_configs/zero3_muon.json", CLIP),
+    ("v3-pp2-zero1-clip", 2, "ds_configs/zero1_pp_muon.json", PP + CLIP),
+    ("v3-ep2-zero1-clip", 2, "ds_configs/zero1_muon.json", EP + CLIP),
     ("dense-zero1", 2, "ds_configs/zero1_muon.json", DENSE),
+    ("dense-zero1-clip", 2, "ds_configs/zero1_muon.json", DENSE + CLIP),
     ("v4-zero1", 2, "ds_configs/zero1_muon.json", V4),
     # Resume: steps 1-2 saved, then a run in the same checkpoint.dir resumes at step 3 (Muon's momentum and AdamW's
     # moments from the checkpoint), against the same 4 steps uninterrupted; constant lr (min_lr = tiny-v3's lr), so
@@ -48,7 +63,8 @@ LAYOUTS = [
     ("v3-const-resumed", 2, "ds_configs/zero1_muon.json", ["train.min_lr=3e-3",
                                                             "checkpoint.dir={root}/resume-checkpoints"]),
 ]
-MOE = ["v3-zero1", "v3-zero2", "v3-zero3", "v3-pp2-zero1"]
+MOE = ["v3-zero1", "v3-zero2", "v3-zero3", "v3-pp2-zero1", "v3-ep2-zero1"]
+MOE_CLIP = ["v3-zero2-clip", "v3-zero3-clip", "v3-pp2-zero1-clip", "v3-ep2-zero1-clip"]
 
 
 def _model(preset: str, **overrides):
@@ -82,17 +98,15 @@ def test_rule_keeps_v4_hc_head_on_adamw_where_deepspeed_would_not():
     split = tag_muon(model)
     assert not any(p.use_muon for p in hc)
     experts = [p for n, p in model.named_parameters() if n.endswith("experts.gate_up_proj")]
-    assert experts and all(p.use_muon and p.is_expert_group for p in experts)
+    assert experts and all(p.use_muon and p.is_expert_group == MuonBlocks(2) for p in experts)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert split.muon_matrices == sum(m for n, m in muon_split(model).items() if n in trainable)
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize("sets,needle", [
-    (["train.grad_clip=1.0"], "gradient_clipping with Muon"),
-    (["train.grad_clip=0", "lora.r=4"], "LoRA with Muon"),
-    (["train.grad_clip=0", "parallel.expert_parallel=2"], "Muon with expert parallelism"),
-    (["train.grad_clip=0", "parallel.tensor_parallel=2"], "Muon with tensor parallelism"),
+    (["lora.r=4"], "LoRA with Muon"),
+    (["parallel.tensor_parallel=2"], "Muon with tensor parallelism"),
 ])
 def test_refusals(sets, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -100,17 +114,45 @@ def test_refusals(sets, needle):
 
 
 @pytest.mark.unit
+def test_sparse_indexer_clipping_refused():
+    """V3.2's sparse stage clips the indexers by their own norm; Muon's update is taken after the norm of all."""
+    with pytest.raises(ConfigError, match="indexer.stage sparse with gradient clipping and Muon"):
+        load_and_validate("recipes/tiny-v3.yaml", "ds_configs/zero1_muon.json",
+                          ["model.preset=tiny-v32", "indexer.stage=sparse", "train.grad_clip=1.0"], 2)
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("section,value,needle", [
     ("zero_optimization", {"stage": 0}, "Muon with ZeRO stage 0"),
     ("zero_optimization", {"stage": 3}, "zero_optimization.reduce_scatter false"),
     ("optimizer", {"type": "Muon", "params": {"lr": "auto", "per_head_muon": True}}, "per_head_muon"),
+    ("zero_optimization", {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "offload_optimizer with Muon"),
+    ("zero_optimization", {"stage": 1, "compute_grad_norm": False}, "compute_grad_norm false with Muon"),
 ])
 def test_json_refusals(tmp_path, section, value, needle):
     ds = json.loads(open("ds_configs/zero1_muon.json").read())
     ds[section] = value
     (tmp_path / "muon.json").write_text(json.dumps(ds))
     with pytest.raises(ConfigError, match=needle):
-        load_and_validate("recipes/tiny-v3.yaml", str(tmp_path / "muon.json"), ["train.grad_clip=0"], 2)
+        load_and_validate("recipes/tiny-v3.yaml", str(tmp_path / "muon.json"), [], 2)
+
+
+@pytest.mark.unit
+def test_fused_gate_up_is_orthogonalised_per_projection():
+    """A MuonBlocks(2) tensor [E, 2I, H] takes the update DeepSpeed's Muon gives each expert's gate and up halves
+    as tensors of their own (what AutoEP's w1 and w3 get under expert parallelism), momentum included; DeepSpeed's
+    whole-matrix update of the fused tensor differs."""
+    from deepspeed.runtime.zero.muon.original_muon import muon_update
+    torch.manual_seed(0)
+    grad, momentum = torch.randn(3, 8, 6), torch.randn(3, 8, 6)
+    halves = [(grad[:, :4].clone(), momentum[:, :4].clone()), (grad[:, 4:].clone(), momentum[:, 4:].clone())]
+    fused_momentum = momentum.clone()
+    update = muon_update_in_blocks(grad.clone(), fused_momentum, 0.95, is_expert_group=MuonBlocks(2))
+    apart = [muon_update(g, m, 0.95, is_expert_group=True) for g, m in halves]
+    assert torch.equal(update, torch.cat(apart, dim=1))
+    assert torch.equal(fused_momentum, torch.cat([m for _, m in halves], dim=1))
+    whole = muon_update(grad.clone(), momentum.clone(), 0.95, is_expert_group=True)
+    assert not torch.allclose(whole, update, atol=1e-3)
 
 
 @pytest.mark.unit
@@ -128,10 +170,11 @@ def test_resharding_a_muon_checkpoint_refused():
 @pytest.mark.parametrize("ds_config", ["zero1_muon.json", "zero2_muon.json", "zero3_muon.json",
                                        "zero1_pp_muon.json"])
 def test_shipped_configs_validate_and_state_the_rule(ds_config):
-    """Each shipped Muon config validates (no clipping), and validate's summary states the rule (filled_sections)."""
-    sets = ["train.grad_clip=0"] + (["parallel.pipeline_stages=2"] if "_pp" in ds_config else [])
-    _, ds = load_and_validate("recipes/tiny-v3.yaml", f"ds_configs/{ds_config}", sets, 2)
-    assert ds["optimizer"]["type"] == "Muon" and ds["gradient_clipping"] == 0
+    """Each shipped Muon config validates (with the recipe's clipping), and validate's summary states the rule
+    (filled_sections)."""
+    sets = ["parallel.pipeline_stages=2"] if "_pp" in ds_config else []
+    cfg, ds = load_and_validate("recipes/tiny-v3.yaml", f"ds_configs/{ds_config}", sets, 2)
+    assert ds["optimizer"]["type"] == "Muon" and ds["gradient_clipping"] == cfg.train.grad_clip > 0
     assert filled_sections(load_ds_config(f"ds_configs/{ds_config}")) == [
         f"optimizer Muon: {RULE} (deepseek_ds/models/muon.py)"]
     assert "output head" in RULE
@@ -165,22 +208,46 @@ def _losses(records: list[dict]) -> list[float]:
     return [r["loss"] for r in records]
 
 
+def _norms(records: list[dict]) -> list[float]:
+    return [r["grad_norm"] for r in records]
+
+
 @pytest.mark.launch
 @pytest.mark.parametrize("name", MOE)
 def test_moe_layouts_equal_one_rank(name, runs):
-    one, two = _losses(runs(1, "v3-1rank")), _losses(runs(2, name))
-    assert len(set(one)) == STEPS  # it trains
-    assert two == pytest.approx(one, rel=1e-5), f"{name}: {two} vs 1 rank {one}"
+    """Losses and gradient norms (of the gradients, before Muon) equal 1 rank's; under EP each rank orthogonalises
+    the whole matrices of the experts it holds, each expert's gate and up apart as on one rank."""
+    one, two = runs(1, "v3-1rank"), runs(2, name)
+    assert len(set(_losses(one))) == STEPS  # it trains
+    assert _losses(two) == pytest.approx(_losses(one), rel=1e-5), f"{name}: {_losses(two)} vs 1 rank {_losses(one)}"
+    assert _norms(two) == pytest.approx(_norms(one), rel=1e-5), name
 
 
 @pytest.mark.launch
-def test_dense_follows_torch_muon_reference(runs, data_dir):
-    cfg = load_run_config("recipes/tiny-v3.yaml", SETS + DENSE + [f"data.path={data_dir}"])
+@pytest.mark.parametrize("name", MOE_CLIP)
+def test_clipped_moe_layouts_equal_one_rank(name, runs):
+    """With gradient clipping, every layout clips the gradient by its norm before Muon's momentum, as 1 rank does
+    (DeepSpeed alone clipped the orthogonalised update under ZeRO 1-3, by its own norm: DeepSpeed #7776)."""
+    one, two, unclipped = runs(1, "v3-1rank-clip"), runs(2, name), runs(1, "v3-1rank")
+    assert min(_norms(one)) > CLIP_NORM and _losses(one)[1:] != _losses(unclipped)[1:]  # every step clipped
+    assert _losses(two) == pytest.approx(_losses(one), rel=1e-5), f"{name}: {_losses(two)} vs 1 rank {_losses(one)}"
+    assert _norms(two) == pytest.approx(_norms(one), rel=1e-5), name
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("clip", [[], CLIP], ids=["unclipped", "clipped"])
+def test_dense_follows_torch_muon_reference(clip, runs, data_dir):
+    """Losses and pre-clip gradient norms equal torch.optim.Muon + AdamW's, whose gradients
+    torch.nn.utils.clip_grad_norm_ clips before either optimizer steps."""
+    cfg = load_run_config("recipes/tiny-v3.yaml", SETS + DENSE + clip + [f"data.path={data_dir}"])
     with fp32_newton_schulz():
-        reference = muon_reference_losses(cfg, data_dir, MUON_LR)
-    losses = _losses(runs(2, "dense-zero1"))
-    assert len(set(reference)) == STEPS
-    assert losses == pytest.approx(reference, rel=1e-5), f"{losses} vs reference {reference}"
+        losses, norms = muon_reference_run(cfg, data_dir, MUON_LR)
+    got = runs(2, "dense-zero1" + ("-clip" if clip else ""))
+    assert len(set(losses)) == STEPS
+    if clip:
+        assert min(norms) > CLIP_NORM
+    assert _losses(got) == pytest.approx(losses, rel=1e-5), f"{_losses(got)} vs reference {losses}"
+    assert _norms(got) == pytest.approx(norms, rel=1e-5), f"{_norms(got)} vs reference {norms}"
 
 
 @pytest.mark.launch

@@ -19,7 +19,8 @@ from helpers import ROOT
 pytestmark = pytest.mark.unit
 
 SEAM = "deepseek_ds/utils/private_api.py"
-SEAM_MODULES = (SEAM, "deepseek_ds/utils/private_pipeline.py")  # the seam's two modules (PRIVATE is in the first)
+SEAM_MODULES = (SEAM, "deepseek_ds/utils/private_pipeline.py",  # the seam's modules (PRIVATE is in the first)
+                "deepseek_ds/utils/private_optimizer.py")
 
 
 def _version(owner: str) -> str:
@@ -183,6 +184,6 @@ def test_instance_and_class_replacements_are_undone():
     with private_api.instance_method_replaced(e, "step", lambda: "patched") as original:
         assert e.step() == "patched" and original() == "class" and Engine().step() == "class"
     assert e.step() == "class" and "step" not in vars(e)
-    with private_api.class_method_replaced(Engine, "step", lambda self: "all"):
+    with private_api.attribute_replaced(Engine, "step", lambda self: "all"):
         assert Engine().step() == "all"
     assert Engine().step() == "class"

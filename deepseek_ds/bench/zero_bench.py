@@ -384,7 +384,7 @@ def register(subparsers) -> None:
                         "--tp > 1: AutoTP has no ZeRO-3 here)")
     p.add_argument("--optimizers", type=_optimizers, default=None,
                    help="every stage once per optimizer (adamw,muon): the JSON's optimizer section replaced by "
-                        f"{' / '.join(OPTIMIZER_CONFIGS.values())}'s; Muon needs --set train.grad_clip=0")
+                        f"{' / '.join(OPTIMIZER_CONFIGS.values())}'s")
     p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel ranks per replica (parallel.tensor_parallel); the per-rank parameter, "
                         "gradient and optimizer bytes then hold 1/tp of the split matrices")

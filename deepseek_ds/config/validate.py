@@ -157,22 +157,25 @@ def _muon_errors(cfg: RunConfig, ds: dict) -> list[str]:
     """DeepSpeed's Muon (models/muon.py) where it is exact, and refused with the reason where it is not."""
     if not is_muon(ds):
         return []
-    errors = []
-    if _gradient_clipping(cfg, ds):
-        errors.append("gradient_clipping with Muon: DeepSpeed clips Muon's orthogonalised update rather than the "
-                      "gradient (DeepSpeed #7776, #8439), which shrinks every Muon step; set train.grad_clip=0 (with "
-                      "gradient_clipping \"auto\")")
+    errors, stage, zero = [], zero_stage(ds), ds.get("zero_optimization", {})
+    if _gradient_clipping(cfg, ds) and cfg.indexer.stage == "sparse":
+        errors.append("indexer.stage sparse with gradient clipping and Muon: the indexers are clipped by their own "
+                      "norm and Muon's update by the norm of all gradients; use an AdamW config, or set "
+                      "train.grad_clip=0")
     if cfg.lora.r:
         errors.append("LoRA with Muon: Muon would orthogonalise each adapter factor on its own, not the update of "
                       "the adapted weight, and no reference checks it; use an AdamW config for LoRA")
-    if zero_stage(ds) == 0:
+    if stage == 0:
         errors.append("Muon with ZeRO stage 0: DeepSpeed's Muon orthogonalises inside its ZeRO optimizers, and "
                       "stage 0 (plain SGD until DeepSpeed #8442) is not checked against a reference here; use "
                       "ds_configs/zero1_muon.json")
-    if cfg.parallel.expert_parallel > 1:
-        errors.append("Muon with expert parallelism: AutoEP holds each expert's gate and up projections as two "
-                      "matrices (w1, w3) where the model fuses them into one gate_up_proj matrix per expert, so "
-                      "Muon would orthogonalise them differently than on one rank; set parallel.expert_parallel=1")
+    if offloads(ds, "optimizer"):
+        errors.append("zero_optimization.offload_optimizer with Muon: DeepSpeed's offloaded step orthogonalises "
+                      "before the gradient norm and each fused gate_up_proj as one matrix per expert, not as the "
+                      "rule says; remove offload_optimizer")
+    if zero.get("compute_grad_norm") is False:
+        errors.append("zero_optimization.compute_grad_norm false with Muon: Muon runs after the step's gradient "
+                      "norm (models/muon.py); remove compute_grad_norm")
     if cfg.parallel.tensor_parallel > 1:
         errors.append("Muon with tensor parallelism: AutoTP splits each matrix over the TP ranks and Muon would "
                       "orthogonalise every shard on its own, not the whole matrix; set parallel.tensor_parallel=1")
@@ -180,7 +183,7 @@ def _muon_errors(cfg: RunConfig, ds: dict) -> list[str]:
         errors.append("optimizer.params.per_head_muon: DeepSpeed's per-head Muon reads the head counts from the "
                       "model's config, which deepseek-ds's layers do not carry, and it is not checked against a "
                       "reference here; remove it (each projection is orthogonalised whole)")
-    if zero_stage(ds) == 3 and ds.get("zero_optimization", {}).get("reduce_scatter", True):
+    if stage == 3 and zero.get("reduce_scatter", True):
         errors.append("Muon with ZeRO stage 3 needs zero_optimization.reduce_scatter false (DeepSpeed refuses the "
                       "two together); see ds_configs/zero3_muon.json")
     return errors

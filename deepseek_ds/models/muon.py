@@ -2,7 +2,8 @@
 updates and which the auxiliary AdamW does, and the tagging that makes DeepSpeed's optimizer follow it.
 
 The rule: Muon for every matrix inside the decoder layers and the MTP layers (attention projections, dense and
-shared-expert MLPs, routers, MTP's eh_proj; a fused 3-D expert tensor is one matrix per routed expert), AdamW for
+shared-expert MLPs, routers, MTP's eh_proj; each routed expert's gate, up and down projections, which transformers
+fuses into 3-D tensors and AutoEP holds as w1, w3 and w2), AdamW for
 the embedding, the output head and every 1-D parameter (norms, biases) and any other parameter outside those layers
 (DeepSeek-V4's hc_head).
 
@@ -10,7 +11,10 @@ DeepSpeed tags `use_muon` itself (deepspeed.set_optimizer_flags: any >= 2-D para
 "lm_head"), and again after AutoEP replaces the experts; this module's tags are applied last, as the engine builds
 its optimizer, so the rule here is the one that trains. DeepSpeed's Muon scales each matrix's orthogonalised
 update by sqrt(max(1, rows / cols)) (torch.optim.Muon's "original" learning-rate adjustment), and a 3-D tensor
-tagged `is_expert_group` is orthogonalised per expert."""
+tagged `is_expert_group` is orthogonalised per expert; a fused gate_up_proj per expert and per projection
+(MuonBlocks), so that one rank and expert parallelism (AutoEP's separate w1 and w3) orthogonalise the same matrices,
+as the dense MLPs' separate gate_proj and up_proj are. The engine's ZeRO optimizer then runs Muon after the step's
+gradient norm, on the gradient clipped by it (utils/private_optimizer.py)."""
 
 from __future__ import annotations
 
@@ -22,13 +26,15 @@ from dataclasses import dataclass
 import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 
-from ..utils.private_api import CONFIGURE_OPTIMIZER, class_method_replaced
+from ..utils.private_api import CONFIGURE_OPTIMIZER, attribute_replaced
+from ..utils.private_optimizer import MuonBlocks, muon_after_the_norm
 from .layers import DecoderLayerPipe
 
 MUON = "muon"
 RULE = ("Muon for every matrix of the decoder and MTP layers (attention projections, dense and shared-expert MLPs, "
-        "routers, MTP's eh_proj; a fused routed-expert tensor as one matrix per expert), AdamW for the embedding, the "
+        "routers, MTP's eh_proj; each routed expert's gate, up and down projections), AdamW for the embedding, the "
         "output head and every 1-D parameter")
+FUSED_GATE_UP = "gate_up_proj"  # transformers' routed experts: [E, 2I, H], each expert's gate and up stacked
 
 
 def is_muon(ds: dict) -> bool:
@@ -64,14 +70,17 @@ class Split:
 
 def tag_muon(model: torch.nn.Module) -> Split:
     """Sets `use_muon` on every parameter by the rule, and `is_expert_group` on Muon's 3-D tensors (fused routed
-    experts: DeepSpeed then orthogonalises each expert's matrix on its own); returns the trainable split."""
+    experts: DeepSpeed then orthogonalises each expert's matrix on its own; a gate_up_proj's two, MuonBlocks);
+    returns the trainable split."""
     split = muon_split(model)
     counts = [0, 0, 0, 0]
     for name, p in model.named_parameters():
         muon = split[name]
         p.use_muon = muon
         if muon and len(layer_shape(p)) >= 3:
-            p.is_expert_group = True
+            fused = name.endswith(FUSED_GATE_UP)
+            p.is_expert_group = MuonBlocks(2) if fused else True
+            p.muon_num_heads = p.is_expert_group if fused else None  # the tag ZeRO-3 passes to muon_update
         if p.requires_grad:
             numel = getattr(p, "ds_numel", None) or p.numel()
             counts[0 if muon else 2] += 1
@@ -82,14 +91,16 @@ def tag_muon(model: torch.nn.Module) -> Split:
 @contextlib.contextmanager
 def muon_tagging(log: logging.Logger) -> Iterator[None]:
     """Around deepspeed.initialize: the rule's tags replace DeepSpeed's just before the engine builds its optimizer
-    (after its own tagging and AutoEP's replacements); `log` gets the split. DeepSpeed offers no hook between the
-    two: its optimizer construction is patched for the block (utils/private_api.py)."""
+    (after its own tagging and AutoEP's replacements), and the ZeRO optimizer built runs Muon as the module
+    docstring says; `log` gets the split. DeepSpeed offers no hook between the two: its optimizer construction is
+    patched for the block (utils/private_api.py)."""
     configure = getattr(DeepSpeedEngine, CONFIGURE_OPTIMIZER)
 
     def configure_optimizer(self, client_optimizer, model_parameters):
         log.info("optimizer Muon (the rule: deepseek_ds/models/muon.py): %s on this rank",
                  tag_muon(self.module).describe())
-        return configure(self, client_optimizer, model_parameters)
+        configure(self, client_optimizer, model_parameters)
+        muon_after_the_norm(self.optimizer)
 
-    with class_method_replaced(DeepSpeedEngine, CONFIGURE_OPTIMIZER, configure_optimizer):
+    with attribute_replaced(DeepSpeedEngine, CONFIGURE_OPTIMIZER, configure_optimizer):
         yield

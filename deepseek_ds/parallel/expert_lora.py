@@ -32,7 +32,7 @@ from torch import nn
 
 from ..models.lora import ADAPTER, ROUTED_EXPERT_PARAMETERS
 from ..models.names import hf_name
-from ..utils.private_api import AUTOEP_REPLACE_MOE_LAYER, CONFIGURE_OPTIMIZER, class_method_replaced, experts_kernel
+from ..utils.private_api import AUTOEP_REPLACE_MOE_LAYER, CONFIGURE_OPTIMIZER, attribute_replaced, experts_kernel
 
 _FACTORS = "_expert_lora"  # attribute of transformers' experts module: {parameter name: (A, B, scaling)}
 FUSED = ("gate_up_proj", "down_proj")  # transformers' fused expert tensors, as peft's target_parameters name them
@@ -122,8 +122,8 @@ def autoep_lora() -> Iterator[None]:
         finally:
             self.has_moe_layers = True
 
-    with class_method_replaced(AutoEP, AUTOEP_REPLACE_MOE_LAYER, replace_with_adapters), \
-            class_method_replaced(DeepSpeedEngine, CONFIGURE_OPTIMIZER, configure_optimizer):
+    with attribute_replaced(AutoEP, AUTOEP_REPLACE_MOE_LAYER, replace_with_adapters), \
+            attribute_replaced(DeepSpeedEngine, CONFIGURE_OPTIMIZER, configure_optimizer):
         yield
 
 

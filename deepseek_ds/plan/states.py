@@ -86,14 +86,14 @@ def _zero12(numels: list[int], n: int, rank: int, z: ZeroSettings, muon: bool) -
 def _muon_grads(groups: list[tuple[list[int], bool, bool]], n: int, rank: int, z: ZeroSettings) -> int:
     """ZeRO 1/2 with Muon: the most gradient bytes the rank holds. Before the accumulation boundary ZeRO-1 holds every
     gradient whole (ZeRO-2 less than after it); from the boundary to the step, the parameters' gradients are gone
-    and the rank holds the reduced gradient of every parameter overlapping its slice of each group, whole, Muon's
-    update of each such matrix (a new whole tensor, get_flat_partition) and, on the last rank, the zeros padding
-    each group's list to the partition."""
+    and the rank holds the reduced gradient of every parameter overlapping its slice of each group, whole (Muon's
+    update is written back into it after the norm, utils/private_optimizer.py) and, on the last rank, the zeros
+    padding each group's list to the partition."""
     boundary = 0
-    for numels, _, muon in groups:
+    for numels, _, _ in groups:
         flat = zero12_flat_numel(numels, n)
         part = flat // n
-        boundary += overlapping_numel(numels, rank * part, (rank + 1) * part) * (2 if muon else 1)
+        boundary += overlapping_numel(numels, rank * part, (rank + 1) * part)
         boundary += flat - sum(numels) if rank == n - 1 else 0
     whole = sum(sum(numels) for numels, _, _ in groups) if z.stage == 1 else 0
     return z.param_bytes * max(whole, boundary)

@@ -10,7 +10,7 @@ from deepspeed.runtime.utils import combine_grad_norm_groups
 from torch import nn
 
 from ..models.deepseek_v32.indexer import TrainableIndexer
-from ..utils.private_api import clip_by_group_norms
+from ..utils.private_optimizer import clip_by_group_norms
 
 
 def _indexer_ids(model: nn.Module) -> set[int]:

@@ -60,7 +60,7 @@ from ..parallel import expert_lora, sequence
 from ..parallel.layout import Layout
 from ..parallel.zero_bubble import ZeroBubbleEngine
 from ..rewards import RewardFunctions, resolve_rewards
-from ..utils.private_api import keep_fp32_clip_norm
+from ..utils.private_optimizer import keep_fp32_clip_norm
 from ..utils.redact import redact
 from .clip_groups import GroupClipping, indexer_parameter_groups
 from .metrics import PhaseTimes

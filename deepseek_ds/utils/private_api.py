@@ -1,6 +1,6 @@
 """The one seam to DeepSpeed's, torch's and transformers' private names: every access the project makes to one goes
-through a small named function or constant here (or, for DeepSpeed's pipeline engine, its sibling private_pipeline.py),
-each saying why no public API does it. DeepSpeed is pinned exactly
+through a small named function or constant here or in its siblings (private_pipeline.py: DeepSpeed's pipeline engine;
+private_optimizer.py: the ZeRO optimizers' gradient norm and Muon's update), each saying why no public API does it. DeepSpeed is pinned exactly
 (requirements/cpu.txt); after an upgrade, tests/test_private_api.py walks PRIVATE and names each entry the new
 version lacks, with its reason, so an upgrade breaks in this one place."""
 
@@ -12,8 +12,6 @@ from datetime import timedelta
 
 import torch
 from deepspeed.moe import ep_experts
-from deepspeed.runtime.utils import clip_grad_norm_
-from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.sequence.layer import _SeqAllToAll
 from deepspeed.utils import groups
 from torch.distributed import ProcessGroup, distributed_c10d
@@ -96,6 +94,8 @@ PRIVATE: tuple[tuple[str, str, str], ...] = (
      "norm, for clipping per group (training/clip_groups.py)"),
     ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer", "_average_expert_grad_norms", "the expert "
      "groups' gradient norms as DeepSpeed combines them, for clipping per group"),
+    ("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3", "_apply_muon_to_accumulated_grads", "ZeRO-3's "
+     "Muon, run after the gradient norm and per projection of a fused gate_up_proj (utils/private_optimizer.py)"),
     # benchmarks (bench/worker.py, bench/gpu_probes.py)
     ("deepspeed.runtime.pipe.engine.PipelineEngine", "_INSTRUCTION_MAP", "timing each pipeline instruction "
      "(the engine dispatches every schedule instruction through it), and PipelineEngineExtension's own "
@@ -175,17 +175,18 @@ def instance_method_replaced(obj: object, name: str, fn: Callable) -> Iterator[C
 
 
 @contextlib.contextmanager
-def class_method_replaced(cls: type, name: str, fn: Callable) -> Iterator[None]:
-    """`fn` as cls's `name` for the block (every instance), the original again after it."""
-    original = vars(cls).get(name)  # None: inherited, found on a base again once removed
-    setattr(cls, name, fn)
+def attribute_replaced(owner: object, name: str, value: object) -> Iterator[None]:
+    """`value` as owner's `name` for the block (a class's method: every instance's; a module's function: every
+    caller's that looks it up at call time), the original again after it."""
+    original = vars(owner).get(name)  # None: inherited, found on a base again once removed
+    setattr(owner, name, value)
     try:
         yield
     finally:
         if original is None:
-            delattr(cls, name)
+            delattr(owner, name)
         else:
-            setattr(cls, name, original)
+            setattr(owner, name, original)
 
 
 # ------------------------------------------------------------------------------------------ DeepSpeed state
@@ -338,55 +339,3 @@ def set_pipeline_instructions(engine, table: dict) -> None:
 def sdpa_backend_choice(q, k, v, attn_mask, dropout_p: float, is_causal: bool) -> int:
     """The backend torch's scaled_dot_product_attention would pick for these inputs (an SDPBackend value)."""
     return torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal)
-
-
-# ------------------------------------------------------------------------------------------ the gradient norm
-def keep_fp32_clip_norm(engine) -> None:
-    """Make the engine keep the norm its fp32 gradient clipping computes (ZeRO-0 without bf16/fp16: DeepSpeed's
-    clip_fp32_gradients drops it, so get_global_grad_norm() said None there, and the step line had no norm). The
-    same call as DeepSpeed's (its clip_grad_norm_ with the engine's clip and mpu), its result kept."""
-    def clip_fp32_gradients() -> None:
-        engine._global_grad_norm = clip_grad_norm_(parameters=engine.module.parameters(),
-                                                   max_norm=engine.gradient_clipping(), mpu=engine.mpu)
-    engine.clip_fp32_gradients = clip_fp32_gradients
-
-
-def clip_by_group_norms(optimizer, norm_for: Callable[[list, int], torch.Tensor]) -> list[list[torch.nn.Parameter]]:
-    """ZeRO 1-3's optimizer clips group i's gradients by the norm `norm_for(norms, i)` gives instead of the norm of all
-    its groups together (DeepSpeed combines every group's norm into one; no option does otherwise). norms: the step's
-    norm of each group as DeepSpeed computed it for that one (reduced over the ranks, loss-scaled); its groups are
-    ZeRO 1/2's parameter groups, ZeRO-3's sub-groups, called in order from 0. Returns each group's parameters. The
-    reported global norm stays DeepSpeed's, of all groups."""
-    norms: list = []
-    if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
-        norm_groups, clip = optimizer._get_norm_groups, optimizer.unscale_and_clip_grads
-
-        def recorded() -> list:
-            norms[:] = norm_groups()
-            return list(norms)
-        optimizer._get_norm_groups = recorded
-        optimizer.unscale_and_clip_grads = lambda sub_group, total_norm: clip(sub_group, norm_for(norms, sub_group))
-        return optimizer.fp16_groups
-    direct, average, clip = (optimizer.get_grad_norm_direct, optimizer._average_expert_grad_norms,
-                             optimizer.unscale_and_clip_grads)
-    norms += [None] * len(optimizer.bit16_groups)
-
-    def recorded_direct(gradients, params, norm_type=2):
-        norm = direct(gradients, params, norm_type)
-        for i, own in enumerate(optimizer.params_in_partition):
-            if own is params:
-                norms[i] = norm
-        return norm
-
-    def recorded_average(norm_groups: list) -> None:  # expert groups' norms, as DeepSpeed combines them
-        average(norm_groups)
-        norms[:] = norm_groups
-
-    def clipped(grad_groups_flat: list, total_norm):
-        group = next(i for i, fp32 in enumerate(optimizer.single_partition_of_fp32_groups)
-                     if fp32.grad is grad_groups_flat[0])
-        return clip(grad_groups_flat, norm_for(norms, group))
-    optimizer.get_grad_norm_direct = recorded_direct
-    optimizer._average_expert_grad_norms = recorded_average
-    optimizer.unscale_and_clip_grads = clipped
-    return optimizer.bit16_groups
