@@ -115,8 +115,11 @@ STEPS = 2
 SETS = [f"train.steps={STEPS}", "train.micro_batch_size=2", "train.global_batch_size=8", "data.seq_len=64",
         "train.warmup_steps=0", "checkpoint.interval=0", "eval.interval=0", "train.seed=3", "train.objective=grpo",
         "grpo.num_generations=4", "grpo.max_completion_length=6", "grpo.temperature=0.9", "grpo.beta=0.04",
-        "grpo.reward=[tests/grpo_rewards.py:vowel_share]", "model.attn_implementation=eager"]
-ITERATIONS = ["grpo.num_iterations=2", "train.eps=1e-5"]
+        "grpo.reward=[tests/grpo_rewards.py:vowel_share]", "model.attn_implementation=eager",
+        # Adam's eps as test_equivalence's: gradient entries near 0 would otherwise turn roundoff between layouts into
+        # whole lr-sized steps.
+        "train.eps=1e-5"]
+ITERATIONS = ["grpo.num_iterations=2"]
 # LoRA on a base `models init` wrote with the prompts' tokenizer: its reference is that base, the adapters off.
 LORA = ["model.preset=null", "model.path={base}", "lora.r=4", "lora.alpha=8"]
 GRPO_LAYOUTS = [("grpo-zero1", "ds_configs/zero1.json", []), ("grpo-zero3", "ds_configs/zero3.json", []),
@@ -124,10 +127,12 @@ GRPO_LAYOUTS = [("grpo-zero1", "ds_configs/zero1.json", []), ("grpo-zero3", "ds_
                 ("grpo-resumed", "ds_configs/zero1.json", ["train.steps=1", "checkpoint.interval=1"]),
                 ("grpo-resumed", "ds_configs/zero1.json", ["checkpoint.interval=1"]),
                 ("grpo-lora-zero1", "ds_configs/zero1.json", LORA),
-                # One generation, two updates on it (Adam's eps as test_equivalence's: gradient entries near 0
-                # would otherwise turn roundoff into whole lr-sized steps).
+                # One generation, two updates on it.
                 ("grpo-iterations2", "ds_configs/zero1.json", ITERATIONS),
-                ("grpo-replay", "ds_configs/zero1.json", ["grpo.router_replay=true"])]
+                ("grpo-replay", "ds_configs/zero1.json", ["grpo.router_replay=true"]),
+                # Expert parallelism: rollouts and reference from every expert, gathered; replay on AutoEP's router.
+                ("grpo-ep2", "ds_configs/zero1.json", ["parallel.expert_parallel=2"]),
+                ("grpo-replay-ep2", "ds_configs/zero1.json", ["grpo.router_replay=true", "parallel.expert_parallel=2"])]
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +176,7 @@ def grpo_runs(tmp_path_factory, prompts_data, lora_base):
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("name", ["grpo-zero1", "grpo-zero3"])
+@pytest.mark.parametrize("name", ["grpo-zero1", "grpo-zero3", "grpo-ep2"])
 def test_rollouts_rewards_advantages_and_gradient_norm_equal_a_recomputation(name, grpo_runs, prompts_data):
     """Step 1 of a 2-rank run: the rollouts file's rewards equal the reward function on the decoded completions, its
     advantages the group formula, and the step's gradient norm (before clipping) the norm of TRL's GRPO loss on those
@@ -208,6 +213,10 @@ def test_rollouts_rewards_advantages_and_gradient_norm_equal_a_recomputation(nam
     assert records[0]["grad_norm"] == pytest.approx(norm, rel=1e-5)
     assert records[0]["kl"] == pytest.approx(0.0, abs=1e-9) and records[1]["kl"] > 1e-7
     assert records[0]["reward"] == pytest.approx(sum(r["reward"] for r in first) / 8, rel=1e-9)
+    if name == "grpo-ep2":  # and step 2, after an update of experts held apart, as ZeRO-1's
+        zero1 = read_metrics(str(grpo_runs["grpo-zero1"]))
+        for key in ("loss", "grad_norm", "kl", "reward"):
+            assert [r[key] for r in records] == pytest.approx([r[key] for r in zero1], rel=1e-5, abs=1e-9), key
     for r in records:  # the step's time split: each phase took time, and together no more than the step
         phases = [r[f"time_{p}"] for p in ("generation", "reference", "update")]
         assert min(phases) > 0 and sum(phases) <= r["step_time"] * 1.05, (phases, r["step_time"])
@@ -286,10 +295,12 @@ def test_two_iterations_update_twice_on_one_generation_as_trl(grpo_runs, prompts
 
 
 @pytest.mark.launch
-def test_router_replay_through_the_launcher(grpo_runs):
-    """grpo.router_replay on tiny-v3 (MoE): the rollouts are those of the run without it (recording does not change
-    sampling), each step reports the share of routing decisions replay changed, and where it changed none (the
-    training forward would have chosen the same experts) the step equals the run without replay."""
+@pytest.mark.parametrize("with_replay,without", [("grpo-replay", "grpo-zero1"), ("grpo-replay-ep2", "grpo-ep2")])
+def test_router_replay_through_the_launcher(with_replay, without, grpo_runs):
+    """grpo.router_replay on tiny-v3 (MoE; transformers' routers, and AutoEP's under expert parallelism): the
+    rollouts are those of the run without it (recording does not change sampling), each step reports the share of
+    routing decisions replay changed, and where it changed none (the training forward would have chosen the same
+    experts) the step equals the run without replay."""
     import json
 
     from helpers import read_metrics
@@ -297,8 +308,8 @@ def test_router_replay_through_the_launcher(grpo_runs):
     def rows(name):
         return [json.loads(line) for line in open(grpo_runs[name] / "rollouts.jsonl")]
 
-    assert [r for r in rows("grpo-replay") if r["step"] == 1] == [r for r in rows("grpo-zero1") if r["step"] == 1]
-    replay, plain = read_metrics(str(grpo_runs["grpo-replay"])), read_metrics(str(grpo_runs["grpo-zero1"]))
+    assert [r for r in rows(with_replay) if r["step"] == 1] == [r for r in rows(without) if r["step"] == 1]
+    replay, plain = read_metrics(str(grpo_runs[with_replay])), read_metrics(str(grpo_runs[without]))
     shares = [r["router_replay_changed"] for r in replay]
     assert all(0 <= share < 0.05 for share in shares), shares
     if shares[0] == 0:

@@ -262,7 +262,9 @@ def test_grpo_is_refused_before_launch_where_it_cannot_run(tmp_path, prompts_dir
                  rf"grpo.max_completion_length to {fits} or less")
     refuse(*config(*answered, "parallel.pipeline_stages=2"), world=2,
             match=r"generates its rollouts with the whole model on every rank, but parallel.pipeline_stages = 2")
-    refuse(*config(*answered, "parallel.expert_parallel=2"), world=2, match=r"but parallel.expert_parallel = 2")
+    validate(*config(*answered, "parallel.expert_parallel=2"), 2, cuda_available=False)
+    refuse(*config(*answered, "parallel.expert_parallel=2", "lora.r=4"), world=2,
+           match=r"grpo with lora.r = 4 and parallel.expert_parallel = 2: the rollouts' model is gathered")
     refuse(*config(*grpo, f"grpo.reward=[{reward}:absent]"), world=2, match=r"defines no 'absent'")
     refuse(*config(*grpo, f"grpo.reward=[{tmp_path}/gone.py:f]"), world=2, match=r"no such file")
     refuse(*config(f"data.path={prompts_dir}"), world=2, match=r"is a prompts dataset \(RL prompts, nothing to "

@@ -29,12 +29,16 @@ def grpo_errors(cfg: RunConfig, ds: dict, world_size: int, files: bool = True) -
             errors.append(f"train.global_batch_size / grpo.num_generations = {prompts} prompts a step do not divide "
                           f"over the {replicas} data-parallel ranks (each generates whole groups for its own "
                           f"prompts): make the prompts a step a multiple of {replicas}")
-    split = {"pipeline_stages": p.pipeline_stages, "expert_parallel": p.expert_parallel,
-             "tensor_parallel": p.tensor_parallel, "sequence_parallel": p.sequence_parallel}
+    split = {"pipeline_stages": p.pipeline_stages, "tensor_parallel": p.tensor_parallel,
+             "sequence_parallel": p.sequence_parallel}
     named = ", ".join(f"parallel.{k} = {v}" for k, v in split.items() if v > 1)
     if named:
         errors.append(f"train.objective grpo generates its rollouts with the whole model on every rank, but {named}: "
-                      "set them to 1 (ZeRO-3 shards the model instead)")
+                      "set them to 1 (ZeRO-3 shards the model instead; expert parallelism gathers the experts for it)")
+    if p.expert_parallel > 1 and cfg.lora.r:
+        errors.append(f"train.objective grpo with lora.r = {cfg.lora.r} and parallel.expert_parallel = "
+                      f"{p.expert_parallel}: the rollouts' model is gathered from AutoEP's experts without their "
+                      "adapters; set parallel.expert_parallel = 1 for LoRA (or lora.r = 0)")
     if g.num_iterations > 1:  # a checkpoint holds no rollouts: it must fall between generations
         for field, value in (("train.steps", t.steps), ("checkpoint.interval", cfg.checkpoint.interval)):
             if value % g.num_iterations:

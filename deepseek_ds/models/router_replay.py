@@ -2,13 +2,16 @@
 completion was sampled are recorded, and the training forward of that completion routes it to the same experts.
 The gate weights of the replayed experts come from the training forward's own router scores, so the router still
 learns. Written here because neither transformers nor DeepSpeed records or replays routing; it serves transformers'
-DeepSeek-V2/V3/V3.2 routers (softmax or sigmoid affinity)."""
+DeepSeek-V2/V3/V3.2 routers (softmax or sigmoid affinity) and, under expert parallelism, DeepSpeed AutoEP's router
+that replaced them (the sampling model is transformers' either way: expert ids are the same global ones)."""
 
 from __future__ import annotations
 
 import re
 
 import torch
+from deepspeed.moe.ep_count import count_tokens_per_expert
+from deepspeed.moe.ep_router import TokenChoiceTopKRouter
 from torch import nn
 
 from ..utils.private_api import in_backward
@@ -66,8 +69,8 @@ class RouterReplay:
         self._width = 0
         self.sums = torch.zeros(2, dtype=torch.float64, device=device)  # (changed, replayed) token decisions
         for layer, router in _layer_routers(model).items():
-            if not isinstance(router, HF_ROUTERS):
-                raise TypeError(f"router replay serves transformers' routers, not {type(router).__name__}")
+            if not isinstance(router, (*HF_ROUTERS, TokenChoiceTopKRouter)):
+                raise TypeError(f"router replay serves transformers' and AutoEP's routers, not {type(router).__name__}")
             router.register_forward_hook(self._replay(layer))
 
     def replaying(self, rows: list[dict[int, torch.Tensor]] | None, width: int = 0) -> None:
@@ -79,7 +82,9 @@ class RouterReplay:
         def hook(router, args, output):
             if self._rows is None or not router.training or layer not in self._rows[0]:
                 return None  # free routing, evaluation, or a layer sampling had not (an MTP module)
-            logits, _, chosen = output
+            autoep = isinstance(router, TokenChoiceTopKRouter)
+            # AutoEP's router returns only the chosen experts' scores: its logits again (one small matmul).
+            logits, chosen = (router.gate(args[0]), output[1]) if autoep else (output[0], output[2])
             k = chosen.shape[-1]
             chosen = chosen.view(len(self._rows), self._width, k)
             recorded, known = chosen.clone(), torch.zeros(chosen.shape[:2], dtype=torch.bool, device=chosen.device)
@@ -91,12 +96,18 @@ class RouterReplay:
             if not in_backward():  # activation checkpointing's re-run forward counts once
                 self.sums += torch.stack([differ.sum(), known.sum()]).double()
             indices = recorded.view(-1, k)
-            scores = torch.sigmoid(logits) if self.score_func == "sigmoid" else logits.softmax(-1, dtype=torch.float32)
-            weights = scores.gather(1, indices)
-            if self.norm:
-                weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-            return logits, weights * self.scaling, indices
+            if autoep:  # its own formula (TokenChoiceTopKRouter.forward) on the recorded experts
+                weights = self._weights(logits, indices, router.score_func, router.route_norm) * router.route_scale
+                return weights, indices, count_tokens_per_expert(indices, router.num_experts)
+            return logits, self._weights(logits, indices, self.score_func, self.norm) * self.scaling, indices
         return hook
+
+    @staticmethod
+    def _weights(logits: torch.Tensor, indices: torch.Tensor, score_func: str, norm: bool) -> torch.Tensor:
+        """The gate weights of the experts `indices` under the router's score function, normalised if it does."""
+        scores = torch.sigmoid(logits.float()) if score_func == "sigmoid" else logits.softmax(-1, dtype=torch.float32)
+        weights = scores.gather(1, indices)
+        return weights / (weights.sum(-1, keepdim=True) + 1e-20) if norm else weights
 
     def take(self) -> torch.Tensor:
         """(changed, replayed) token decisions of the step on this rank, then zero."""

@@ -38,6 +38,7 @@ from ..models.pipeline import split_micro_batch, to_device
 from ..parallel.sequence import shard_micro_batch, whole_sequences
 from ..rewards import normalize_answer
 from .setup import Run
+from .whole_model import whole_copy
 
 
 @dataclass(frozen=True)
@@ -262,8 +263,12 @@ def task_scores_run(run: Run) -> dict:
 @contextmanager
 def generation_model(run: Run):
     """A transformers model sharing the engine's weights, to generate with (under ZeRO-3 gathered whole for the
-    duration; sequence-parallel attention runs whole sequences on each rank meanwhile)."""
+    duration; sequence-parallel attention runs whole sequences on each rank meanwhile). Under expert parallelism a
+    copy with every expert (whole_model.py)."""
     module = run.engine.module
+    if run.cfg.parallel.expert_parallel > 1:
+        yield to_hf_model(whole_copy(run).layers, run.model_config, run.cfg.lora)
+        return
     with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=run.engine.zero_optimization_stage() == 3):
         model = to_hf_model(module.layers, run.model_config, run.cfg.lora).to(run.engine.device)
         with whole_sequences(module):

@@ -8,16 +8,15 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-import deepspeed
 import torch
 import torch.distributed as dist
 
 from ...data import GlobalBatchSampler, sample_count
-from ...models.pipeline import build_model
 from ...models.registry import family_of
 from ...models.router_replay import RouterReplay
 from ..evaluation import eval_sample_count, task_scores_run
 from ..setup import Run
+from ..whole_model import whole_copy
 from .base import Objective
 from .dpo_reference import adapters_off
 from .grpo_rollout import Rollouts, make_rollouts, sample_completions, score
@@ -177,12 +176,8 @@ def _rows(prompts: list[list[int]], completions: list[list[int]], device):
 
 
 def frozen_copy(run: Run) -> torch.nn.Module:
-    """The starting model, frozen, whole on every rank: the reference of a full fine-tune (under ZeRO-3 gathered
-    once to copy it)."""
-    module, model = run.engine.module, build_model(run.model_config, 1, seed=None)
-    with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=run.engine.zero_optimization_stage() == 3):
-        model.load_state_dict(module.state_dict())
-    return model.to(run.engine.device).eval().requires_grad_(False)
+    """The starting model, frozen, whole on every rank: the reference of a full fine-tune (whole_model.py)."""
+    return whole_copy(run).eval().requires_grad_(False)
 
 
 def reference_logps(run: Run, ids: torch.Tensor, completion: torch.Tensor, starts: torch.Tensor) -> torch.Tensor | None:
