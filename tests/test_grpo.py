@@ -396,6 +396,42 @@ def test_router_replay_routes_each_token_as_recorded_and_the_router_still_learns
     assert all(router.weight.grad.abs().max() > 0 for router in _layer_routers(ours).values())
 
 
+def test_router_replay_on_autoep_router_routes_as_recorded_with_its_own_weights():
+    """Under expert parallelism the training forward's router is DeepSpeed AutoEP's TokenChoiceTopKRouter: replay
+    returns the recorded experts, their weights by its formula (scores of those experts, normalised, scaled) from its
+    own gate, and its token counts; its gate gets a gradient."""
+    from deepspeed.moe.ep_router import TokenChoiceTopKRouter
+    from torch import nn
+
+    from deepseek_ds.models.router_replay import RouterReplay
+
+    torch.manual_seed(0)
+    router = TokenChoiceTopKRouter(16, 8, None, None, 2, "sigmoid", True, 2.5, False)
+    mlp = nn.Module()
+    mlp.router = router
+    model = nn.Module()  # layer spec 1 holds decoder layer 0, as in SequentialLM
+    model.layers = nn.Sequential(nn.Module(), nn.Module())
+    model.layers[1].layer = nn.Module()
+    model.layers[1].layer.mlp = mlp
+    replay = RouterReplay(model.train(), "sigmoid", False, 1.0, "cpu")
+    x = torch.randn(2 * 5, 16)
+    _, free_experts, _ = router(x)
+    recorded = [{0: (free_experts.view(2, 5, 2)[r, :4] + 3) % 8} for r in range(2)]  # 4 known tokens of 5, moved
+    replay.replaying(recorded, 5)
+    weights, experts, counts = router(x)
+    chosen = experts.view(2, 5, 2)
+    for r in range(2):
+        assert torch.equal(chosen[r, :4], recorded[r][0])
+    assert torch.equal(chosen[:, 4], free_experts.view(2, 5, 2)[:, 4])  # no record: its own choice
+    scores = torch.sigmoid(router.gate(x).float()).gather(1, experts)
+    assert torch.allclose(weights, scores / scores.sum(-1, keepdim=True) * 2.5)
+    assert torch.equal(counts.long(), torch.bincount(experts.flatten(), minlength=8))
+    changed, replayed = replay.take().tolist()
+    assert replayed == 8 and changed == 8
+    weights.sum().backward()
+    assert router.gate.weight.grad.abs().max() > 0
+
+
 @pytest.mark.parametrize("preset,match", [("tiny-dense", "grpo.router_replay: llama has no routed experts"),
                                           ("tiny-v4", "grpo.router_replay: deepseek_v4 has sqrtsoftplus routers")])
 def test_router_replay_is_refused_where_it_cannot_replay(preset, match):
