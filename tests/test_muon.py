@@ -51,6 +51,11 @@ LAYOUTS = [
     ("v3-zero3-clip", 2, "ds_configs/zero3_muon.json", CLIP),
     ("v3-pp2-zero1-clip", 2, "ds_configs/zero1_pp_muon.json", PP + CLIP),
     ("v3-ep2-zero1-clip", 2, "ds_configs/zero1_muon.json", EP + CLIP),
+    # Per-head Muon (optimizer.params.per_head_muon: MLA's q_b_proj and kv_b_proj a block per head): the shipped
+    # configs with that key, written into the test's root.
+    ("v3-1rank-per-head", 1, "{root}/zero1_muon_per_head.json", []),
+    ("v3-zero1-per-head", 2, "{root}/zero1_muon_per_head.json", []),
+    ("v3-zero3-per-head", 2, "{root}/zero3_muon_per_head.json", []),
     ("dense-zero1", 2, "ds_configs/zero1_muon.json", DENSE),
     ("dense-zero1-clip", 2, "ds_configs/zero1_muon.json", DENSE + CLIP),
     ("v4-zero1", 2, "ds_configs/zero1_muon.json", V4),
@@ -65,6 +70,7 @@ LAYOUTS = [
 ]
 MOE = ["v3-zero1", "v3-zero2", "v3-zero3", "v3-pp2-zero1", "v3-ep2-zero1"]
 MOE_CLIP = ["v3-zero2-clip", "v3-zero3-clip", "v3-pp2-zero1-clip", "v3-ep2-zero1-clip"]
+PER_HEAD = ["v3-zero1-per-head", "v3-zero3-per-head"]
 
 
 def _model(preset: str, **overrides):
@@ -125,7 +131,6 @@ def test_sparse_indexer_clipping_refused():
 @pytest.mark.parametrize("section,value,needle", [
     ("zero_optimization", {"stage": 0}, "Muon with ZeRO stage 0"),
     ("zero_optimization", {"stage": 3}, "zero_optimization.reduce_scatter false"),
-    ("optimizer", {"type": "Muon", "params": {"lr": "auto", "per_head_muon": True}}, "per_head_muon"),
     ("zero_optimization", {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "offload_optimizer with Muon"),
     ("zero_optimization", {"stage": 1, "compute_grad_norm": False}, "compute_grad_norm false with Muon"),
 ])
@@ -153,6 +158,38 @@ def test_fused_gate_up_is_orthogonalised_per_projection():
     assert torch.equal(fused_momentum, torch.cat([m for _, m in halves], dim=1))
     whole = muon_update(grad.clone(), momentum.clone(), 0.95, is_expert_group=True)
     assert not torch.allclose(whole, update, atol=1e-3)
+
+
+@pytest.mark.unit
+def test_per_head_blocks_equal_deepspeeds_per_head_muon():
+    """MuonBlocks(heads) on a 2-D projection takes the update of DeepSpeed's own per-head Muon (muon_update with
+    num_heads, which its ZeRO 1/2 padded path does not pass); per_head_muon tags MLA's q_b_proj / q_proj and
+    kv_b_proj with it, and nothing else."""
+    from deepspeed.runtime.zero.muon.original_muon import muon_update
+    torch.manual_seed(0)
+    grad, momentum = torch.randn(4 * 6, 10), torch.randn(4 * 6, 10)
+    ours_momentum, theirs_momentum = momentum.clone(), momentum.clone()
+    ours = muon_update_in_blocks(grad.clone(), ours_momentum, 0.95, is_expert_group=MuonBlocks(4))
+    theirs = muon_update(grad.clone(), theirs_momentum, 0.95, num_heads=4)
+    assert torch.allclose(ours, theirs, atol=1e-6) and torch.equal(ours_momentum, theirs_momentum)
+    assert not torch.allclose(ours, muon_update(grad.clone(), momentum.clone(), 0.95), atol=1e-3)
+    for overrides, projections in (({}, {"q_b_proj", "kv_b_proj"}), ({"q_lora_rank": None}, {"q_proj", "kv_b_proj"})):
+        model = _model("tiny-v3", **overrides)  # q_lora_rank None: queries without LoRA, as DeepSeek-V2-Lite's
+        tag_muon(model, heads=7)
+        blocked = {n.split(".")[-2] for n, p in model.named_parameters()
+                   if getattr(p, "is_expert_group", None) == MuonBlocks(7)}
+        assert blocked == projections, overrides
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-v4"])
+def test_per_head_refused_without_mla(tmp_path, preset):
+    ds = json.loads(open("ds_configs/zero1_muon.json").read())
+    ds["optimizer"]["params"]["per_head_muon"] = True
+    (tmp_path / "muon.json").write_text(json.dumps(ds))
+    with pytest.raises(ConfigError, match="per_head_muon with model .*: per-head Muon orthogonalises MLA's"):
+        load_and_validate("recipes/tiny-v3.yaml", str(tmp_path / "muon.json"), [f"model.preset={preset}"], 2)
+    load_and_validate("recipes/tiny-v3.yaml", str(tmp_path / "muon.json"), [], 2)
 
 
 @pytest.mark.unit
@@ -187,10 +224,15 @@ class MuonRuns:
 
     def __init__(self, root, sets: list[str]):
         self.root, self.sets, self.done = root, sets, {}
+        for stage in (1, 3):
+            ds = json.loads(open(f"ds_configs/zero{stage}_muon.json").read())
+            ds["optimizer"]["params"]["per_head_muon"] = True
+            (root / f"zero{stage}_muon_per_head.json").write_text(json.dumps(ds))
 
     def output_dir(self, ranks: int, name: str):
         if ranks not in self.done:
-            mine = [(n, ds, [e.format(root=self.root) for e in extra]) for n, r, ds, extra in LAYOUTS if r == ranks]
+            mine = [(n, ds.format(root=self.root), [e.format(root=self.root) for e in extra])
+                    for n, r, ds, extra in LAYOUTS if r == ranks]
             self.done[ranks] = train_layouts(ranks, self.root, mine, self.sets, worker="tests/muon_worker.py")
         return self.done[ranks][name]
 
@@ -230,6 +272,17 @@ def test_clipped_moe_layouts_equal_one_rank(name, runs):
     (DeepSpeed alone clipped the orthogonalised update under ZeRO 1-3, by its own norm: DeepSpeed #7776)."""
     one, two, unclipped = runs(1, "v3-1rank-clip"), runs(2, name), runs(1, "v3-1rank")
     assert min(_norms(one)) > CLIP_NORM and _losses(one)[1:] != _losses(unclipped)[1:]  # every step clipped
+    assert _losses(two) == pytest.approx(_losses(one), rel=1e-5), f"{name}: {_losses(two)} vs 1 rank {_losses(one)}"
+    assert _norms(two) == pytest.approx(_norms(one), rel=1e-5), name
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("name", PER_HEAD)
+def test_per_head_layouts_equal_one_rank(name, runs):
+    """Per-head Muon gives the same losses and norms on 2 ranks (ZeRO-1; ZeRO-3, which passes its tag another way)
+    as on 1, and not those of whole-matrix Muon."""
+    one, two, whole = runs(1, "v3-1rank-per-head"), runs(2, name), runs(1, "v3-1rank")
+    assert _losses(one)[1:] != pytest.approx(_losses(whole)[1:], rel=1e-6)
     assert _losses(two) == pytest.approx(_losses(one), rel=1e-5), f"{name}: {_losses(two)} vs 1 rank {_losses(one)}"
     assert _norms(two) == pytest.approx(_norms(one), rel=1e-5), name
 

@@ -11,6 +11,7 @@ from ..models.hf_io import has_weights, pickled_weights
 from ..models.layers import mtp_depth
 from ..models.lora import lora_errors, lora_name_errors
 from ..models.moe import resolve_settings
+from ..models.muon import MLA_MODEL_TYPES, PER_HEAD, per_head
 from ..models.pipeline import partition, partition_stages
 from ..models.presets import ModelConfigError, build_model_config, first_moe_layer, num_routed_experts
 from ..models.registry import family_of
@@ -66,6 +67,9 @@ def model_errors(cfg: RunConfig, ds: dict, files: bool = True) -> list[str]:
                       + "; set grpo.router_replay: false")
     if cfg.train.objective == "grpo" and files:
         errors += _rollout_length_errors(cfg, mcfg)
+    if per_head(ds) and mcfg.model_type not in MLA_MODEL_TYPES:
+        errors.append(f"optimizer.params.{PER_HEAD} with model {mcfg.model_type}: per-head Muon orthogonalises MLA's "
+                      f"per-head projections (models/muon.py), which {mcfg.model_type} does not have; remove it")
     if cfg.indexer.stage != "frozen" and mcfg.model_type != "deepseek_v32":
         errors.append(f"indexer.stage {cfg.indexer.stage}: deepseek-ds trains the lightning indexer of DeepSeek-V3.2 "
                       f"(model_type deepseek_v32), not of {mcfg.model_type}; set indexer.stage: frozen")

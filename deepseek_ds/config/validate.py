@@ -179,10 +179,6 @@ def _muon_errors(cfg: RunConfig, ds: dict) -> list[str]:
     if cfg.parallel.tensor_parallel > 1:
         errors.append("Muon with tensor parallelism: AutoTP splits each matrix over the TP ranks and Muon would "
                       "orthogonalise every shard on its own, not the whole matrix; set parallel.tensor_parallel=1")
-    if (ds["optimizer"].get("params") or {}).get("per_head_muon"):
-        errors.append("optimizer.params.per_head_muon: DeepSpeed's per-head Muon reads the head counts from the "
-                      "model's config, which deepseek-ds's layers do not carry, and it is not checked against a "
-                      "reference here; remove it (each projection is orthogonalised whole)")
     if stage == 3 and zero.get("reduce_scatter", True):
         errors.append("Muon with ZeRO stage 3 needs zero_optimization.reduce_scatter false (DeepSpeed refuses the "
                       "two together); see ds_configs/zero3_muon.json")

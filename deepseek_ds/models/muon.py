@@ -35,12 +35,32 @@ RULE = ("Muon for every matrix of the decoder and MTP layers (attention projecti
         "routers, MTP's eh_proj; each routed expert's gate, up and down projections), AdamW for the embedding, the "
         "output head and every 1-D parameter")
 FUSED_GATE_UP = "gate_up_proj"  # transformers' routed experts: [E, 2I, H], each expert's gate and up stacked
+PER_HEAD = "per_head_muon"  # DeepSpeed's Muon key (optimizer.params), which deepseek-ds applies itself
+# MLA's projections whose rows are head after head (num_attention_heads blocks): the queries' (q_proj without a
+# query LoRA, as in V2-Lite) and the keys' and values' up-projection.
+PER_HEAD_PROJECTIONS = ("self_attn.q_b_proj.weight", "self_attn.q_proj.weight", "self_attn.kv_b_proj.weight")
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32")
 
 
 def is_muon(ds: dict) -> bool:
     """Whether the DeepSpeed config selects DeepSpeed's Muon (its optimizer names are case-insensitive)."""
     optimizer = ds.get("optimizer")
     return isinstance(optimizer, dict) and str(optimizer.get("type", "")).lower() == MUON
+
+
+def per_head(ds: dict) -> bool:
+    """Whether a Muon config asks for per-head orthogonalisation of MLA's projections (optimizer.params.per_head_muon)."""
+    return is_muon(ds) and bool((ds["optimizer"].get("params") or {}).get(PER_HEAD))
+
+
+def deepspeed_muon_config(ds: dict) -> dict:
+    """The config DeepSpeed gets: per_head_muon left out, as tag_muon applies it (DeepSpeed's own per-head tagging
+    reads head counts from an HF model's config, which our layers do not carry, and its ZeRO 1/2 padded path drops
+    them)."""
+    if not per_head(ds):
+        return ds
+    params = {k: v for k, v in ds["optimizer"]["params"].items() if k != PER_HEAD}
+    return {**ds, "optimizer": {**ds["optimizer"], "params": params}}
 
 
 def layer_shape(p: torch.Tensor) -> tuple[int, ...]:
@@ -68,19 +88,30 @@ class Split:
                 f"tensors ({self.adam_elements:,} elements)")
 
 
-def tag_muon(model: torch.nn.Module) -> Split:
+def _blocks(name: str, ndim: int, heads: int | None):
+    """A Muon matrix's `is_expert_group` tag: MuonBlocks for a fused gate_up_proj (2 per expert) and, with `heads`
+    (per-head Muon), for MLA's per-head projections; True for another 3-D tensor (per expert); else False."""
+    if name.endswith(FUSED_GATE_UP):
+        return MuonBlocks(2)
+    if heads and name.endswith(PER_HEAD_PROJECTIONS):
+        return MuonBlocks(heads)
+    return ndim >= 3
+
+
+def tag_muon(model: torch.nn.Module, heads: int | None = None) -> Split:
     """Sets `use_muon` on every parameter by the rule, and `is_expert_group` on Muon's 3-D tensors (fused routed
-    experts: DeepSpeed then orthogonalises each expert's matrix on its own; a gate_up_proj's two, MuonBlocks);
-    returns the trainable split."""
+    experts: DeepSpeed then orthogonalises each expert's matrix on its own; a gate_up_proj's two, MuonBlocks) and,
+    given the model's attention `heads` (per-head Muon), MuonBlocks(heads) on MLA's per-head projections; returns the
+    trainable split."""
     split = muon_split(model)
     counts = [0, 0, 0, 0]
     for name, p in model.named_parameters():
         muon = split[name]
         p.use_muon = muon
-        if muon and len(layer_shape(p)) >= 3:
-            fused = name.endswith(FUSED_GATE_UP)
-            p.is_expert_group = MuonBlocks(2) if fused else True
-            p.muon_num_heads = p.is_expert_group if fused else None  # the tag ZeRO-3 passes to muon_update
+        blocks = muon and _blocks(name, len(layer_shape(p)), heads)
+        if blocks:
+            p.is_expert_group = blocks
+            p.muon_num_heads = blocks if isinstance(blocks, MuonBlocks) else None  # what ZeRO-3 passes muon_update
         if p.requires_grad:
             numel = getattr(p, "ds_numel", None) or p.numel()
             counts[0 if muon else 2] += 1
@@ -89,16 +120,16 @@ def tag_muon(model: torch.nn.Module) -> Split:
 
 
 @contextlib.contextmanager
-def muon_tagging(log: logging.Logger) -> Iterator[None]:
+def muon_tagging(log: logging.Logger, heads: int | None = None) -> Iterator[None]:
     """Around deepspeed.initialize: the rule's tags replace DeepSpeed's just before the engine builds its optimizer
     (after its own tagging and AutoEP's replacements), and the ZeRO optimizer built runs Muon as the module
-    docstring says; `log` gets the split. DeepSpeed offers no hook between the two: its optimizer construction is
+    docstring says (`heads`: per-head Muon, tag_muon); `log` gets the split. DeepSpeed offers no hook between the two: its optimizer construction is
     patched for the block (utils/private_api.py)."""
     configure = getattr(DeepSpeedEngine, CONFIGURE_OPTIMIZER)
 
     def configure_optimizer(self, client_optimizer, model_parameters):
         log.info("optimizer Muon (the rule: deepseek_ds/models/muon.py): %s on this rank",
-                 tag_muon(self.module).describe())
+                 tag_muon(self.module, heads).describe())
         configure(self, client_optimizer, model_parameters)
         muon_after_the_norm(self.optimizer)
 

@@ -40,7 +40,7 @@ from ..models.layers import mtp_depth
 from ..models.lora import apply_lora
 from ..models.loss import TokenWeightedLoss
 from ..models.moe import LoadBalancer, autoep_section, resolve_settings, restore_fp32_biases, snapshot_biases
-from ..models.muon import is_muon, muon_tagging
+from ..models.muon import deepspeed_muon_config, is_muon, muon_tagging, per_head
 from ..models.names import hf_layer_prefix
 from ..models.pipeline import (
     build_model,
@@ -167,7 +167,7 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
         log.info("train.tiled_mlp: %d MLPs compute in tiles of %d tokens", tile_mlps(model, cfg.train.tiled_mlp),
                  cfg.train.tiled_mlp)
     ds = _parallelize(cfg, ds, model, mcfg, layout, log)
-    engine = _engine(cfg, ds, model, layout, log)
+    engine = _engine(cfg, ds, model, layout, log, mcfg.num_attention_heads)
     if layout.sequence_shard:  # before the balancer's hooks
         sequence.keep_mtp_to_real_tokens(engine.module)
     return Run(cfg=cfg, ds=ds, engine=engine, model_config=mcfg, loss_fn=loss_fn, dataset=dataset,
@@ -308,19 +308,20 @@ def _deepspeed_view(ds: dict, layout: Layout) -> dict:
     return {**ds, "train_batch_size": ds["train_batch_size"] * layout.degrees.sequence}
 
 
-def _engine(cfg: RunConfig, ds: dict, model, layout: Layout, log: logging.Logger) -> DeepSpeedEngine:
+def _engine(cfg: RunConfig, ds: dict, model, layout: Layout, log: logging.Logger, heads: int) -> DeepSpeedEngine:
     biases = snapshot_biases(model)
     lora_on_autoep = cfg.lora.r and cfg.parallel.expert_parallel > 1
     trainable = (p for p in model.parameters() if p.requires_grad)
     if sparse_indexers(cfg):  # clipped apart (GroupClipping), so kept in groups of their own
         trainable = indexer_parameter_groups(model, list(trainable))
     with expert_lora.autoep_lora() if lora_on_autoep else contextlib.nullcontext(), \
-            muon_tagging(log) if is_muon(ds) else contextlib.nullcontext():
+            muon_tagging(log, heads if per_head(ds) else None) if is_muon(ds) else contextlib.nullcontext():
         # LoRA on AutoEP: a generator, which the engine lists after AutoEP's replacements, so the experts' adapters
         # are among them. Otherwise a list, whose order (AutoEP's replacements appended) older checkpoints' flat
         # optimizer partitions follow.
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable if lora_on_autoep
-                                               else list(trainable), config=ds, mpu=layout.tensor_groups)
+                                               else list(trainable), config=deepspeed_muon_config(ds),
+                                               mpu=layout.tensor_groups)
     if cfg.parallel.pipeline_schedule == "zb-h1":
         engine = ZeroBubbleEngine.adopt(engine)
     restore_fp32_biases(engine.module, biases)

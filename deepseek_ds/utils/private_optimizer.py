@@ -73,8 +73,9 @@ def clip_by_group_norms(optimizer, norm_for: Callable[[list, int], torch.Tensor]
 # ------------------------------------------------------------------------------------------ Muon's update
 @dataclass(frozen=True)
 class MuonBlocks:
-    """A fused 3-D expert tensor whose every expert's matrix is `count` matrices stacked by rows (transformers'
-    gate_up_proj: the gate and up projections), each orthogonalised on its own. Set as the parameter's
+    """A Muon matrix (or a fused 3-D expert tensor's every expert's) that is `count` matrices stacked by rows, each
+    orthogonalised on its own: transformers' gate_up_proj (an expert's gate and up projections), or MLA's per-head
+    projections (one block per attention head, per-head Muon). Set as the parameter's
     `is_expert_group` and `muon_num_heads`, the two tags DeepSpeed passes from a parameter to muon_update (ZeRO 1/2
     pass the first, ZeRO-3 the second); muon_update_in_blocks reads it there."""
     count: int
@@ -82,14 +83,14 @@ class MuonBlocks:
 
 def muon_update_in_blocks(grad: torch.Tensor, momentum: torch.Tensor, beta: float = 0.95, ns_steps: int = 5,
                           nesterov: bool = True, ns_method: str = "gram", is_expert_group=False, num_heads=None):
-    """DeepSpeed's muon_update, with a MuonBlocks tensor viewed as its blocks: [E, k*r, c] as [E*k, r, c], one
+    """DeepSpeed's muon_update, with a MuonBlocks tensor viewed as its blocks: [(E,) k*r, c] as [(E*)k, r, c], one
     orthogonalisation each (momentum is elementwise, so the view changes nothing else)."""
     blocks = next((tag for tag in (is_expert_group, num_heads) if isinstance(tag, MuonBlocks)), None)
     if blocks is None:
         return _MUON_UPDATE(grad, momentum, beta, ns_steps, nesterov, ns_method, is_expert_group=is_expert_group,
                             num_heads=num_heads)
-    experts, rows, cols = grad.shape
-    blocked = (experts * blocks.count, rows // blocks.count, cols)
+    rows, cols = grad.shape[-2:]
+    blocked = (-1, rows // blocks.count, cols)
     update = _MUON_UPDATE(grad.view(blocked), momentum.view(blocked), beta, ns_steps, nesterov, ns_method,
                           is_expert_group=True)
     return update.view(grad.shape)
