@@ -67,6 +67,14 @@ LAYOUTS = [
                                                          "checkpoint.dir={root}/resume-checkpoints"]),
     ("v3-const-resumed", 2, "ds_configs/zero1_muon.json", ["train.min_lr=3e-3",
                                                             "checkpoint.dir={root}/resume-checkpoints"]),
+    # Resharded: 1 rank saves steps 1-2; 2 ranks resume them through a universal checkpoint (Muon's momentum
+    # carried by deepseek-ds, checkpoint/muon_universal.py), against 1 rank's 4 steps uninterrupted.
+    ("v3-1rank-const", 1, "ds_configs/zero1_muon.json", ["train.min_lr=3e-3"]),
+    ("v3-1rank-const-half", 1, "ds_configs/zero1_muon.json", ["train.min_lr=3e-3", "train.steps=2",
+                                                                "checkpoint.interval=2",
+                                                                "checkpoint.dir={root}/reshard-checkpoints"]),
+    ("v3-const-resharded", 2, "ds_configs/zero2_muon.json", ["train.min_lr=3e-3",
+                                                              "checkpoint.dir={root}/reshard-checkpoints"]),
 ]
 MOE = ["v3-zero1", "v3-zero2", "v3-zero3", "v3-pp2-zero1", "v3-ep2-zero1"]
 MOE_CLIP = ["v3-zero2-clip", "v3-zero3-clip", "v3-pp2-zero1-clip", "v3-ep2-zero1-clip"]
@@ -193,14 +201,15 @@ def test_per_head_refused_without_mla(tmp_path, preset):
 
 
 @pytest.mark.unit
-def test_resharding_a_muon_checkpoint_refused():
-    """DeepSpeed's universal conversion reads AdamW's moments from every optimizer group: a Muon checkpoint resumes on
-    its own layout only (bitwise, test_resume_is_bitwise), refused on another before any conversion."""
-    layout = lambda dp: Layout(data_parallel=dp, pipeline_stages=1, pipeline_parts=None, zero_stage=1,  # noqa: E731
-                               precision="fp32")
-    with pytest.raises(CheckpointError, match="trained with Muon"):
-        _check_reshardable("ck", layout(2), layout(1), lora_r=0, muon=True)
-    _check_reshardable("ck", layout(2), layout(1), lora_r=0)
+def test_resharding_a_zero3_muon_checkpoint_refused():
+    """Muon's momentum is carried between ZeRO 1/2 layouts (test_resharded_resume_follows_the_uninterrupted_run);
+    ZeRO-3's, partitioned, is refused before any conversion."""
+    layout = lambda dp, stage: Layout(data_parallel=dp, pipeline_stages=1, pipeline_parts=None,  # noqa: E731
+                                      zero_stage=stage, precision="fp32")
+    with pytest.raises(CheckpointError, match="trained with Muon, whose momentum deepseek-ds carries between ZeRO 1/2"):
+        _check_reshardable("ck", layout(2, 3), layout(1, 3), lora_r=0, muon=True)
+    _check_reshardable("ck", layout(2, 1), layout(1, 2), lora_r=0, muon=True)
+    _check_reshardable("ck", layout(2, 3), layout(1, 3), lora_r=0)
 
 
 @pytest.mark.unit
@@ -230,10 +239,11 @@ class MuonRuns:
             (root / f"zero{stage}_muon_per_head.json").write_text(json.dumps(ds))
 
     def output_dir(self, ranks: int, name: str):
-        if ranks not in self.done:
+        # Fewer ranks first: a 2-rank layout resumes a 1-rank layout's checkpoint.
+        for count in sorted({r for _, r, _, _ in LAYOUTS if r <= ranks} - set(self.done)):
             mine = [(n, ds.format(root=self.root), [e.format(root=self.root) for e in extra])
-                    for n, r, ds, extra in LAYOUTS if r == ranks]
-            self.done[ranks] = train_layouts(ranks, self.root, mine, self.sets, worker="tests/muon_worker.py")
+                    for n, r, ds, extra in LAYOUTS if r == count]
+            self.done[count] = train_layouts(count, self.root, mine, self.sets, worker="tests/muon_worker.py")
         return self.done[ranks][name]
 
     def __call__(self, ranks: int, name: str) -> list[dict]:
@@ -322,6 +332,19 @@ def test_resume_is_bitwise(runs):
     whole, half, resumed = runs(2, "v3-const"), runs(2, "v3-const-half"), runs(2, "v3-const-resumed")
     assert [r["loss"] for r in half] == [r["loss"] for r in whole[:2]]
     assert [(r["step"], r["loss"]) for r in resumed] == [(r["step"], r["loss"]) for r in whole[2:]]
+
+
+@pytest.mark.launch
+def test_resharded_resume_follows_the_uninterrupted_run(runs):
+    """Saved by 1 rank (ZeRO-1) after step 2 and resumed by 2 ranks (ZeRO-2) through a universal checkpoint: steps
+    3-4 equal 1 rank's uninterrupted ones (losses and gradient norms within 1e-5), which needs Muon's momentum: a
+    resume that lost it (zeros) misses them."""
+    whole, half = runs(1, "v3-1rank-const"), runs(1, "v3-1rank-const-half")
+    resharded = runs(2, "v3-const-resharded")
+    assert [r["loss"] for r in half] == [r["loss"] for r in whole[:2]]
+    assert [r["step"] for r in resharded] == [3, 4]
+    assert [r["loss"] for r in resharded] == pytest.approx([r["loss"] for r in whole[2:]], rel=1e-5)
+    assert _norms(resharded) == pytest.approx(_norms(whole[2:]), rel=1e-5)
 
 
 @pytest.mark.launch

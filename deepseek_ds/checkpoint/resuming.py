@@ -28,6 +28,7 @@ from .format import (
 )
 from .integrity import check_tag, damaged_warning
 from .io_engine import loading, verifies_loads
+from .muon_universal import restore_momentum
 from .run import TrainingRun
 from .safe_load import trusted_types_only
 from .state import replay_cpu_adam_steps, restore_buffers, restore_expert_adapters, restore_rng
@@ -133,11 +134,11 @@ def _loads_natively(saved: Layout, now: Layout) -> bool:
 def _check_reshardable(tag_dir: str, saved: Layout, now: Layout, lora_r: int, muon: bool = False) -> None:
     fix = ("resume with the saved layout, or `deepseek-ds export hf` it and start a new run from the export "
            "with model.path")
-    if muon:
-        # ds_to_universal extracts AdamW's exp_avg / exp_avg_sq from every optimizer group (a KeyError on Muon's).
+    if muon and 3 in (saved.zero_stage, now.zero_stage):
+        # muon_universal.py reads and restores ZeRO 1/2's whole-matrix momentum buffers; ZeRO-3 partitions them.
         raise CheckpointError(f"checkpoint {tag_dir} ({saved.describe()}) cannot be resumed as {now.describe()}: it "
-                              f"was trained with Muon, whose momentum DeepSpeed's universal checkpoints do not carry; "
-                              f"{fix}")
+                              f"was trained with Muon, whose momentum deepseek-ds carries between ZeRO 1/2 layouts "
+                              f"only; resume with ZeRO stage 1 or 2 on both sides, or {fix}")
     if lora_r:
         # The universal loader loads strictly (the checkpoint lacks the frozen base) and does not map adapter names.
         raise CheckpointError(f"checkpoint {tag_dir} ({saved.describe()}) cannot be resumed as {now.describe()}: a "
@@ -189,4 +190,6 @@ def _load_universal(run: TrainingRun, tag_dir: str) -> None:
         path, _ = engine.load_checkpoint(os.path.dirname(universal), tag=os.path.basename(universal))
     if path is None:
         raise CheckpointError(f"DeepSpeed found no model states in {universal}; delete it to convert again")
+    if is_muon(run.ds):
+        restore_momentum(engine, universal)
     restore_buffers(run, tag_dir)

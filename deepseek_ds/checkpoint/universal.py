@@ -19,6 +19,7 @@ import torch.distributed as dist
 from deepspeed.checkpoint import ds_to_universal
 from transformers import PretrainedConfig
 
+from ..models.muon import is_muon
 from .format import (
     META,
     SCHEMES,
@@ -29,6 +30,7 @@ from .format import (
     saved_layout,
     universal_dir,
 )
+from .muon_universal import read_momentum, write_momentum, zero_moments_for_muon
 from .safe_load import trusted_types_only
 from .tensor_names import container_entries
 
@@ -87,8 +89,13 @@ def to_universal(tag_dir: str, scheme: str, config: PretrainedConfig, out: str |
     # output only if it fails.
     print(f"converting {tag_dir} into a DeepSpeed universal checkpoint ...", file=sys.stderr, flush=True)
     captured = io.StringIO()
+    muon = None
+    if is_muon(meta["deepspeed_config"]):  # DeepSpeed's converter carries AdamW's moments only
+        with trusted_types_only():
+            muon = read_momentum(tag_dir)
     try:
-        with trusted_types_only(), contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
+        with trusted_types_only(), contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured), \
+                zero_moments_for_muon() if muon is not None else contextlib.nullcontext():
             ds_to_universal.main(args)
     except BaseException:
         sys.stderr.write(captured.getvalue())
@@ -96,7 +103,9 @@ def to_universal(tag_dir: str, scheme: str, config: PretrainedConfig, out: str |
     # It also points a `latest_universal` file in the parent directory at the temporary name: not ours to keep.
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(parent, "latest_universal"))
-    _rename_params(os.path.join(tmp, "zero"), config, saved.scheme, scheme, saved.autoep)
+    renamed = _rename_params(os.path.join(tmp, "zero"), config, saved.scheme, scheme, saved.autoep)
+    if muon is not None:
+        write_momentum(tmp, muon, renamed)
     with open(os.path.join(tmp, UNIVERSAL_DONE), "w") as f:
         json.dump({"source": tag_dir, "source_key": source_key(tag_dir), "source_layout": meta["layout"],
                    "scheme": scheme}, f, indent=2)
@@ -193,9 +202,11 @@ def wait_for_conversion(out: str, status: str, silent_s: float = CONVERTER_SILEN
         time.sleep(poll_s)
 
 
-def _rename_params(zero_dir: str, config: PretrainedConfig, src: str, dst: str, autoep: bool) -> None:
+def _rename_params(zero_dir: str, config: PretrainedConfig, src: str, dst: str, autoep: bool) -> dict[str, str]:
+    """The parameter folders of `src`'s container renamed to `dst`'s; returns the renames."""
     if src == dst:
-        return
+        return {}
+    renamed = {}
     to_hf = {name: (entry.hf, entry.part) for name, entry in container_entries(config, src, autoep).items()}
     from_hf = {(entry.hf, entry.part): name for name, entry in container_entries(config, dst, autoep).items()}
     for name in os.listdir(zero_dir):
@@ -204,4 +215,6 @@ def _rename_params(zero_dir: str, config: PretrainedConfig, src: str, dst: str, 
         if name not in to_hf:
             raise CheckpointError(f"universal checkpoint parameter {name!r} is not a {src} parameter of this model; "
                                   "the checkpoint was written for another model config")
-        os.rename(os.path.join(zero_dir, name), os.path.join(zero_dir, from_hf[to_hf[name]]))
+        renamed[name] = from_hf[to_hf[name]]
+        os.rename(os.path.join(zero_dir, name), os.path.join(zero_dir, renamed[name]))
+    return renamed
