@@ -16,7 +16,7 @@ import torch
 from deepseek_ds.checkpoint.format import CheckpointError, Layout
 from deepseek_ds.checkpoint.resuming import _check_reshardable
 from deepseek_ds.config import ConfigError, filled_sections, load_and_validate, load_ds_config, load_run_config
-from deepseek_ds.models.muon import RULE, muon_split, tag_muon
+from deepseek_ds.models.muon import RULE, deepspeed_muon_config, muon_split, ns_in_fp32, per_head, tag_muon
 from deepseek_ds.models.pipeline import build_model, prepare_config
 from deepseek_ds.models.presets import build_model_config
 from deepseek_ds.plan.estimate import element_bytes, estimate, layout_of, zero_settings
@@ -187,6 +187,37 @@ def test_per_head_blocks_equal_deepspeeds_per_head_muon():
         blocked = {n.split(".")[-2] for n, p in model.named_parameters()
                    if getattr(p, "is_expert_group", None) == MuonBlocks(7)}
         assert blocked == projections, overrides
+
+
+@pytest.mark.unit
+def test_ns_precision_fp32_runs_newton_schulz_in_fp32():
+    """optimizer.params.ns_precision fp32: Newton-Schulz in fp32 where DeepSpeed would pick a half precision (its
+    `standard` method runs in bf16 wherever bf16 is supported, this CPU too): the update equals torch.optim.Muon's
+    iteration in fp32 (tests/reference_muon.py), and DeepSpeed's own choice is off it by bf16's error."""
+    from reference_muon import _newton_schulz_fp32
+    torch.manual_seed(0)
+    grad = torch.randn(12, 20)  # rows < cols: no aspect-ratio scale
+    # Zero momentum: the Nesterov update is a multiple of the gradient, which Newton-Schulz normalises away.
+    want = _newton_schulz_fp32(grad, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+    fp32 = muon_update_in_blocks(grad.clone(), torch.zeros_like(grad), 0.95, ns_method="standard", fp32=True)
+    auto = muon_update_in_blocks(grad.clone(), torch.zeros_like(grad), 0.95, ns_method="standard")
+    assert torch.allclose(fp32, want, atol=1e-5)
+    assert (auto - want).abs().max() > 1e-3
+
+
+@pytest.mark.unit
+def test_deepspeed_gets_the_config_without_deepseek_ds_keys(tmp_path):
+    ds = json.loads(open("ds_configs/zero1_muon.json").read())
+    ds["optimizer"]["params"].update(per_head_muon=True, ns_precision="fp32")
+    (tmp_path / "muon.json").write_text(json.dumps(ds))
+    _, resolved = load_and_validate("recipes/tiny-v3.yaml", str(tmp_path / "muon.json"), [], 2)
+    assert ns_in_fp32(resolved) and per_head(resolved)
+    kept = deepspeed_muon_config(resolved)["optimizer"]["params"]
+    assert "per_head_muon" not in kept and "ns_precision" not in kept and kept["muon_lr"] == 0.02
+    ds["optimizer"]["params"]["ns_precision"] = "fp64"
+    (tmp_path / "muon.json").write_text(json.dumps(ds))
+    with pytest.raises(ConfigError, match="optimizer.params.ns_precision = 'fp64': choose one of auto, fp32"):
+        load_and_validate("recipes/tiny-v3.yaml", str(tmp_path / "muon.json"), [], 2)
 
 
 @pytest.mark.unit

@@ -36,6 +36,8 @@ RULE = ("Muon for every matrix of the decoder and MTP layers (attention projecti
         "output head and every 1-D parameter")
 FUSED_GATE_UP = "gate_up_proj"  # transformers' routed experts: [E, 2I, H], each expert's gate and up stacked
 PER_HEAD = "per_head_muon"  # DeepSpeed's Muon key (optimizer.params), which deepseek-ds applies itself
+NS_PRECISION = "ns_precision"  # deepseek-ds's key (optimizer.params): "auto" (DeepSpeed's choice) or "fp32"
+NS_PRECISIONS = ("auto", "fp32")
 # MLA's projections whose rows are head after head (num_attention_heads blocks): the queries' (q_proj without a
 # query LoRA, as in V2-Lite) and the keys' and values' up-projection.
 PER_HEAD_PROJECTIONS = ("self_attn.q_b_proj.weight", "self_attn.q_proj.weight", "self_attn.kv_b_proj.weight")
@@ -53,14 +55,20 @@ def per_head(ds: dict) -> bool:
     return is_muon(ds) and bool((ds["optimizer"].get("params") or {}).get(PER_HEAD))
 
 
+def ns_in_fp32(ds: dict) -> bool:
+    """Whether a Muon config asks for Newton-Schulz in fp32 (optimizer.params.ns_precision: fp32)."""
+    return is_muon(ds) and (ds["optimizer"].get("params") or {}).get(NS_PRECISION, "auto") == "fp32"
+
+
 def deepspeed_muon_config(ds: dict) -> dict:
-    """The config DeepSpeed gets: per_head_muon left out, as tag_muon applies it (DeepSpeed's own per-head tagging
-    reads head counts from an HF model's config, which our layers do not carry, and its ZeRO 1/2 padded path drops
-    them)."""
-    if not per_head(ds):
+    """The config DeepSpeed gets: the keys deepseek-ds applies itself left out: ns_precision (its own), and
+    per_head_muon (DeepSpeed's own per-head tagging reads head counts from an HF model's config, which our layers do
+    not carry, and its ZeRO 1/2 padded path drops them)."""
+    params = (ds.get("optimizer") or {}).get("params") or {}
+    if not is_muon(ds) or not {PER_HEAD, NS_PRECISION} & set(params):
         return ds
-    params = {k: v for k, v in ds["optimizer"]["params"].items() if k != PER_HEAD}
-    return {**ds, "optimizer": {**ds["optimizer"], "params": params}}
+    kept = {k: v for k, v in params.items() if k not in (PER_HEAD, NS_PRECISION)}
+    return {**ds, "optimizer": {**ds["optimizer"], "params": kept}}
 
 
 def layer_shape(p: torch.Tensor) -> tuple[int, ...]:
@@ -120,10 +128,10 @@ def tag_muon(model: torch.nn.Module, heads: int | None = None) -> Split:
 
 
 @contextlib.contextmanager
-def muon_tagging(log: logging.Logger, heads: int | None = None) -> Iterator[None]:
+def muon_tagging(log: logging.Logger, heads: int | None = None, fp32: bool = False) -> Iterator[None]:
     """Around deepspeed.initialize: the rule's tags replace DeepSpeed's just before the engine builds its optimizer
     (after its own tagging and AutoEP's replacements), and the ZeRO optimizer built runs Muon as the module
-    docstring says (`heads`: per-head Muon, tag_muon); `log` gets the split. DeepSpeed offers no hook between the two: its optimizer construction is
+    docstring says (`heads`: per-head Muon, tag_muon; `fp32`: Newton-Schulz in fp32); `log` gets the split. DeepSpeed offers no hook between the two: its optimizer construction is
     patched for the block (utils/private_api.py)."""
     configure = getattr(DeepSpeedEngine, CONFIGURE_OPTIMIZER)
 
@@ -131,7 +139,15 @@ def muon_tagging(log: logging.Logger, heads: int | None = None) -> Iterator[None
         log.info("optimizer Muon (the rule: deepseek_ds/models/muon.py): %s on this rank",
                  tag_muon(self.module, heads).describe())
         configure(self, client_optimizer, model_parameters)
-        muon_after_the_norm(self.optimizer)
+        muon_after_the_norm(self.optimizer, fp32)
 
     with attribute_replaced(DeepSpeedEngine, CONFIGURE_OPTIMIZER, configure_optimizer):
         yield
+
+
+def muon_context(ds: dict, heads: int, log: logging.Logger) -> contextlib.AbstractContextManager:
+    """Around deepspeed.initialize: muon_tagging with the config's per-head and precision settings (`heads`: the
+    model's attention heads), or nothing for another optimizer."""
+    if not is_muon(ds):
+        return contextlib.nullcontext()
+    return muon_tagging(log, heads if per_head(ds) else None, ns_in_fp32(ds))

@@ -40,7 +40,7 @@ from ..models.layers import mtp_depth
 from ..models.lora import apply_lora
 from ..models.loss import TokenWeightedLoss
 from ..models.moe import LoadBalancer, autoep_section, resolve_settings, restore_fp32_biases, snapshot_biases
-from ..models.muon import deepspeed_muon_config, is_muon, muon_tagging, per_head
+from ..models.muon import deepspeed_muon_config, muon_context
 from ..models.names import hf_layer_prefix
 from ..models.pipeline import (
     build_model,
@@ -315,7 +315,7 @@ def _engine(cfg: RunConfig, ds: dict, model, layout: Layout, log: logging.Logger
     if sparse_indexers(cfg):  # clipped apart (GroupClipping), so kept in groups of their own
         trainable = indexer_parameter_groups(model, list(trainable))
     with expert_lora.autoep_lora() if lora_on_autoep else contextlib.nullcontext(), \
-            muon_tagging(log, heads if per_head(ds) else None) if is_muon(ds) else contextlib.nullcontext():
+            muon_context(ds, heads, log):
         # LoRA on AutoEP: a generator, which the engine lists after AutoEP's replacements, so the experts' adapters
         # are among them. Otherwise a list, whose order (AutoEP's replacements appended) older checkpoints' flat
         # optimizer partitions follow.

@@ -4,6 +4,7 @@ the ZeRO optimizers' gradient norm and clipping, and where DeepSpeed's Muon runs
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -82,18 +83,25 @@ class MuonBlocks:
 
 
 def muon_update_in_blocks(grad: torch.Tensor, momentum: torch.Tensor, beta: float = 0.95, ns_steps: int = 5,
-                          nesterov: bool = True, ns_method: str = "gram", is_expert_group=False, num_heads=None):
+                          nesterov: bool = True, ns_method: str = "gram", is_expert_group=False, num_heads=None,
+                          fp32: bool = False):
     """DeepSpeed's muon_update, with a MuonBlocks tensor viewed as its blocks: [(E,) k*r, c] as [(E*)k, r, c], one
-    orthogonalisation each (momentum is elementwise, so the view changes nothing else)."""
+    orthogonalisation each (momentum is elementwise, so the view changes nothing else); `fp32`: Newton-Schulz in
+    fp32 whatever the device supports (DeepSpeed picks fp16 or bf16 where it can, ns_compute_dtype)."""
     blocks = next((tag for tag in (is_expert_group, num_heads) if isinstance(tag, MuonBlocks)), None)
-    if blocks is None:
-        return _MUON_UPDATE(grad, momentum, beta, ns_steps, nesterov, ns_method, is_expert_group=is_expert_group,
-                            num_heads=num_heads)
-    rows, cols = grad.shape[-2:]
-    blocked = (-1, rows // blocks.count, cols)
-    update = _MUON_UPDATE(grad.view(blocked), momentum.view(blocked), beta, ns_steps, nesterov, ns_method,
-                          is_expert_group=True)
+    with attribute_replaced(original_muon, "ns_compute_dtype", _fp32) if fp32 else contextlib.nullcontext():
+        if blocks is None:
+            return _MUON_UPDATE(grad, momentum, beta, ns_steps, nesterov, ns_method, is_expert_group=is_expert_group,
+                                num_heads=num_heads)
+        rows, cols = grad.shape[-2:]
+        blocked = (-1, rows // blocks.count, cols)
+        update = _MUON_UPDATE(grad.view(blocked), momentum.view(blocked), beta, ns_steps, nesterov, ns_method,
+                              is_expert_group=True)
     return update.view(grad.shape)
+
+
+def _fp32(ns_method: str = "gram") -> torch.dtype:  # original_muon.ns_compute_dtype's signature
+    return torch.float32
 
 
 @contextlib.contextmanager
@@ -103,7 +111,7 @@ def _muon_update_is(fn: Callable) -> Iterator[None]:
         yield
 
 
-def muon_after_the_norm(optimizer) -> None:
+def muon_after_the_norm(optimizer, fp32: bool = False) -> None:
     """DeepSpeed's ZeRO 1-3 optimizers (with MuonWithAuxAdam) run Muon's momentum and Newton-Schulz on the gradient
     after the step's gradient norm, clipped by it, not before it, and each fused gate_up_proj per projection
     (MuonBlocks).
@@ -112,16 +120,18 @@ def muon_after_the_norm(optimizer) -> None:
     ZeRO-3 on the accumulated partitions just before the norm), so its norm, the logged grad_norm and gradient
     clipping saw the orthogonalised updates (DeepSpeed #7776, #8439). Here the norm is the gradient's; Muon then
     runs on the gradient divided as DeepSpeed divides AdamW's (loss scale, clip), and its update is written back
-    multiplied by the same divisor, which DeepSpeed's unscale_and_clip_grads takes off again."""
+    multiplied by the same divisor, which DeepSpeed's unscale_and_clip_grads takes off again. `fp32`: Newton-Schulz
+    in fp32 (muon_update_in_blocks)."""
+    update = functools.partial(muon_update_in_blocks, fp32=fp32)
     if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
-        _stage3_muon_after_the_norm(optimizer)
+        _stage3_muon_after_the_norm(optimizer, update)
     elif isinstance(optimizer, DeepSpeedZeroOptimizer):
-        _stage12_muon_after_the_norm(optimizer)
+        _stage12_muon_after_the_norm(optimizer, update)
     else:
         raise ValueError(f"Muon runs in DeepSpeed's ZeRO 1-3 optimizers; this engine built {type(optimizer).__name__}")
 
 
-def _stage12_muon_after_the_norm(optimizer: DeepSpeedZeroOptimizer) -> None:
+def _stage12_muon_after_the_norm(optimizer: DeepSpeedZeroOptimizer, update: Callable) -> None:
     """ZeRO 1/2: get_flat_partition keeps the reduced gradients (the partition holds views of them) and records
     Muon's calls, which run after the norm, on the same tensors."""
     recorded: dict[int, list] = {}  # parameter group -> this boundary's Muon calls (grad, momentum, arguments)
@@ -149,7 +159,7 @@ def _stage12_muon_after_the_norm(optimizer: DeepSpeedZeroOptimizer) -> None:
         for calls in recorded.values():
             for grad, momentum, args, kwargs in calls:
                 grad.mul_(1.0 / divisor)
-                grad.copy_(muon_update_in_blocks(grad, momentum, *args, **kwargs) * divisor)
+                grad.copy_(update(grad, momentum, *args, **kwargs) * divisor)
         recorded.clear()
         return total
 
@@ -166,7 +176,7 @@ def _clip_divisor(optimizer, total_norm: torch.Tensor):
     return torch.clamp(clip, min=1.0) * optimizer.loss_scale
 
 
-def _stage3_muon_after_the_norm(optimizer: DeepSpeedZeroOptimizer_Stage3) -> None:
+def _stage3_muon_after_the_norm(optimizer: DeepSpeedZeroOptimizer_Stage3, update: Callable) -> None:
     """ZeRO-3: the norm of each sub-group's accumulated gradient partitions is taken before Muon runs on them
     (_apply_muon_to_accumulated_grads), and step() is given those norms."""
     apply_muon, norm_groups = optimizer._apply_muon_to_accumulated_grads, optimizer._get_norm_groups
@@ -180,7 +190,7 @@ def _stage3_muon_after_the_norm(optimizer: DeepSpeedZeroOptimizer_Stage3) -> Non
                 if group and optimizer.sub_groups_using_muon[i] for part in optimizer.averaged_gradients[i]]
         for partition in muon:
             partition.mul_(1.0 / divisor)
-        with _muon_update_is(muon_update_in_blocks):
+        with _muon_update_is(update):
             apply_muon()
         for partition in muon:
             partition.mul_(divisor)
