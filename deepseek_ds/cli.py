@@ -33,9 +33,10 @@ from .data.sft import dataset_option_notes
 from .inference import cli as inference_cli
 from .launcher import cli as launcher_cli
 from .launcher import per_host
+from .launcher.elastic import excluding, lost_hosts
 from .launcher.hostfile import read_hostfile, select_slots
 from .launcher.remote import LOCAL_HOSTS
-from .launcher.restarts import Progress, add_restart_args, run_with_restarts
+from .launcher.restarts import Attempt, NoRestart, Progress, add_restart_args, run_with_restarts
 from .launcher.supervise import read_stop_record, rendezvous_port
 from .launcher.world import world_size
 from .models.flops import model_size
@@ -45,7 +46,7 @@ from .plan import cli as plan_cli
 from .plan import comm as plan_comm
 from .training.metrics import read_metrics
 from .utils.cli_args import add_master_port, add_run_args, add_slot_filters, add_world_args, positive_int, spellings
-from .utils.errors import run_command
+from .utils.errors import UserError, run_command
 from .utils.system import deepspeed_executable
 
 # What every rank of `deepseek-ds train` runs: a module, so the launch works from any directory.
@@ -110,11 +111,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     """Validate, then run the DeepSpeed launcher (the same command a user would type), passing signals on to it
     (launcher/supervise.py says why) and, with --max-restarts, again after a failure (launcher/restarts.py); a stop on
     a signal that the ranks saved is status 0."""
+    if args.elastic and not (args.hostfile and args.max_restarts):
+        raise UserError("--elastic leaves lost hosts out when the job restarts: it needs --hostfile and "
+                        "--max-restarts N (N >= 1)")
     argv = train_command(args)  # first: a --master_port in use is refused before anything else
     cfg = validated(args)
     print(" ".join(argv), flush=True)
     status, signal_name, started = run_with_restarts(
-        argv, lambda: train_command(args), len(_hosts(args)) > 1,  # multi-host: DeepSpeed's own test
+        argv, lambda: _restart(args), len(_hosts(args)) > 1,  # multi-host: DeepSpeed's own test
         args.max_restarts, args.restart_backoff, lambda: _progress(cfg), os.path.join(cfg.train.output_dir, METRICS))
     if signal_name is None or status == 0:
         return status
@@ -124,6 +128,27 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"stopped on {signal_name}: step {stopped['step']} saved to {stopped['checkpoint']}; re-run the same "
           "command to resume", flush=True)
     return 0
+
+
+def _restart(args: argparse.Namespace) -> Attempt:
+    """The command of a restart. With a hostfile its hosts are checked first (launcher/elastic.py): a lost one ends
+    the restarts, or with --elastic is left out (args.exclude grows) if the run still fits the ranks left."""
+    lost = lost_hosts(args.hostfile, args.include, args.exclude) if args.hostfile else {}
+    if not lost:
+        return Attempt(train_command(args))
+    named = "; ".join(f"{host} ({why})" for host, why in lost.items())
+    if not args.elastic:
+        raise NoRestart(f"host {named} is lost; restart with --elastic to go on without it, or bring it back")
+    exclude = excluding(args.exclude, list(lost))
+    world = world_size(args.num_gpus, args.hostfile, args.include, exclude)
+    try:
+        load_and_validate(args.config, args.deepspeed_config, args.set, world)
+    except UserError as e:
+        raise NoRestart(f"host {named} is lost, and the run does not fit the {world} ranks left: "
+                        f"{str(e).splitlines()[-1].strip(' -')}") from e
+    args.exclude = exclude
+    print(f"deepseek-ds: leaving out {', '.join(lost)} (--exclude {exclude}): {world} ranks", flush=True)
+    return Attempt(train_command(args), {"hosts_left_out": list(lost), "world_size": world})
 
 
 def _progress(cfg: RunConfig) -> Progress:

@@ -396,3 +396,72 @@ def test_kill_9_of_deepseek_ds_train_leaves_no_process_of_the_job_on_any_host(cl
                     os.kill(int(entry.name), signal.SIGKILL)  # leftovers; reset_host clears the rest
         for index in range(len(hosts)):
             cluster.reset_host(index)
+
+
+# ---------------------------------------------------------------- unattended recovery on fewer hosts
+
+
+def test_elastic_restart_leaves_a_lost_host_out_and_goes_on_as_a_run_resumed_by_hand(cluster, tmp_path):
+    """issue 52: 4 hosts of one slot, ZeRO-1 over 4 ranks (global batch 12 of micro-batches of 1: accumulation 3).
+    Once step 3 is logged (checkpoints every 2 steps), dsnode3 drops off the network: the ranks' collectives time
+    out, and `deepseek-ds train --max-restarts 1 --elastic` finds dsnode3 lost, leaves it out and resumes step 2's
+    checkpoint on the 3 hosts left (accumulation 4, resharded through a universal checkpoint); the run ends with
+    exit 0. The global batch is kept (12 samples a step), step 3 again takes the samples it took before the loss
+    (its loss equals the lost attempt's within 1e-6), and steps 3-8 equal those of a run resumed from a copy of that
+    checkpoint on the 3 hosts by hand within 1e-6."""
+    from deepseek_ds.training.metrics import read_metrics
+
+    shutil.copy(cluster.env_file, tmp_path / ".deepspeed_env")
+
+    def train(name: str, *args: str) -> list[str]:
+        return [PYTHON, "-m", "deepseek_ds", "train", "--config", str(REPO / "recipes" / "tiny-v3.yaml"),
+                "--hostfile", str(cluster.hostfile), *args,
+                *[a for s in ("train.steps=8", "train.micro_batch_size=1", "train.global_batch_size=12",
+                              "train.log_interval=1", "checkpoint.interval=2", "checkpoint.keep=10",
+                              "eval.interval=0", "train.dist_timeout_s=20", f"data.cache_dir={REPO / 'data_cache'}",
+                              f"train.output_dir={tmp_path / name}", f"checkpoint.dir={tmp_path / name / 'ck'}")
+                  for a in ("--set", s)]]
+
+    env = {**os.environ, "PDSH_SSH_ARGS_APPEND": FAST_KEEPALIVE}
+    log = tmp_path / "elastic.log"
+    metrics = tmp_path / "elastic" / "metrics.jsonl"
+    with log.open("w") as sink:
+        job = subprocess.Popen(train("elastic", "--master_port", "29661", "--max-restarts", "1", "--elastic",
+                                     "--restart-backoff", "1"),
+                               cwd=tmp_path, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    try:
+        deadline = time.monotonic() + 600
+        while not (metrics.is_file() and any(r["step"] >= 3 for r in read_metrics(str(metrics)))):
+            assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-6000:]
+            time.sleep(0.2)
+        before = {r["step"]: r["loss"] for r in read_metrics(str(metrics))}
+        cut_host(cluster, 3)
+        returncode = job.wait(timeout=600)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+        cluster.reset_host(3)
+    output = log.read_text()
+    assert returncode == 0, output[-8000:]
+    events = [r for r in read_metrics(str(metrics), events=True) if "event" in r]
+    assert [(e["event"], e["hosts_left_out"], e["world_size"]) for e in events] == [("restart", ["dsnode3"], 3)], output
+    resumed_at = events[0]["step"]
+    assert resumed_at in (2, 4) and "deepseek-ds: leaving out dsnode3 (--exclude dsnode3): 3 ranks" in output
+    elastic = read_metrics(str(metrics))
+    assert [r["step"] for r in elastic] == list(range(1, 9))
+    assert [r["consumed_samples"] for r in elastic] == [12 * s for s in range(1, 9)]
+    step = resumed_at + 1
+    if step in before:  # the same samples, the same weights: the loss the lost attempt logged for that step
+        assert elastic[step - 1]["loss"] == pytest.approx(before[step], rel=1e-6)
+
+    tag = f"step{resumed_at:08d}"
+    shutil.copytree(tmp_path / "elastic" / "ck" / tag, tmp_path / "by-hand" / "ck" / tag,
+                    ignore=shutil.ignore_patterns("*universal*"))
+    hand = subprocess.run(train("by-hand", "--exclude", "dsnode3", "--master_port", "29662"), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert hand.returncode == 0, hand.stdout[-6000:] + hand.stderr[-3000:]
+    by_hand = read_metrics(str(tmp_path / "by-hand" / "metrics.jsonl"))
+    assert [r["step"] for r in by_hand] == list(range(step, 9))
+    for mine, theirs in zip(elastic[step - 1:], by_hand, strict=True):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-6, abs=1e-7), mine["step"]

@@ -22,7 +22,7 @@ from deepseek_ds.cli import build_parser, train_command
 from deepseek_ds.inference import cli as inference_cli
 from deepseek_ds.launcher import supervise
 from deepseek_ds.launcher.lifeline import SUPERVISOR_ENV
-from deepseek_ds.launcher.restarts import Progress, append_record, run_with_restarts
+from deepseek_ds.launcher.restarts import Attempt, NoRestart, Progress, append_record, run_with_restarts
 from deepseek_ds.launcher.supervise import run_launcher
 from deepseek_ds.training.metrics import MetricsWriter, read_metrics
 from helpers import ROOT, cli
@@ -243,8 +243,8 @@ def _restarts(tmp_path, statuses: list[int], checkpoints: list[int], max_restart
         step = checkpoints[len(ended) - 1]
         return Progress(step, step + 3)
 
-    result = run_with_restarts(_exits(statuses[0]), lambda: _exits(next(attempts)), False, max_restarts, backoff_s,
-                               progress, str(metrics), say=lines.append)
+    result = run_with_restarts(_exits(statuses[0]), lambda: Attempt(_exits(next(attempts))), False, max_restarts,
+                               backoff_s, progress, str(metrics), say=lines.append)
     return result[:2], [line for line in lines if not line.startswith(sys.executable)]
 
 
@@ -274,6 +274,21 @@ def test_restarts_end_at_the_limit_or_on_the_ranks_verdict(tmp_path):
     assert _restarts(tmp_path, [1, 0], [2]) == ((0, None), [
         "deepseek-ds: restart 1 of 5 in 0 s: a rank failed (exit status 1) at step 5; resuming from step 2 "
         "(3 steps lost)"])
+
+
+def test_a_restart_its_command_refuses_ends_the_restarts_in_one_line_unrecorded(tmp_path):
+    """--elastic's check before a restart (cli._restart) raises NoRestart for a lost host it may not leave out."""
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps({"step": 1, "loss": 9.0}) + "\n")
+    lines = []
+
+    def refuse() -> Attempt:
+        raise NoRestart("host dsnode3 (ssh: timed out) is lost; restart with --elastic to go on without it")
+    result = run_with_restarts(_exits(1), refuse, False, 2, 0, lambda: Progress(2, 5), str(metrics), say=lines.append)
+    assert result[:2] == (1, None)
+    assert lines[-1] == ("deepseek-ds: not restarted: host dsnode3 (ssh: timed out) is lost; restart with --elastic "
+                         "to go on without it")
+    assert "event" not in metrics.read_text()
 
 
 def test_a_signal_during_the_back_off_ends_the_restarts(tmp_path):

@@ -37,6 +37,19 @@ NOT_RESTARTED = {2: "the run does not fit its data, checkpoint or configuration 
                  3: "training stopped on non-finite losses (the ranks' line says why)"}
 
 
+class NoRestart(Exception):
+    """Raised by a restart's command: the job cannot be started again (the reason, one line)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+    """A restart's launcher command, and what its record in metrics.jsonl adds (launcher/elastic.py: the hosts it
+    leaves out)."""
+
+    argv: list[str]
+    note: dict = dataclasses.field(default_factory=dict)
+
+
 @dataclasses.dataclass(frozen=True)
 class Progress:
     """How far the run got: the step of its newest complete checkpoint and the last step in its metrics.jsonl
@@ -50,6 +63,10 @@ def add_restart_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(*spellings("--max-restarts"), dest="max_restarts", type=non_negative_int, default=0, metavar="N",
                    help="after a failure (a rank killed, a hang past train.dist_timeout_s), start the job again, "
                         "resuming from its newest checkpoint, at most N times (default: 0, never)")
+    p.add_argument("--elastic", action="store_true",
+                   help="with --hostfile and --max-restarts: before a restart, leave out the hosts that cannot be "
+                        "reached (as --exclude) if the run's layout fits the ranks left; without it a lost host "
+                        "ends the restarts")
     p.add_argument(*spellings("--restart-backoff"), dest="restart_backoff", type=non_negative_float,
                    default=BACKOFF_S, metavar="SECONDS",
                    help=f"seconds to wait before each restart (default: {BACKOFF_S:g})")
@@ -67,12 +84,13 @@ def describe(status: int) -> str:
     return f"a rank failed (exit status {status})"
 
 
-def run_with_restarts(argv: list[str], command: Callable[[], list[str]], multi_host: bool, max_restarts: int,
+def run_with_restarts(argv: list[str], command: Callable[[], Attempt], multi_host: bool, max_restarts: int,
                       backoff_s: float, progress: Callable[[], Progress], metrics_path: str,
                       say: Callable[[str], None] = lambda line: print(line, flush=True)) -> tuple[int, str | None, float]:
     """Run the launcher `argv`, and after a failure `command()` (the same job, its rendezvous port fresh if it was
-    not given) up to `max_restarts` times; returns the last attempt's (exit status, signal passed on or None, start
-    time). With max_restarts 0 this is one run_launcher, nothing printed."""
+    not given; with --elastic without the hosts that are gone; NoRestart: none) up to `max_restarts` times; returns
+    the last attempt's (exit status, signal passed on or None, start time). With max_restarts 0 this is one
+    run_launcher, nothing printed."""
     restarts, previous = 0, None
     while True:
         started = time.time()
@@ -100,10 +118,16 @@ def run_with_restarts(argv: list[str], command: Callable[[], list[str]], multi_h
         if stopped_by is not None:
             say(f"deepseek-ds: not restarted: {stopped_by} during the back-off")
             return status, None, started
+        try:
+            attempt = command()
+        except NoRestart as e:
+            say(f"deepseek-ds: not restarted: {e}")
+            return status, None, started
         append_record(metrics_path, {"event": RESTART_EVENT, "step": now.checkpoint_step, "restart": restarts,
                                      "max_restarts": max_restarts, "cause": cause, "exit_status": status,
-                                     "failed_after_step": now.logged_step, "steps_lost": lost, "time": time.time()})
-        argv = command()
+                                     "failed_after_step": now.logged_step, "steps_lost": lost, "time": time.time(),
+                                     **attempt.note})
+        argv = attempt.argv
         say(" ".join(argv))
 
 
