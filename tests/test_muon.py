@@ -13,8 +13,6 @@ import re
 import pytest
 import torch
 
-from deepseek_ds.checkpoint.format import CheckpointError, Layout
-from deepseek_ds.checkpoint.resuming import _check_reshardable
 from deepseek_ds.config import ConfigError, filled_sections, load_and_validate, load_ds_config, load_run_config
 from deepseek_ds.models.muon import RULE, deepspeed_muon_config, muon_split, ns_in_fp32, per_head, tag_muon
 from deepseek_ds.models.pipeline import build_model, prepare_config
@@ -68,13 +66,14 @@ LAYOUTS = [
     ("v3-const-resumed", 2, "ds_configs/zero1_muon.json", ["train.min_lr=3e-3",
                                                             "checkpoint.dir={root}/resume-checkpoints"]),
     # Resharded: 1 rank saves steps 1-2; 2 ranks resume them through a universal checkpoint (Muon's momentum
-    # carried by deepseek-ds, checkpoint/muon_universal.py), against 1 rank's 4 steps uninterrupted.
-    ("v3-1rank-const", 1, "ds_configs/zero1_muon.json", ["train.min_lr=3e-3"]),
-    ("v3-1rank-const-half", 1, "ds_configs/zero1_muon.json", ["train.min_lr=3e-3", "train.steps=2",
-                                                                "checkpoint.interval=2",
-                                                                "checkpoint.dir={root}/reshard-checkpoints"]),
-    ("v3-const-resharded", 2, "ds_configs/zero2_muon.json", ["train.min_lr=3e-3",
-                                                              "checkpoint.dir={root}/reshard-checkpoints"]),
+    # carried by deepseek-ds, checkpoint/muon_universal.py), against 1 rank's 4 steps uninterrupted: ZeRO-1 -> 2,
+    # and ZeRO-3 -> 3.
+    *[layout for saved, resumed in (("zero1", "zero2"), ("zero3", "zero3")) for layout in (
+        (f"v3-1rank-const-{saved}", 1, f"ds_configs/{saved}_muon.json", ["train.min_lr=3e-3"]),
+        (f"v3-1rank-const-half-{saved}", 1, f"ds_configs/{saved}_muon.json",
+         ["train.min_lr=3e-3", "train.steps=2", "checkpoint.interval=2", f"checkpoint.dir={{root}}/reshard-{saved}"]),
+        (f"v3-const-resharded-{resumed}", 2, f"ds_configs/{resumed}_muon.json",
+         ["train.min_lr=3e-3", f"checkpoint.dir={{root}}/reshard-{saved}"]))],
 ]
 MOE = ["v3-zero1", "v3-zero2", "v3-zero3", "v3-pp2-zero1", "v3-ep2-zero1"]
 MOE_CLIP = ["v3-zero2-clip", "v3-zero3-clip", "v3-pp2-zero1-clip", "v3-ep2-zero1-clip"]
@@ -232,18 +231,6 @@ def test_per_head_refused_without_mla(tmp_path, preset):
 
 
 @pytest.mark.unit
-def test_resharding_a_zero3_muon_checkpoint_refused():
-    """Muon's momentum is carried between ZeRO 1/2 layouts (test_resharded_resume_follows_the_uninterrupted_run);
-    ZeRO-3's, partitioned, is refused before any conversion."""
-    layout = lambda dp, stage: Layout(data_parallel=dp, pipeline_stages=1, pipeline_parts=None,  # noqa: E731
-                                      zero_stage=stage, precision="fp32")
-    with pytest.raises(CheckpointError, match="trained with Muon, whose momentum deepseek-ds carries between ZeRO 1/2"):
-        _check_reshardable("ck", layout(2, 3), layout(1, 3), lora_r=0, muon=True)
-    _check_reshardable("ck", layout(2, 1), layout(1, 2), lora_r=0, muon=True)
-    _check_reshardable("ck", layout(2, 3), layout(1, 3), lora_r=0)
-
-
-@pytest.mark.unit
 @pytest.mark.parametrize("ds_config", ["zero1_muon.json", "zero2_muon.json", "zero3_muon.json",
                                        "zero1_pp_muon.json"])
 def test_shipped_configs_validate_and_state_the_rule(ds_config):
@@ -366,12 +353,14 @@ def test_resume_is_bitwise(runs):
 
 
 @pytest.mark.launch
-def test_resharded_resume_follows_the_uninterrupted_run(runs):
-    """Saved by 1 rank (ZeRO-1) after step 2 and resumed by 2 ranks (ZeRO-2) through a universal checkpoint: steps
-    3-4 equal 1 rank's uninterrupted ones (losses and gradient norms within 1e-5), which needs Muon's momentum: a
-    resume that lost it (zeros) misses them."""
-    whole, half = runs(1, "v3-1rank-const"), runs(1, "v3-1rank-const-half")
-    resharded = runs(2, "v3-const-resharded")
+@pytest.mark.parametrize("saved,resumed", [("zero1", "zero2"), ("zero3", "zero3")])
+def test_resharded_resume_follows_the_uninterrupted_run(saved, resumed, runs):
+    """Saved by 1 rank after step 2 and resumed by 2 ranks through a universal checkpoint (ZeRO-1 -> ZeRO-2, whose
+    momentum is whole matrices per rank; ZeRO-3 -> ZeRO-3, partitioned): steps 3-4 equal 1 rank's uninterrupted ones
+    (losses and gradient norms within 1e-5), which needs Muon's momentum: a resume that lost it (zeros) misses
+    them."""
+    whole, half = runs(1, f"v3-1rank-const-{saved}"), runs(1, f"v3-1rank-const-half-{saved}")
+    resharded = runs(2, f"v3-const-resharded-{resumed}")
     assert [r["loss"] for r in half] == [r["loss"] for r in whole[:2]]
     assert [r["step"] for r in resharded] == [3, 4]
     assert [r["loss"] for r in resharded] == pytest.approx([r["loss"] for r in whole[2:]], rel=1e-5)

@@ -73,7 +73,7 @@ def resume(run: TrainingRun, below: str | None = None) -> dict | None:
         else:
             if below is None and (problem := _tag_problem(run, tag_dir, sizes_only=False)):
                 return _damaged(run, tag_dir, problem)  # before a conversion reads the whole tag
-            _check_reshardable(tag_dir, saved, now, run.cfg.lora.r, muon=is_muon(meta["deepspeed_config"]))
+            _check_reshardable(tag_dir, saved, now, run.cfg.lora.r)
             if run.rank == 0:
                 run.log.info("layout changed (%s -> %s): resuming %s through a universal checkpoint",
                              saved.describe(), now.describe(), tag)
@@ -131,14 +131,9 @@ def _loads_natively(saved: Layout, now: Layout) -> bool:
                             and saved.tensor_parallel == now.tensor_parallel)
 
 
-def _check_reshardable(tag_dir: str, saved: Layout, now: Layout, lora_r: int, muon: bool = False) -> None:
+def _check_reshardable(tag_dir: str, saved: Layout, now: Layout, lora_r: int) -> None:
     fix = ("resume with the saved layout, or `deepseek-ds export hf` it and start a new run from the export "
            "with model.path")
-    if muon and 3 in (saved.zero_stage, now.zero_stage):
-        # muon_universal.py reads and restores ZeRO 1/2's whole-matrix momentum buffers; ZeRO-3 partitions them.
-        raise CheckpointError(f"checkpoint {tag_dir} ({saved.describe()}) cannot be resumed as {now.describe()}: it "
-                              f"was trained with Muon, whose momentum deepseek-ds carries between ZeRO 1/2 layouts "
-                              f"only; resume with ZeRO stage 1 or 2 on both sides, or {fix}")
     if lora_r:
         # The universal loader loads strictly (the checkpoint lacks the frozen base) and does not map adapter names.
         raise CheckpointError(f"checkpoint {tag_dir} ({saved.describe()}) cannot be resumed as {now.describe()}: a "

@@ -92,7 +92,7 @@ def to_universal(tag_dir: str, scheme: str, config: PretrainedConfig, out: str |
     muon = None
     if is_muon(meta["deepspeed_config"]):  # DeepSpeed's converter carries AdamW's moments only
         with trusted_types_only():
-            muon = read_momentum(tag_dir)
+            muon = read_momentum(tag_dir, saved.zero_stage)
     try:
         with trusted_types_only(), contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured), \
                 zero_moments_for_muon() if muon is not None else contextlib.nullcontext():
