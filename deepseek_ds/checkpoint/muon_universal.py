@@ -15,6 +15,7 @@ import contextlib
 import glob
 import math
 import os
+import re
 import tempfile
 from collections.abc import Iterator
 
@@ -30,9 +31,8 @@ from .format import CheckpointError
 MOMENTUM_FILE = "muon_momentum.pt"
 _MOMENTUM, _MOMENTS = "momentum_buffer", ("exp_avg", "exp_avg_sq")
 _OPTIMIZER, _STATE, _SLICES = "optimizer_state_dict", "base_optimizer_state", "param_slice_mappings"
-
-
-_STAGE3_STATE = "optimizer_state_dict"  # ZeRO-3's shard: the torch optimizer's state dict under this key too
+_STAGE3_STATE = "optimizer_state_dict"  # ZeRO-3: the torch optimizer's state dict, inside the shard's _OPTIMIZER
+_DP_RANK = re.compile(r"zero_pp_rank_(\d+)_")  # a shard file's data-parallel rank
 
 
 def _muon_groups(states: dict) -> list[int]:
@@ -41,8 +41,8 @@ def _muon_groups(states: dict) -> list[int]:
 
 def _shards(tag_dir: str) -> list[dict]:
     """Every optimizer shard of the tag, in data-parallel rank order."""
-    files = glob.glob(os.path.join(tag_dir, "*optim_states.pt"))
-    files.sort(key=lambda f: int(os.path.basename(f).split("_")[3]))  # zero_pp_rank_<dp>_mp_rank_..
+    files = sorted(glob.glob(os.path.join(tag_dir, "*optim_states.pt")),
+                   key=lambda f: int(_DP_RANK.search(os.path.basename(f)).group(1)))
     return [torch.load(f, map_location="cpu", weights_only=False)[_OPTIMIZER] for f in files]
 
 

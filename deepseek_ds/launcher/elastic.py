@@ -14,11 +14,10 @@ from deepseek_ds.launcher.remote import LOCAL_HOSTS
 LOST = ("ssh", "python")  # preflight checks whose failure means the host cannot run its ranks at all
 
 
-def lost_hosts(hostfile: str, include: str, exclude: str, ssh_port: int | None = None,
-               timeout: float = 10.0) -> dict[str, str]:
-    """Host -> why it is lost (preflight's detail), of the hosts `hostfile` with these filters selects."""
-    options = PreflightOptions(hostfile=Path(hostfile), include=include or "", exclude=exclude or "", allow_cpu=True,
-                               timeout=timeout, ssh_port=ssh_port)
+def lost_hosts(hostfile: str, include: str | None, exclude: str | None) -> dict[str, str]:
+    """Host -> why it is lost (preflight's detail), of the hosts `hostfile` with these filters selects (each probe
+    waits preflight's default timeout)."""
+    options = PreflightOptions(hostfile=Path(hostfile), include=include or "", exclude=exclude or "", allow_cpu=True)
     _, checks = run_preflight(options)
     lost: dict[str, str] = {}
     for check in failed(checks):
