@@ -16,7 +16,7 @@ from ..data.sft import dataset_option_errors
 from ..data.tokenizer import dataset_tokenizer_hashes, describe, directory_tokenizer
 from ..models.hf_io import has_weights
 from ..models.layers import mtp_depth
-from ..models.muon import NS_PRECISION, NS_PRECISIONS, is_muon
+from ..models.muon import NS_PRECISION, NS_PRECISIONS, is_muon, ns_precision
 from ..models.presets import ModelConfigError, build_model_config, num_routed_experts
 from ..models.tensor_parallel import tensor_parallel_errors
 from ..models.tiled import tiled_mlp_errors
@@ -179,7 +179,7 @@ def _muon_errors(cfg: RunConfig, ds: dict) -> list[str]:
     if cfg.parallel.tensor_parallel > 1:
         errors.append("Muon with tensor parallelism: AutoTP splits each matrix over the TP ranks and Muon would "
                       "orthogonalise every shard on its own, not the whole matrix; set parallel.tensor_parallel=1")
-    precision = (ds["optimizer"].get("params") or {}).get(NS_PRECISION, "auto")
+    precision = ns_precision(ds)
     if precision not in NS_PRECISIONS:
         errors.append(f"optimizer.params.{NS_PRECISION} = {precision!r}: choose one of {', '.join(NS_PRECISIONS)} "
                       "(auto: DeepSpeed's choice by device and ns_method; fp32: Newton-Schulz in fp32)")

@@ -50,22 +50,32 @@ def is_muon(ds: dict) -> bool:
     return isinstance(optimizer, dict) and str(optimizer.get("type", "")).lower() == MUON
 
 
+def muon_params(ds: dict) -> dict:
+    """A Muon config's optimizer.params ({} for another optimizer, or none given)."""
+    return (ds["optimizer"].get("params") or {}) if is_muon(ds) else {}
+
+
+def ns_precision(ds: dict) -> str:
+    """A Muon config's optimizer.params.ns_precision ("auto" when not given)."""
+    return muon_params(ds).get(NS_PRECISION, "auto")
+
+
 def per_head(ds: dict) -> bool:
     """Whether a Muon config asks for per-head orthogonalisation of MLA's projections (optimizer.params.per_head_muon)."""
-    return is_muon(ds) and bool((ds["optimizer"].get("params") or {}).get(PER_HEAD))
+    return bool(muon_params(ds).get(PER_HEAD))
 
 
 def ns_in_fp32(ds: dict) -> bool:
     """Whether a Muon config asks for Newton-Schulz in fp32 (optimizer.params.ns_precision: fp32)."""
-    return is_muon(ds) and (ds["optimizer"].get("params") or {}).get(NS_PRECISION, "auto") == "fp32"
+    return ns_precision(ds) == "fp32"
 
 
 def deepspeed_muon_config(ds: dict) -> dict:
     """The config DeepSpeed gets: the keys deepseek-ds applies itself left out: ns_precision (its own), and
     per_head_muon (DeepSpeed's own per-head tagging reads head counts from an HF model's config, which our layers do
     not carry, and its ZeRO 1/2 padded path drops them)."""
-    params = (ds.get("optimizer") or {}).get("params") or {}
-    if not is_muon(ds) or not {PER_HEAD, NS_PRECISION} & set(params):
+    params = muon_params(ds)
+    if not {PER_HEAD, NS_PRECISION} & set(params):
         return ds
     kept = {k: v for k, v in params.items() if k not in (PER_HEAD, NS_PRECISION)}
     return {**ds, "optimizer": {**ds["optimizer"], "params": kept}}
@@ -131,8 +141,9 @@ def tag_muon(model: torch.nn.Module, heads: int | None = None) -> Split:
 def muon_tagging(log: logging.Logger, heads: int | None = None, fp32: bool = False) -> Iterator[None]:
     """Around deepspeed.initialize: the rule's tags replace DeepSpeed's just before the engine builds its optimizer
     (after its own tagging and AutoEP's replacements), and the ZeRO optimizer built runs Muon as the module
-    docstring says (`heads`: per-head Muon, tag_muon; `fp32`: Newton-Schulz in fp32); `log` gets the split. DeepSpeed offers no hook between the two: its optimizer construction is
-    patched for the block (utils/private_api.py)."""
+    docstring says (`heads`: per-head Muon, tag_muon; `fp32`: Newton-Schulz in fp32); `log` gets the split.
+    DeepSpeed offers no hook between the two: its optimizer construction is patched for the block
+    (utils/private_api.py)."""
     configure = getattr(DeepSpeedEngine, CONFIGURE_OPTIMIZER)
 
     def configure_optimizer(self, client_optimizer, model_parameters):
