@@ -26,7 +26,8 @@ from deepseek_ds.bench.comm_counter import counting
 from deepseek_ds.config import load_and_validate
 from deepseek_ds.training.loop import train
 from deepseek_ds.training.main import parse_args
-from deepseek_ds.training.setup import Run, build_run
+from deepseek_ds.training.run import Run
+from deepseek_ds.training.setup import build_run
 
 
 def build_layout(argv: list[str]) -> Run:

@@ -13,8 +13,8 @@ import torch
 from deepseek_ds.data import micro_batches
 from deepseek_ds.models.moe import moe_blocks, router_bias
 from deepseek_ds.training.loop import recorded_step, router_stats, step_meter
+from deepseek_ds.training.run import Run
 from deepseek_ds.training.schedule import start_lr_schedule
-from deepseek_ds.training.setup import Run
 from layouts_worker import run_layouts
 
 

@@ -8,8 +8,8 @@ import os
 import sys
 
 from deepseek_ds.training.loop import train_step
+from deepseek_ds.training.run import Run
 from deepseek_ds.training.schedule import start_lr_schedule
-from deepseek_ds.training.setup import Run
 from layouts_worker import run_layouts
 from reference import packed_global_batch
 

@@ -17,7 +17,7 @@ from deepspeed.utils import safe_get_full_grad
 from deepseek_ds.models.names import hf_name
 from deepseek_ds.models.pipeline import local_layers
 from deepseek_ds.training.loop import train
-from deepseek_ds.training.setup import Run
+from deepseek_ds.training.run import Run
 from layouts_worker import run_layouts
 
 SPIKE_ELEMENTS = 64 * 2**20  # fp32: 256 MiB

@@ -120,15 +120,27 @@ def objective_branches(source: str, names) -> list[str]:
 
 
 def test_the_training_loop_never_branches_on_the_objective():
-    """Objectives are objects (training/objectives/): the loop names none of them, only objective_of(run), and the
+    """Objectives are objects (training/objectives/): the loop names none of them, only run.objective, and the
     registry holds every train.objective the config accepts. The check can fail: the loop before the objectives
     branched on DPO."""
     from deepseek_ds.config.schema import OBJECTIVES as ACCEPTED
     from deepseek_ds.training.objectives import OBJECTIVES
 
     assert sorted(OBJECTIVES) == sorted(ACCEPTED)
-    names = [*OBJECTIVES, *(type(o).__name__ for o in OBJECTIVES.values())]
+    names = [*OBJECTIVES, *(o.__name__ for o in OBJECTIVES.values())]
     loop = (PACKAGE / "training" / "loop.py").read_text(encoding="utf-8")
     assert objective_branches(loop, names) == []
     assert objective_branches("    if preference.is_dpo(run):\n        return 1\n", names)
     assert objective_branches('    dpo = run.cfg.train.objective == "dpo"\n', names)
+
+
+def test_the_run_is_not_changed_once_built():
+    """training.run.Run is frozen: what an objective keeps across steps is the objective's own (Run.objective), so
+    setting a field after build_run raises. The check can fail: DPO and GRPO set run.reference before."""
+    import dataclasses
+
+    from deepseek_ds.training.run import Run
+
+    fields = {f.name for f in dataclasses.fields(Run)}
+    assert Run.__dataclass_params__.frozen
+    assert not fields & {"reference", "valid_reference", "base_buffers"}

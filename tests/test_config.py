@@ -335,3 +335,23 @@ def test_resolved_config_is_written_only_for_an_accepted_run(tmp_path, monkeypat
     assert train_main(["--config", "recipes/tiny-v3.yaml", "--set", f"train.output_dir={tmp_path}",
                        "--set", "train.global_batch_size=10"]) == 2
     assert (tmp_path / RESOLVED_NAME).read_text() == "the earlier run\n"
+
+
+def test_the_model_config_is_built_once_for_every_check_and_the_run(monkeypatch):
+    """validate's rules (sequence and tensor parallelism, the model's own, the vocabulary), the DeepSpeed JSON's
+    AutoTP section and the run all read cfg.model.hf_config: one transformers config per process, with the kernel
+    choices set. The check can fail: each rule built its own before."""
+    from deepseek_ds.models.presets import PRESETS
+
+    built, config_cls = [], PRESETS["tiny-v3"].config_cls
+    real = config_cls.__init__
+    # A model's config has its fields given; presets' check of override names builds one of the class's defaults.
+    monkeypatch.setattr(config_cls, "__init__", lambda self, **kw: kw and built.append(kw) or real(self, **kw))
+    c = cfg(model={"preset": "tiny-v3", "attn_implementation": "eager"},
+            parallel={"tensor_parallel": 2, "sequence_parallel": 1},
+            train={"micro_batch_size": 1, "global_batch_size": 2})
+    validate(c, ds(), 2, cuda_available=False, files=False)
+    validate(c, ds(), 2, cuda_available=False, files=False)
+    assert "tensor_parallel" in resolve_ds_config(ds(), c, 2)
+    assert len(built) == 1 and built[0]["num_hidden_layers"] == PRESETS["tiny-v3"].fields["num_hidden_layers"]
+    assert c.model.hf_config is c.model.hf_config and c.model.hf_config._attn_implementation == "eager"

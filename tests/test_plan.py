@@ -24,7 +24,7 @@ from deepseek_ds.models.tiled import tile_mlps
 from deepseek_ds.plan import activations
 from deepseek_ds.plan import estimate as plan_estimate
 from deepseek_ds.plan.cli import PlanError, gpus_per_node, layout_sets, memory_size, run_verdict
-from deepseek_ds.plan.estimate import buffer_bytes, element_bytes, estimate, layout_of, model_config, zero_settings
+from deepseek_ds.plan.estimate import buffer_bytes, element_bytes, estimate, layout_of, zero_settings
 from deepseek_ds.plan.params import SpecParams, rank_params
 from deepseek_ds.plan.states import state_bytes
 from deepseek_ds.plan.steptime import Hardware, step_time
@@ -106,7 +106,7 @@ def test_model_state_bytes_equal_measured_to_the_byte(measured, data_dir):
     for variant, reports in zip(VARIANTS, measured):
         cfg, ds = _run(variant, data_dir)
         lay = layout_of(cfg, ds, 2)
-        model = SpecParams(model_config(cfg))
+        model = SpecParams(cfg.model.hf_config)
         bounds = model.bounds(lay.pp, cfg.model.partition_method, cfg.data.seq_len)
         zero = zero_settings(ds, lay.zero, element_bytes(ds))
         for r in reports:
@@ -396,7 +396,7 @@ def _lora_tiny():
                                                         "data.builtin=stdlib",
                                                         "lora.modules_to_save=[embed_tokens, lm_head]"])
     assert cfg.lora.routed_experts and cfg.lora.modules_to_save == ["embed_tokens", "lm_head"]
-    return cfg, model_config(cfg)
+    return cfg, cfg.model.hf_config
 
 
 @pytest.mark.unit

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from deepseek_ds.config import load_ds_config, load_run_config
 from deepseek_ds.models.presets import build_model_config
-from deepseek_ds.plan.estimate import estimate, layout_of, model_config
+from deepseek_ds.plan.estimate import estimate, layout_of
 from deepseek_ds.plan.params import SpecParams
 from deepseek_ds.plan.steptime import Hardware, step_time
 from helpers import cli
@@ -27,7 +27,7 @@ LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 def _compute_s(sets: list[str], hw: Hardware) -> float:
     cfg = load_run_config("recipes/tiny-dense.yaml", [*SEVEN_B, *sets])
     ds = load_ds_config("ds_configs/zero3_bf16.json")
-    model = SpecParams(model_config(cfg))
+    model = SpecParams(cfg.model.hf_config)
     plan = estimate(cfg, ds, layout_of(cfg, ds, 1), 2**40, True, model)
     return step_time(cfg, plan, hw, model).compute_s
 
@@ -141,4 +141,4 @@ def test_lora_under_autoep_shards_expert_adapters_over_the_expert_data_parallel_
     # expert-data-parallel group only (none with EP = dp); all-to-alls made free here, the metrics (< 1 kB) aside.
     hw = Hardware(peak_tflops=1.0, mfu=1.0, bandwidth=1.0, intra_bandwidth=1e30, gpus_per_node=8)
     want = 3 * (world - 1) / world * 4 * dense + 3 * (edp - 1) / edp * 4 * (experts // ep)
-    assert step_time(cfg, plan, hw, SpecParams(model_config(cfg)), ds).comm_s == pytest.approx(want, abs=1000)
+    assert step_time(cfg, plan, hw, SpecParams(cfg.model.hf_config), ds).comm_s == pytest.approx(want, abs=1000)

@@ -41,7 +41,8 @@ from torch.distributed import distributed_c10d
 from ..config import load_and_validate
 from ..training.loop import train
 from ..training.main import parse_args
-from ..training.setup import Run, build_run
+from ..training.run import Run
+from ..training.setup import build_run
 
 
 def _bytes(t) -> int:

@@ -19,7 +19,6 @@ import sys
 
 from ..config import ConfigError, load_and_validate, load_run_config
 from ..launcher.hostfile import count_slots
-from ..models.presets import build_model_config
 from ..utils.cli_args import spellings
 from ..utils.errors import LaunchError
 from ..utils.fmt import human_bytes, parse_bytes
@@ -289,7 +288,7 @@ def point_sets(args: argparse.Namespace, cfg, sp: int, seq_len: int, world: int,
                        "eval.interval=0", "checkpoint.interval=0",
                        f"train.output_dir={os.path.join(raw, f'sp{sp}-{seq_len}')}"]
     # The tiny presets are built for 1,024 positions; the default rotary embedding extends to any length.
-    mcfg = build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides)
+    mcfg = cfg.model.hf_config
     if mcfg.max_position_embeddings < seq_len:
         sets.append(f"model.overrides.max_position_embeddings={max(args.seq_lens)}")
     if args.peak_tflops:

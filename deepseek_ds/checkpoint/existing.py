@@ -12,8 +12,6 @@ from ..config import RunConfig
 from ..data import dataset_info
 from ..data.builtin import builtin_dataset_dir
 from ..data.layout import META as DATASET_META
-from ..models.pipeline import prepare_config
-from ..models.presets import build_model_config
 from .format import check_compatible, check_lora_compatible, read_meta
 from .integrity import newest_verified_tag
 from .lock import check_free
@@ -35,8 +33,7 @@ def check_existing_checkpoint(cfg: RunConfig) -> str | None:
         return None
     tag_dir = os.path.join(cfg.checkpoint_dir, tag)
     meta = read_meta(tag_dir)
-    model = prepare_config(build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides),
-                           cfg.model.attn_implementation, cfg.model.experts_implementation)
+    model = cfg.model.hf_config
     dataset = _dataset_dir(cfg, model.vocab_size)
     tokenizer_hash = dataset_info(dataset)["tokenizer_hash"] if dataset else meta["tokenizer_hash"]
     check_compatible(tag_dir, meta, model, tokenizer_hash)

@@ -1,4 +1,4 @@
-"""What checkpointing reads of a training run. training.setup.Run has these attributes; checkpoint sits below
+"""What checkpointing reads of a training run. training.run.Run has these attributes; checkpoint sits below
 training, so it names them here instead of importing it."""
 
 from __future__ import annotations

@@ -23,7 +23,6 @@ from deepspeed.runtime.swap_tensor.constants import AIO
 
 from ..models.muon import RULE as MUON_RULE
 from ..models.muon import is_muon
-from ..models.presets import build_model_config
 from ..models.tensor_parallel import tensor_parallel_section
 from .loading import PROJECT_ROOT
 from .schema import ConfigError, RunConfig
@@ -102,7 +101,7 @@ def resolve_ds_config(ds: dict, cfg: RunConfig, world_size: int) -> dict:
         ds.setdefault(key, auto[key])
     fill_output_paths(ds, cfg.train.output_dir)
     if cfg.parallel.tensor_parallel > 1:
-        model_type = build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides).model_type
+        model_type = cfg.model.hf_config.model_type
         ds["tensor_parallel"] = tensor_parallel_section(model_type, cfg.parallel.tensor_parallel)
     return ds
 

@@ -13,7 +13,7 @@ from ..models.lora import lora_errors, lora_name_errors
 from ..models.moe import resolve_settings
 from ..models.muon import MLA_MODEL_TYPES, PER_HEAD, per_head
 from ..models.pipeline import partition, partition_stages
-from ..models.presets import ModelConfigError, build_model_config, first_moe_layer, num_routed_experts
+from ..models.presets import ModelConfigError, first_moe_layer, num_routed_experts
 from ..models.registry import family_of
 from .deepspeed_json import expert_gradient_path_errors, zero_stage
 from .schema import RunConfig
@@ -31,7 +31,7 @@ def model_errors(cfg: RunConfig, ds: dict, files: bool = True) -> list[str]:
                 "which deepseek-ds does not read (training would start from random weights); convert it once with "
                 "`AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(DIR, safe_serialization=True)`"]
     try:
-        mcfg = build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides)
+        mcfg = cfg.model.hf_config
     except (ModelConfigError, TypeError, ValueError) as e:
         return [str(e)]
     errors = []

@@ -5,11 +5,16 @@ DeepSpeed JSON or the world size are in validate.py."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from transformers import PretrainedConfig
+
 from ..models.deepseek_v32.indexer import STAGES as INDEXER_STAGES
+from ..models.pipeline import prepare_config
+from ..models.presets import build_model_config
 from ..parallel.degrees import Degrees
 from .errors import ConfigError  # noqa: F401 - imported from here by loading, validate and deepspeed_json
 from .errors import at_least as _at_least
@@ -58,6 +63,14 @@ class ModelSection:
     def __post_init__(self):
         _refuse([] if self.preset is not None or self.path is not None else
                 ["set model.preset (e.g. tiny-v3) or model.path (a local HF directory)"])
+
+    @functools.cached_property
+    def hf_config(self) -> PretrainedConfig:
+        """The model's transformers config (preset or path, overrides, kernel choices), built once per process: every
+        check and the run read this one. Raises ModelConfigError (or transformers' TypeError / ValueError) on a bad
+        model section, each time it is asked."""
+        return prepare_config(build_model_config(self.preset, self.path, self.overrides), self.attn_implementation,
+                              self.experts_implementation)
 
 
 @dataclass

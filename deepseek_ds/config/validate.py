@@ -74,7 +74,7 @@ def _sequence_parallel_errors(cfg: RunConfig) -> list[str]:
     if sp == 1:
         return []
     try:
-        mcfg = build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides)
+        mcfg = cfg.model.hf_config
     except (ModelConfigError, TypeError, ValueError):
         return []  # the model's own problem, reported by _model_errors
     return sequence_parallel_errors(
@@ -92,7 +92,7 @@ def _tensor_parallel_errors(cfg: RunConfig, ds: dict) -> list[str]:
     if tp == 1:
         return errors
     try:
-        mcfg = build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides)
+        mcfg = cfg.model.hf_config
     except (ModelConfigError, TypeError, ValueError):
         return errors  # the model's own problem, reported by _model_errors
     sizes = {"intermediate_size": mcfg.intermediate_size}
@@ -291,7 +291,7 @@ def _reference_errors(cfg: RunConfig) -> list[str]:
                 "one (e.g. an `deepseek-ds export hf` of the SFT model), or set it to null for the starting weights"]
     try:
         theirs = build_model_config(None, ref, {})
-        ours = build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides)
+        ours = cfg.model.hf_config
     except (ModelConfigError, TypeError, ValueError) as e:
         return [f"preference.reference {ref!r}: {e}"]
     differ = [f"{k} {getattr(theirs, k, None)} vs {getattr(ours, k, None)}" for k in _REFERENCE_FIELDS
@@ -333,7 +333,7 @@ def _vocab_errors(cfg: RunConfig, info: dict) -> list[str]:
         if base is not None:
             return [] if base[1] in dataset_tokenizer_hashes(cfg.data.path) else [_other_tokenizer(cfg, info, *base)]
     try:
-        vocab = build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides).vocab_size
+        vocab = cfg.model.hf_config.vocab_size
     except (ModelConfigError, TypeError, ValueError):
         return []  # the model's own problem, reported by _model_errors
     if info["vocab_size"] <= vocab:

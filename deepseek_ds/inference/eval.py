@@ -20,8 +20,7 @@ from ..checkpoint.weights import read_weights
 from ..config import RunConfig, apply_overrides, load_run_config, run_config_from_dict
 from ..data import DataError, PackedDataset, dataset_info
 from ..data.layout import PREFERENCE_FORMAT, dataset_format
-from ..models.pipeline import SequentialLM, build_model, prepare_config
-from ..models.presets import build_model_config
+from ..models.pipeline import SequentialLM, build_model
 from ..training.evaluation import EvalResult, eval_sample_count, evaluate, rank_batches
 from ..training.process import init_distributed
 from .export_lora import is_lora_checkpoint, merged_model_from_checkpoint
@@ -38,8 +37,7 @@ def run_config_for(tag_dir: str, config: str | None, sets: list[str]) -> RunConf
 def model_from_checkpoint(tag_dir: str, cfg: RunConfig) -> tuple[SequentialLM, PretrainedConfig]:
     """(SequentialLM with the checkpoint's fp32 weights, its transformers config), whatever layout wrote it; a LoRA
     checkpoint's adapters merged by peft into the base from its model.path."""
-    mcfg = prepare_config(build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides),
-                          cfg.model.attn_implementation, cfg.model.experts_implementation)
+    mcfg = cfg.model.hf_config
     model = build_model(mcfg, 1, cfg.train.seed)
     if is_lora_checkpoint(tag_dir):  # it holds no base weights
         merged = merged_model_from_checkpoint(tag_dir, cfg.model.experts_implementation)[0].state_dict()

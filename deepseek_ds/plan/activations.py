@@ -130,7 +130,7 @@ def spec_bytes(mcfg, seq_len: int, f: int, tp: int, fused: bool, sp: int = 1, ti
 
 def chunked_loss(mcfg, tokens: int, zero: int) -> bool:
     """Whether training projects the logits chunk by chunk (models.loss.linear_cross_entropy): not under ZeRO-3,
-    which keeps the plain head (training/setup.py), nor for a micro-batch of at most one chunk."""
+    which keeps the plain head (training/parallelize.py), nor for a micro-batch of at most one chunk."""
     return zero < 3 and tokens > CHUNK_LOGITS // mcfg.vocab_size
 
 

@@ -21,7 +21,7 @@ from ..utils.errors import UserError
 from ..utils.fmt import parse_bytes
 from . import report
 from .comm import comm_json
-from .estimate import attention_is_fused, estimate, layout_of, model_config
+from .estimate import attention_is_fused, estimate, layout_of
 from .params import SpecParams
 from .steptime import DEFAULT_GPU, GPUS, Hardware, search, step_time
 
@@ -156,7 +156,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except ConfigError as e:
         raise PlanError(f"this layout is not valid for {args.config}: {e}") from e
     hw = Hardware(peak, args.mfu, args.bandwidth * 1e9, args.intra_bandwidth * 1e9, gpus_per_node(args))
-    model = SpecParams(model_config(cfg))
+    model = SpecParams(cfg.model.hf_config)
     assumed = {"gpu": args.gpu, "peak_tflops": peak, "mfu": args.mfu}
     if precision(ds) == "fp32" and not args.peak_tflops:
         peak_source += " (the run is fp32, whose matmuls do not reach it: pass --peak-tflops for fp32/TF32)"

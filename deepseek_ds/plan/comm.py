@@ -38,7 +38,7 @@ from ..training.router_stats import BIAS_STATS, moe_layer_indices
 from ..utils.collectives import PLANNED_KINDS
 from . import activations_v32
 from .activations import layer_kinds, stream_width
-from .estimate import Plan, attention_is_fused, estimate, layout_of, model_config
+from .estimate import Plan, attention_is_fused, estimate, layout_of
 from .params import SpecParams, rank_params
 from .states import PERSISTENCE_DEFAULT
 
@@ -215,6 +215,6 @@ def comm_json(cfg, ds: dict, plan: Plan, model: SpecParams) -> dict:
 
 def run_comm_bytes(cfg, ds: dict, world: int) -> list[dict[str, int]]:
     """comm_bytes of a run config and DeepSpeed JSON (validated) on `world` ranks: what bench comm compares."""
-    model = SpecParams(model_config(cfg))
+    model = SpecParams(cfg.model.hf_config)
     plan = estimate(cfg, ds, layout_of(cfg, ds, world), 2**50, attention_is_fused(cfg, cpu=True), model, cpu=True)
     return comm_bytes(cfg, ds, plan, model)

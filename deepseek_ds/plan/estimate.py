@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from ..config import RunConfig, offloads, precision, zero_stage
 from ..models.muon import is_muon
-from ..models.pipeline import partition_stages, prepare_config
-from ..models.presets import build_model_config, num_routed_experts
+from ..models.pipeline import partition_stages
+from ..models.presets import num_routed_experts
 from ..parallel import schedule_model
 from . import activations
 from .params import SpecParams, rank_params
@@ -100,11 +100,6 @@ def layout_of(cfg: RunConfig, ds: dict, world: int) -> Layout:
                   sp=cfg.parallel.sequence_parallel)
 
 
-def model_config(cfg: RunConfig):
-    return prepare_config(build_model_config(cfg.model.preset, cfg.model.path, cfg.model.overrides),
-                          cfg.model.attn_implementation, cfg.model.experts_implementation)
-
-
 def element_bytes(ds: dict) -> int:
     """Bytes of a parameter, gradient and activation element in the run's precision."""
     return 2 if precision(ds) in ("bf16", "fp16") else 4
@@ -153,7 +148,7 @@ def estimate(cfg: RunConfig, ds: dict, layout: Layout, gpu_memory: int, fused_at
     """Per-rank bytes of `layout` (the run's own, or one from --layout / --search) for this run config; `cpu`: on
     DeepSpeed's CPU accelerator, where a rank's peak is its process's resident set (CPU_RUNTIME_BYTES more, and only
     the written part of a communication bucket)."""
-    mcfg = model.mcfg if model else model_config(cfg)
+    mcfg = model.mcfg if model else cfg.model.hf_config
     model = model or SpecParams(mcfg)
     f = element_bytes(ds)
     z = zero_settings(ds, layout.zero, f)

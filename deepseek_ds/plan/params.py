@@ -161,7 +161,7 @@ def rank_params(model: SpecParams, bounds: list[int], stage: int, ep: int, tp: i
             # A rank holds its own experts (frozen, 1/EP) and, with lora.routed_experts, their adapters
             # (parallel/expert_lora.py: A and B rows of its experts, marked as AutoEP's expert weights), so ZeRO
             # shards them over the expert-data-parallel group; peft's fused (E r, in) adapters split evenly by expert.
-            # training/setup.py hands LoRA's engine a generator, read after AutoEP's replacements: all in place.
+            # training/parallelize.py hands LoRA's engine a generator, read after AutoEP's replacements: all in place.
             out.append(Param(name, numel // ep if routed else numel, routed, trainable))
         elif routed:
             replaced.extend(_autoep_experts(name, numel // ep))

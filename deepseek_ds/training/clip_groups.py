@@ -9,8 +9,14 @@ import torch
 from deepspeed.runtime.utils import combine_grad_norm_groups
 from torch import nn
 
+from ..config import RunConfig
 from ..models.deepseek_v32.indexer import TrainableIndexer
 from ..utils.private_optimizer import clip_by_group_norms
+
+
+def clipped_apart(cfg: RunConfig) -> bool:
+    """indexer.stage sparse: the language model and the indexers train on their own losses, in groups of their own."""
+    return cfg.indexer.stage == "sparse"
 
 
 def _indexer_ids(model: nn.Module) -> set[int]:

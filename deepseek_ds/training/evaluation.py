@@ -37,7 +37,7 @@ from ..models.loss import IGNORE_INDEX
 from ..models.pipeline import split_micro_batch, to_device
 from ..parallel.sequence import shard_micro_batch, whole_sequences
 from ..rewards import normalize_answer
-from .setup import Run
+from .run import Run
 from .whole_model import whole_copy
 
 

@@ -29,18 +29,17 @@ from .metrics import (
     read_to_host,
     source_metrics,
 )
-from .objectives import objective_of
 from .objectives.base import task_scores_line
 from .progress import Progress
 from .router_stats import RouterStats, moe_layer_indices
+from .run import Run
 from .schedule import align_resumed_schedule, start_lr_schedule
-from .setup import Run
 from .signals import StopOnSignal
 
 
 def _local_step(run: Run, micro_batches: list) -> torch.Tensor:
     """One optimizer step on this rank's share of the global batch, nothing read to the host (Objective.local_step)."""
-    return objective_of(run).local_step(run, micro_batches)
+    return run.objective.local_step(run, micro_batches)
 
 
 def train_step(run: Run, micro_batches: list) -> float:
@@ -99,7 +98,7 @@ def _reduced_metrics(run: Run, meter: StepMeter, routers: RouterStats | None, lo
     gas_dp = run.layout.gradient_size * run.grad_accum
     # The TP ranks of a replica compute the same losses: one of them counts, so the sums are over replicas.
     replica = 1.0 if run.layout.counts_once else 0.0
-    objective = objective_of(run)
+    objective = run.objective
     sums = NamedReduction(device)
     sums.add("loss", None if run.pipeline else local.reshape(1) * replica)
     parts = objective.metric_parts(run, device)  # the objective's own metrics, named by it below
@@ -166,7 +165,7 @@ def train(run: Run, on_accepted=None) -> dict:
 def _train(run: Run, stop: StopOnSignal, on_accepted=None) -> dict:
     cfg, engine, log = run.cfg, run.engine, run.log
     is_rank0 = run.rank == 0
-    objective_of(run).before_training(run)  # before the resume: the engine still holds the starting weights
+    run.objective.before_training(run)  # before the resume: the engine still holds the starting weights
     state = resume(run) or {}
     if on_accepted:  # the run, and its resume if any, passed every check: e.g. record resolved_config.yaml
         on_accepted()
@@ -186,7 +185,7 @@ def _train(run: Run, stop: StopOnSignal, on_accepted=None) -> dict:
     if start_step and is_rank0:
         log.info("resumed from %s at step %d (%d samples consumed)", state["tag"], start_step,
                  consumed)
-    sampler = objective_of(run).sampler(run, consumed)
+    sampler = run.objective.sampler(run, consumed)
     metrics = MetricsWriter(os.path.join(cfg.train.output_dir, "metrics.jsonl"), start_step) if is_rank0 else None
     last_saved, step = _steps(run, sampler, metrics, stop, start_step)
     if step > start_step and (last_saved is None or not last_saved.endswith(tag_for(step))):
@@ -204,7 +203,7 @@ def _train(run: Run, stop: StopOnSignal, on_accepted=None) -> dict:
 
 def step_meter(run: Run) -> StepMeter:
     cfg, engine = run.cfg, run.engine
-    tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len * objective_of(run).sequences_per_sample
+    tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len * run.objective.sequences_per_sample
     flops_per_step = flops_per_token(run.model_config, cfg.data.seq_len) * tokens_per_step
     meter = StepMeter(flops_per_step, tokens_per_step, cfg.train.global_batch_size, run.world, engine.device,
                       peak_tflops(engine.device, cfg.train.peak_tflops))
@@ -225,7 +224,7 @@ def _close(metrics: MetricsWriter | None, engine) -> None:
 def _steps(run: Run, sampler: GlobalBatchSampler, metrics: MetricsWriter | None, stop: StopOnSignal,
            start_step: int) -> tuple[str | None, int]:
     """The optimizer steps after `start_step`; returns (the last checkpoint saved, the last step trained)."""
-    cfg, engine, log, objective = run.cfg, run.engine, run.log, objective_of(run)
+    cfg, engine, log, objective = run.cfg, run.engine, run.log, run.objective
     batches = objective.batches(run, sampler)
     meter, routers = step_meter(run), router_stats(run)
     valid = (open_training_data(cfg.data, run.dataset_dir, cfg.train.seed, cfg.train.shuffle, "valid")
@@ -303,7 +302,7 @@ def _summary(run: Run, records: list[dict], start_step: int, last_saved: str | N
     run.log.info("\n".join([
         "done:",
         f"  loss        {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over {summary['steps']} steps",
-        *objective_of(run).loss_lines(records),
+        *run.objective.loss_lines(records),
         f"  throughput  {summary['tokens_per_sec']:.0f} tokens/s ({run.world} ranks{resumed})",
         *_validation_lines(run, records),
         f"  checkpoint  {last_saved}",
@@ -315,4 +314,4 @@ def _summary(run: Run, records: list[dict], start_step: int, last_saved: str | N
 
 def _validation_lines(run: Run, records: list[dict]) -> list[str]:
     evals = [r for r in records if r.get("eval_loss") is not None]
-    return objective_of(run).validation_lines(evals[-1]) if evals else []
+    return run.objective.validation_lines(evals[-1]) if evals else []

@@ -15,7 +15,7 @@ from torch import nn
 from ..checkpoint.format import SEQUENTIAL
 from ..checkpoint.tensor_names import container_entries, hf_tensors
 from ..models.pipeline import build_model
-from .setup import Run
+from .run import Run
 
 _EXPERTS = ("w1", "w2", "w3")  # AutoEP's grouped expert tensors: (local experts, ...) each
 

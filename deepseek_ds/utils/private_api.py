@@ -21,7 +21,7 @@ from torch.utils import cpp_extension
 # its instances only (set in its __init__): the test then finds it in the class's source; of a function, the
 # attribute is a parameter.
 PRIVATE: tuple[tuple[str, str, str], ...] = (
-    # torch process groups (training/setup.py)
+    # torch process groups (training/process.py)
     ("torch.distributed.distributed_c10d", "_world", "every process group of this rank, to give each the timeout"),
     ("torch.distributed.distributed_c10d._World", "pg_map", "every process group of this rank, to give each the "
      "timeout"),

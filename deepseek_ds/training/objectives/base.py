@@ -1,7 +1,7 @@
 """What a training objective is to the loop (training/loop.py): the data it steps on, one optimizer step's loss, its
-named metrics, its validation and its lines of the run's summary. One object per train.objective
-(objectives/__init__.py): the loop never branches on the objective. The objects hold no state: what an objective
-keeps across steps lives on the Run (e.g. DPO's reference log-probabilities)."""
+named metrics, its validation and its lines of the run's summary. One class per train.objective
+(objectives/__init__.py), one object per run (Run.objective): the loop never branches on the objective. What an
+objective keeps across steps (e.g. DPO's reference log-probabilities) is the object's own; the Run never changes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import torch
 
 from ...data import GlobalBatchSampler
-from ..setup import Run
+from ..run import Run
 
 
 class Objective:
@@ -20,7 +20,8 @@ class Objective:
     sequences_per_sample = 1  # sequences of data.seq_len tokens in a sample (tokens and FLOPs per step)
 
     def before_training(self, run: Run) -> None:
-        """Work before the resume, while the engine still holds the starting weights; every rank calls it."""
+        """Work before the resume, while the engine still holds the starting weights (e.g. the reference's values, kept
+        on the object); every rank calls it."""
 
     def sampler(self, run: Run, consumed_samples: int = 0) -> GlobalBatchSampler:
         """The run's global batches after `consumed_samples` (this rank's share), in samples of the dataset."""

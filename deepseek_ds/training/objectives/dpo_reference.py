@@ -33,7 +33,7 @@ from ...models.pipeline import local_layers, split_micro_batch, to_device
 from ...models.preference_loss import sequence_logps
 from ...utils.fs import write_bytes_atomic, write_json_atomic
 from ..evaluation import _pipeline_eval_loss, pipeline_eval_chunks
-from ..setup import Run
+from ..run import Run
 
 REFERENCE_DIR = "reference_logps"
 REFERENCE_PARTS = 100  # a killed pass loses at most about 1% of its work
@@ -69,8 +69,6 @@ def ensure_reference(run: Run, dataset, split: str = "train") -> np.ndarray | No
     if not run.loss_fn.needs_reference:
         return None
     if lora_base_reference(run):
-        # The base as it starts: training moves the router biases (buffers, not adapters), the reference keeps them.
-        run.base_buffers = run.base_buffers or [b.detach().clone() for b in run.engine.module.buffers()]
         if not run.pipeline:
             if run.rank == 0 and split == "train":
                 run.log.info("LoRA: the reference is the base model (the adapters off), computed with each "

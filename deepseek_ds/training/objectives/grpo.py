@@ -15,7 +15,7 @@ from ...data import GlobalBatchSampler, sample_count
 from ...models.registry import family_of
 from ...models.router_replay import RouterReplay
 from ..evaluation import eval_sample_count, task_scores_run
-from ..setup import Run
+from ..run import Run
 from ..whole_model import whole_copy
 from .base import Objective
 from .dpo_reference import adapters_off
@@ -26,6 +26,12 @@ PAD = 0  # the token id right-padding the rows (causal attention: real tokens ne
 
 class GRPO(Objective):
     name = "grpo"
+
+    def __init__(self):
+        # The reference with grpo.beta > 0: a frozen copy of the starting model, or under LoRA the base (the adapters
+        # off) with its starting buffers.
+        self.reference: torch.nn.Module | None = None
+        self.base_buffers: list[torch.Tensor] | None = None
 
     def sampler(self, run: Run, consumed_samples: int = 0) -> GlobalBatchSampler:
         """Prompts, not completions: a global batch holds global_batch_size / num_generations of them, each rank
@@ -42,16 +48,16 @@ class GRPO(Objective):
                                               config.routed_scaling_factor, run.engine.device)
         # Before the resume: the engine still holds the starting weights.
         if run.cfg.grpo.beta != 0.0 and not run.cfg.lora.r:
-            run.reference = frozen_copy(run)
+            self.reference = frozen_copy(run)
         elif run.cfg.grpo.beta != 0.0:  # the base as it starts (training moves router biases, not adapters)
-            run.base_buffers = [b.detach().clone() for b in run.engine.module.buffers()]
+            self.base_buffers = [b.detach().clone() for b in run.engine.module.buffers()]
 
     def batches(self, run: Run, sampler: GlobalBatchSampler):
         """Per global batch of prompts (a generation): its rollouts, then grpo.num_iterations steps on them."""
         prompts, iterations = sampler.global_batch_size, run.cfg.grpo.num_iterations
         for micro in sampler:  # one micro-batch: this rank's prompts of the generation
             first_step = (sampler.consumed_samples // prompts - 1) * iterations + 1
-            generation = _generation(run, list(micro[0]), first_step)
+            generation = self._generation(run, list(micro[0]), first_step)
             for _ in range(iterations):
                 yield generation
 
@@ -113,6 +119,36 @@ class GRPO(Objective):
                 f"(step {record['step']})"]
 
 
+    def _generation(self, run: Run, prompt_index: list[int], step: int) -> Generation:
+        """Rollouts of `prompt_index` sampled at `step` (the generation's first), the reference's log-probabilities once
+        for all its updates, and with num_iterations > 1 the sampling policy's (TRL's old_per_token_logps)."""
+        engine, mb = run.engine, run.cfg.train.micro_batch_size
+        with run.phases.phase("generation"):  # sampling and scoring
+            rollouts = make_rollouts(run, prompt_index, step)
+            rows = [_rows(rollouts.prompt_ids[a:a + mb], rollouts.completion_ids[a:a + mb], engine.device)
+                    for a in range(0, len(rollouts.completion_ids), mb)]
+            tokens = sum(mask.sum() for _, _, _, mask in rows).double()
+            dist.all_reduce(tokens, group=run.layout.gradient_group)
+            old = [None] * len(rows)
+            if run.cfg.grpo.num_iterations > 1:
+                with torch.no_grad():
+                    for k, (ids, starts, completion, _) in enumerate(rows):
+                        with _replaying(run, rollouts, k, ids.shape[1]):
+                            old[k] = run.loss_fn.logps(engine(ids), completion, starts)
+        with run.phases.phase("reference"):
+            ref = [self._reference_logps(run, ids, completion, starts) for ids, starts, completion, _ in rows]
+        return Generation(rollouts, rows, ref, old, tokens)
+
+    def _reference_logps(self, run: Run, ids: torch.Tensor, completion: torch.Tensor, starts: torch.Tensor) -> torch.Tensor | None:
+        """The reference's log-probabilities of the completion tokens (None with grpo.beta 0)."""
+        if run.cfg.grpo.beta == 0.0:
+            return None
+        with torch.no_grad():
+            if self.reference is not None:
+                return run.loss_fn.logps(self.reference(ids), completion, starts)
+            with adapters_off(run.engine.module, self.base_buffers):
+                return run.loss_fn.logps(run.engine(ids), completion, starts)
+
 @dataclass
 class Generation:
     """This rank's rollouts of one generation and what every update on them reads: each micro-batch's rows (ids,
@@ -123,27 +159,6 @@ class Generation:
     ref_logps: list[torch.Tensor | None]
     old_logps: list[torch.Tensor | None]
     tokens: torch.Tensor
-
-
-def _generation(run: Run, prompt_index: list[int], step: int) -> Generation:
-    """Rollouts of `prompt_index` sampled at `step` (the generation's first), the reference's log-probabilities once
-    for all its updates, and with num_iterations > 1 the sampling policy's (TRL's old_per_token_logps)."""
-    engine, mb = run.engine, run.cfg.train.micro_batch_size
-    with run.phases.phase("generation"):  # sampling and scoring
-        rollouts = make_rollouts(run, prompt_index, step)
-        rows = [_rows(rollouts.prompt_ids[a:a + mb], rollouts.completion_ids[a:a + mb], engine.device)
-                for a in range(0, len(rollouts.completion_ids), mb)]
-        tokens = sum(mask.sum() for _, _, _, mask in rows).double()
-        dist.all_reduce(tokens, group=run.layout.gradient_group)
-        old = [None] * len(rows)
-        if run.cfg.grpo.num_iterations > 1:
-            with torch.no_grad():
-                for k, (ids, starts, completion, _) in enumerate(rows):
-                    with _replaying(run, rollouts, k, ids.shape[1]):
-                        old[k] = run.loss_fn.logps(engine(ids), completion, starts)
-    with run.phases.phase("reference"):
-        ref = [reference_logps(run, ids, completion, starts) for ids, starts, completion, _ in rows]
-    return Generation(rollouts, rows, ref, old, tokens)
 
 
 @contextlib.contextmanager
@@ -180,12 +195,3 @@ def frozen_copy(run: Run) -> torch.nn.Module:
     return whole_copy(run).eval().requires_grad_(False)
 
 
-def reference_logps(run: Run, ids: torch.Tensor, completion: torch.Tensor, starts: torch.Tensor) -> torch.Tensor | None:
-    """The reference's log-probabilities of the completion tokens (None with grpo.beta 0)."""
-    if run.cfg.grpo.beta == 0.0:
-        return None
-    with torch.no_grad():
-        if run.reference is not None:
-            return run.loss_fn.logps(run.reference(ids), completion, starts)
-        with adapters_off(run.engine.module, run.base_buffers):
-            return run.loss_fn.logps(run.engine(ids), completion, starts)

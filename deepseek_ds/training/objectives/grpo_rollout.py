@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ...models.grpo_loss import group_advantages
 from ...models.router_replay import RoutingRecorder
 from ..evaluation import generate_batch, generation_model
-from ..setup import Run
+from ..run import Run
 
 
 @dataclass

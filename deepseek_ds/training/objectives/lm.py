@@ -10,7 +10,7 @@ from ...models.loss import valid_token_counts
 from ...models.pipeline import split_micro_batch, to_device
 from ...parallel.sequence import shard_micro_batch
 from ..evaluation import evaluate_run
-from ..setup import Run
+from ..run import Run
 from .base import Objective, task_scores_line
 
 
