@@ -4,11 +4,10 @@
 loop, and against the bare DeepSpeed engine (a second run of the same config: its engine's forward, loss, backward
 and step alone, so what the toolkit adds around the engine), on the same initial weights, global batches and threads,
 alternating step by step in one process (eager, and with --compile also both regionally compiled). 2 ranks: our
-step against transformers.Trainer with its DeepSpeed integration on the same model, batch shape and DeepSpeed JSON;
-without CUDA, where that integration cannot run, Trainer without DeepSpeed (DDP over gloo) on the same ranks,
-labelled so; Trainer's steps alternate with ours too (ours runs in its step-end callback). Ratios are reference step
-time / our step time: above 1 we are faster. Each ratio comes from one launch, side by side, because a shared host's
-load changes from minute to minute.
+step against transformers.Trainer with its DeepSpeed integration (on CUDA and on CPU alike: a DeepSpeedEngine at the
+JSON's ZeRO stage, checked) on the same model, batch shape and DeepSpeed JSON; Trainer's steps alternate with ours
+too (ours runs in its step-end callback). Ratios are reference step time / our step time: above 1 we are faster.
+Each ratio comes from one launch, side by side, because a shared host's load changes from minute to minute.
 """
 
 from __future__ import annotations
@@ -31,14 +30,6 @@ from .load import HostLoad, add_allow_busy, check_quiet_host
 from .report import Column
 
 WORKER_MODULE = "deepseek_ds.bench.overhead_worker"
-# Tried here (accelerate 1.15, transformers 5.24): accelerate's PartialState enables DeepSpeed only off the CPU
-# (`_prepare_backend`: the DeepSpeed branch requires `not cpu` and an accelerator backend), so on a CPU-only host
-# Trainer sees one process and refuses the DeepSpeed JSON ("ds train_batch_size=16 vs hf train_batch_size
-# (calculated)=8"); with use_cpu it runs DDP over gloo instead.
-CPU_TRAINER_NOTE = ("No CUDA: transformers.Trainer's DeepSpeed integration needs an accelerator (accelerate enables "
-                    "DeepSpeed only off the CPU), so the Trainer row is Trainer without DeepSpeed: DDP over gloo on "
-                    "the same ranks, batch and model, against our step under the run's DeepSpeed JSON.")
-
 COLUMNS = [
     Column("reference", "against"), Column("variant", "variant"), Column("ranks", "ranks"),
     Column("ours_s", "our step (s)", "{:.4f}"), Column("reference_s", "reference step (s)", "{:.4f}"),
@@ -78,16 +69,15 @@ def _row(reference: str, variant: dict, ranks: int, key: str) -> dict:
 
 
 def rows(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
-    """The table's rows and notes (why a comparison fell back)."""
+    """The table's rows and notes (what the Trainer row ran)."""
     out = [_row(reference, v, 1, key)
            for v in _launch(args, 1, ["--against", "bare", "--compile", args.compile], "bare")
            for reference, key in (("bare transformers + AdamW", "bare"), ("bare DeepSpeed engine", "engine"))]
-    notes, extra = [], ["--against", "trainer"]
-    if not torch.cuda.is_available():
-        notes.append(CPU_TRAINER_NOTE)
-        extra += ["--trainer-deepspeed", "no"]
-    trainer = _launch(args, args.trainer_ranks, extra, "trainer")
+    trainer = _launch(args, args.trainer_ranks, ["--against", "trainer"], "trainer")
     out += [_row("transformers.Trainer", v, args.trainer_ranks, "trainer") for v in trainer]
+    notes = [f"The Trainer row is transformers.Trainer with its DeepSpeed integration: a DeepSpeedEngine at ZeRO stage "
+             f"{v['trainer_zero_stage']} over {v['trainer_dp_world_size']} data-parallel ranks (checked in the run), "
+             "under the run's DeepSpeed JSON less its scheduler (Trainer's constant learning rate)." for v in trainer]
     return out, notes
 
 

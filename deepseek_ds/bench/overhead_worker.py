@@ -6,8 +6,9 @@ DeepSpeed engine (a second run built from the same config, so the same engine, m
 forward, backward and step alone), on the same global batches, in the same process (same threads), alternating
 step by step (each in turn first) so that a shared host's load hits all three alike. `--against trainer`: the
 toolkit's steps and transformers.Trainer's on the same model, batches and DeepSpeed JSON (its DeepSpeed
-integration; `--trainer-deepspeed no`: plain Trainer), alternating step by step too (our step runs in Trainer's
-step-end callback). Rank 0 writes the seconds and losses of every step to --result.
+integration, on CPU too, checked: Trainer's engine runs the JSON's ZeRO stage; `--trainer-deepspeed no`: plain
+Trainer, DDP), alternating step by step too (our step runs in Trainer's step-end callback). Rank 0 writes the
+seconds and losses of every step to --result.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..config import load_and_validate
+from ..config import load_and_validate, precision, zero_stage
 from ..data import micro_batches
 from ..models.hf_io import to_hf_model
 from ..models.loss import IGNORE_INDEX, valid_token_counts
@@ -176,9 +177,11 @@ def against_trainer(args: argparse.Namespace, world: int, use_deepspeed: bool) -
 
     class Alternate(TrainerCallback):
         def __init__(self):
-            self.steps = []
+            self.steps, self.engine = [], None
 
         def on_train_begin(self, *_, **__):
+            if use_deepspeed:
+                self.engine = _trainer_engine(trainer, zero_stage(ds))
             self.mark = time.perf_counter()
 
         def on_step_end(self, *_, **__):
@@ -190,23 +193,49 @@ def against_trainer(args: argparse.Namespace, world: int, use_deepspeed: bool) -
             self.mark = time.perf_counter()
 
     alternate = Alternate()
-    # Trainer brings its own (constant) schedule; the rest of the JSON is the run's own.
-    trainer_ds = {k: v for k, v in ds.items() if k != "scheduler"} if use_deepspeed else None
+    on_cpu = run.engine.device.type == "cpu"
+    # Trainer brings its own (constant) schedule; the rest of the JSON is the run's own, its precision too.
+    trainer_ds, extra = None, {}
+    if use_deepspeed:
+        trainer_ds = {k: v for k, v in ds.items() if k != "scheduler"}
+        extra = {"bf16": precision(ds) == "bf16", "fp16": precision(ds) == "fp16"}
+    if use_deepspeed and on_cpu:
+        from accelerate import PartialState
+        # accelerate's _prepare_backend finds no backend on CPU (1 process): build its gloo DeepSpeed state, keep it
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+        PartialState(backend="gloo")
+        extra["accelerator_config"] = {"use_configured_state": True}
     targs = TrainingArguments(
         output_dir=os.path.join(cfg.output_dir, "trainer"), per_device_train_batch_size=cfg.micro_batch_size,
         gradient_accumulation_steps=run.grad_accum, max_steps=args.warmup + args.steps, learning_rate=cfg.lr,
         weight_decay=cfg.weight_decay, adam_beta1=cfg.beta1, adam_beta2=cfg.beta2, adam_epsilon=cfg.eps,
         max_grad_norm=cfg.grad_clip or 0.0, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
         report_to=[], dataloader_num_workers=0, deepspeed=trainer_ds, seed=cfg.seed, disable_tqdm=True,
-        use_cpu=run.engine.device.type == "cpu" and not use_deepspeed)
+        use_cpu=on_cpu, **extra)  # use_cpu: bf16's device check (the configured state keeps its device)
     trainer = Trainer(model=model, args=targs, train_dataset=samples, callbacks=[alternate])
     result = trainer.train()
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
     steps = alternate.steps
     for i, s in enumerate(steps):
         s["trainer_loss"] = losses[i] if i < len(losses) else None
+    engine = {"trainer_zero_stage": alternate.engine.zero_optimization_stage(),
+              "trainer_dp_world_size": alternate.engine.dp_world_size} if use_deepspeed else {}
     return {"variant": "trainer+deepspeed" if use_deepspeed else "trainer (no deepspeed)", "steps": steps,
-            "threads": torch.get_num_threads(), "trainer_train_loss": result.training_loss}
+            "threads": torch.get_num_threads(), "trainer_train_loss": result.training_loss, **engine}
+
+
+def _trainer_engine(trainer, stage: int):
+    """Trainer's DeepSpeed engine, checked: its wrapped model is a DeepSpeedEngine under the JSON's ZeRO stage."""
+    import deepspeed
+
+    engine = trainer.model_wrapped
+    if not isinstance(engine, deepspeed.DeepSpeedEngine) or engine.zero_optimization_stage() != stage:
+        got = type(engine).__name__
+        if isinstance(engine, deepspeed.DeepSpeedEngine):
+            got += f" at ZeRO stage {engine.zero_optimization_stage()}"
+        raise RuntimeError(f"transformers.Trainer did not run DeepSpeed at the JSON's ZeRO stage {stage}: its "
+                           f"wrapped model is a {got}")
+    return engine
 
 
 def _samples(batch: list) -> list[dict]:
