@@ -10,7 +10,7 @@ from deepseek_ds.models.pipeline import build_model, prepare_config
 from deepseek_ds.models.presets import build_model_config
 from deepseek_ds.parallel import sequence
 from deepseek_ds.parallel.degrees import Degrees
-from deepseek_ds.parallel.layout import Layout
+from deepseek_ds.parallel.layout import RankLayout
 from deepseek_ds.training.process import init_distributed
 from test_plan import MODELS, _saved_bytes
 
@@ -20,7 +20,7 @@ if __name__ == "__main__":
     parser.add_argument("--local_rank", type=int)  # the launcher's
     out = parser.parse_args().out
     rank, world = init_distributed()
-    shard = Layout.create(Degrees(sequence=world), world, rank).sequence_shard
+    shard = RankLayout.create(Degrees(sequence=world), world, rank).sequence_shard
     saved = {}
     for preset in MODELS:
         mcfg = prepare_config(build_model_config(preset))

@@ -216,6 +216,26 @@ def test_latest_tag_skips_incomplete_directories(tmp_path):
     assert checkpoint.latest_tag(str(tmp_path / "missing")) is None
 
 
+@pytest.mark.unit
+def test_the_layout_record_round_trips_and_older_records_take_their_run_configs_degrees():
+    """A checkpoint's layout is the one Layout type (plan's and the run's), saved as its dict. Records written before
+    it held sequence parallelism and the batch shape read the degrees from the run config; DeepSpeed's files depend on
+    neither the batch shape nor how its data-parallel ranks split into replicas and sequence ranks."""
+    import dataclasses
+
+    from deepseek_ds.parallel.degrees import Layout
+
+    lay = Layout(4, 2, 1, 2, 2, 1, "bf16", (0, 3, 6), micro_batch=2, grad_accum=4)
+    assert checkpoint.saved_layout({"layout": json.loads(json.dumps(dataclasses.asdict(lay))), "run_config": {}}) == lay
+    old = {"data_parallel": 4, "pipeline_stages": 1, "pipeline_parts": None, "zero_stage": 1, "precision": "bf16"}
+    got = checkpoint.saved_layout({"layout": old, "run_config": {"parallel": {"sequence_parallel": 2,
+                                                                              "expert_parallel": 2}}})
+    assert (got.replicas, got.sequence_parallel, got.expert_parallel, got.micro_batch) == (2, 2, 2, None)
+    assert got.same_files(Layout(4, expert_parallel=2, zero_stage=1, precision="bf16", micro_batch=8, grad_accum=1))
+    assert not got.same_files(dataclasses.replace(got, zero_stage=2))
+    assert not got.same_files(dataclasses.replace(got, pipeline_parts=(0, 2, 4)))
+
+
 class _Payload:
     """Unpickling this creates a directory: proof that the pickle's code ran."""
 

@@ -38,7 +38,7 @@ def _write_tag(ckpt, cfg, mcfg, module: dict[str, torch.Tensor], precision: str 
     tag.mkdir(parents=True)
     mcfg.save_pretrained(tag)
     torch.save({"module": module}, tag / "mp_rank_00_model_states.pt")
-    layout = Layout(1, pipeline_stages, None, 0, precision)
+    layout = Layout(1, pipeline_stages, zero_stage=0, precision=precision)
     meta = {"format_version": FORMAT_VERSION, "tag": tag.name, "step": 1, "consumed_samples": 8,
             "run_config": cfg.to_dict(), "layout": dataclasses.asdict(layout), "model_config": model_fingerprint(mcfg),
             "tokenizer_hash": "0" * 64, "dataset_dir": str(ckpt / "no-data")}
@@ -90,7 +90,7 @@ def test_layout_changes_of_lora_and_tensor_parallel_checkpoints():
     from deepseek_ds.checkpoint.resuming import _check_reshardable
 
     def layout(dp: int, tp: int = 1) -> Layout:
-        return Layout(dp, 1, None, 1, "fp32", tensor_parallel=tp)
+        return Layout(dp, tensor_parallel=tp, zero_stage=1)
 
     with pytest.raises(CheckpointError, match="a LoRA checkpoint holds only adapters.*resume with the saved layout"):
         _check_reshardable("ck", layout(2), layout(1), lora_r=4)

@@ -21,6 +21,7 @@ from deepseek_ds.models.loss import TokenWeightedLoss, valid_token_counts
 from deepseek_ds.models.pipeline import build_model, defer_logits, prepare_config
 from deepseek_ds.models.presets import build_model_config
 from deepseek_ds.models.tiled import tile_mlps
+from deepseek_ds.parallel.degrees import Layout
 from deepseek_ds.plan import activations
 from deepseek_ds.plan import estimate as plan_estimate
 from deepseek_ds.plan.cli import PlanError, gpus_per_node, layout_sets, memory_size, run_verdict
@@ -107,17 +108,18 @@ def test_model_state_bytes_equal_measured_to_the_byte(measured, data_dir):
         cfg, ds = _run(variant, data_dir)
         lay = layout_of(cfg, ds, 2)
         model = SpecParams(cfg.model.hf_config)
-        bounds = model.bounds(lay.pp, cfg.model.partition_method, cfg.data.seq_len)
-        zero = zero_settings(ds, lay.zero, element_bytes(ds))
+        bounds = model.bounds(lay.pipeline_stages, cfg.model.partition_method, cfg.data.seq_len)
+        zero = zero_settings(ds, lay.zero_stage, element_bytes(ds))
         for r in reports:
-            params = rank_params(model, bounds, r["stage_id"], lay.ep, lay.tp)
+            params = rank_params(model, bounds, r["stage_id"], lay.expert_parallel, lay.tensor_parallel)
             assert sum(p.numel for p in params if p.trainable) == sum(r["param_numels"]), variant
-            got = state_bytes(params, zero, lay.dp, lay.ep, r["dp_rank"])
+            got = state_bytes(params, zero, lay.replicas, lay.expert_parallel, r["dp_rank"])
             held = r["held"]
             assert (got.params, got.grads, got.optimizer) == (held["params"], held["grads"], held["optimizer"]), \
                 (variant, r["rank"])
             checked += 1
-            if lay.zero == 1 and lay.pp == 1:  # the reduction bucket (the other buffers appear only mid-backward)
+            # The reduction bucket (the other buffers appear only mid-backward).
+            if lay.zero_stage == 1 and lay.pipeline_stages == 1:
                 assert abs(buffer_bytes(ds, lay, element_bytes(ds), 0) - held["buffers"]) < 64, variant
         plan = estimate(cfg, ds, lay, 2**40, fused_attention=False, model=model)
         for row in plan.ranks:
@@ -406,7 +408,7 @@ def test_lora_trainable_bytes_equal_apply_lora_and_zero3_gathers_the_frozen_base
     trainable = apply_lora(model, cfg.lora, mcfg, 0)
     total = sum(p.numel() for p in model.parameters())
     ds = load_ds_config("ds_configs/zero1.json")
-    lay = plan_estimate.Layout(pp=1, ep=1, tp=1, zero=1, dp=2, micro=2, grad_accum=1)
+    lay = Layout(2, zero_stage=1, micro_batch=2, grad_accum=1)
     plan = estimate(cfg, ds, lay, 2**40, fused_attention=False)
     assert plan.ranks[0].grads == 4 * trainable  # ZeRO-1 holds every fp32 gradient whole
     params = rank_params(SpecParams(mcfg), [0, len(model.layers)], 0, 1, 1, cfg.lora)
@@ -420,7 +422,7 @@ def test_lora_trainable_bytes_equal_apply_lora_and_zero3_gathers_the_frozen_base
     hw = Hardware(peak_tflops=1.0, mfu=1.0, bandwidth=1.0, intra_bandwidth=1.0, gpus_per_node=8)
     specs = SpecParams(mcfg)
     assert step_time(cfg, plan, hw, specs, ds).comm_s == pytest.approx(0.5 * 4 * 3 * trainable, rel=1e-4)
-    zero3 = dataclasses.replace(lay, zero=3)
+    zero3 = dataclasses.replace(lay, zero_stage=3)
     ds3 = load_ds_config("ds_configs/zero3.json")
     plan3 = estimate(cfg, ds3, zero3, 2**40, fused_attention=False)
     persist = ds3["zero_optimization"]["stage3_param_persistence_threshold"]

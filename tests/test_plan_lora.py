@@ -129,7 +129,7 @@ def test_lora_under_autoep_shards_expert_adapters_over_the_expert_data_parallel_
     assert dense and routed_base and experts % (ep * world) == 0 and dense % (2 * world) == 0  # no ZeRO padding
 
     lay = layout_of(cfg, ds, world)
-    assert (lay.ep, lay.dp, lay.zero) == (ep, world, 1)
+    assert (lay.expert_parallel, lay.replicas, lay.zero_stage) == (ep, world, 1)
     plan = estimate(cfg, ds, lay, 2**40, True)
     rank = plan.ranks[0]
     edp = world // ep  # ranks holding the same experts

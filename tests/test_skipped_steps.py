@@ -16,8 +16,9 @@ from deepseek_ds.config import run_config_from_dict
 from deepseek_ds.data import GlobalBatchSampler
 from deepseek_ds.models.presets import build_model_config
 from deepseek_ds.parallel.degrees import Degrees
-from deepseek_ds.parallel.layout import Layout
+from deepseek_ds.parallel.layout import RankLayout
 from deepseek_ds.training import loop, nan_policy
+from deepseek_ds.training.objectives import make_objective
 
 pytestmark = pytest.mark.unit
 
@@ -55,7 +56,8 @@ def run_loop(monkeypatch, step_outcome, max_consecutive_skips: int, saved: list[
     engine = FakeEngine()
     run = SimpleNamespace(cfg=cfg, engine=engine, model_config=build_model_config("tiny-dense"), world=1, rank=1,
                           loss_fn=SimpleNamespace(mtp_depth=0), balancer=None, indexer=None, clipping=None, pipeline=False, dp_size=1,
-                          layout=Layout(Degrees(), world=1, rank=0, data_rank=0, data_size=1),
+                          objective=make_objective(cfg.train.objective),
+                          layout=RankLayout(Degrees(), world=1, rank=0, data_rank=0, data_size=1),
                           grad_accum=1, dataset=[np.zeros(9, np.int64)] * 4,
                           log=logging.getLogger("test_skipped_steps"), saver=None,
                           ds={"fp16": {"enabled": True, "initial_scale_power": 16, "min_loss_scale": 1}})

@@ -29,6 +29,7 @@ import os
 import re
 from typing import TYPE_CHECKING
 
+from ..parallel.degrees import PIPELINE, SEQUENTIAL, Layout
 from ..utils.errors import UserError
 
 if TYPE_CHECKING:  # for annotations only: `checkpoint list` should not pay for importing transformers
@@ -50,7 +51,6 @@ _NOT_MODEL_FIELDS = {"transformers_version", "architectures", "output_hidden_sta
 # The lora fields that decide which tensors a checkpoint holds and what they mean (dropout changes neither).
 _LORA_FIELDS = ("r", "alpha", "target_modules", "modules_to_save", "routed_experts")
 # The two containers name parameters differently (see tensor_names): SequentialLM, DeepSeekPipelineModule.
-SEQUENTIAL, PIPELINE = "sequential", "pipeline"
 SCHEMES = (SEQUENTIAL, PIPELINE)
 
 
@@ -63,55 +63,23 @@ def tag_for(step: int) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- layout
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """How a run was split; two equal layouts can exchange DeepSpeed's native checkpoint files."""
-    data_parallel: int
-    pipeline_stages: int
-    pipeline_parts: tuple[int, ...] | None
-    zero_stage: int
-    precision: str
-    expert_parallel: int = 1
-    tensor_parallel: int = 1
-
-    @property
-    def scheme(self) -> str:
-        return PIPELINE if self.pipeline_stages > 1 else SEQUENTIAL
-
-    @property
-    def autoep(self) -> bool:
-        """Whether DeepSpeed's AutoEP replaced the MoE blocks (it names their tensors differently)."""
-        return self.expert_parallel > 1
-
-    def describe(self) -> str:
-        tp = f"tp={self.tensor_parallel} " if self.tensor_parallel > 1 else ""
-        # DualPipeV (the only schedule with two stages per pipeline rank) files differ from 1F1B's of the same pp.
-        dual = " dualpipev" if self.pipeline_parts and len(self.pipeline_parts) == 2 * self.pipeline_stages + 1 else ""
-        return (f"dp={self.data_parallel} pp={self.pipeline_stages}{dual} ep={self.expert_parallel} {tp}"
-                f"zero={self.zero_stage} {self.precision}")
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Layout:
-        parts = d.get("pipeline_parts")
-        return cls(d["data_parallel"], d["pipeline_stages"], tuple(parts) if parts else None, d["zero_stage"],
-                   d["precision"], d.get("expert_parallel", 1), d.get("tensor_parallel", 1))
-
-
 def saved_layout(meta: dict) -> Layout:
-    """The layout of a checkpoint. Checkpoints written before the layout recorded expert parallelism have it in
-    their run config."""
-    layout = dict(meta["layout"])
-    layout.setdefault("expert_parallel", meta["run_config"].get("parallel", {}).get("expert_parallel", 1))
+    """The layout of a checkpoint. Checkpoints written before the layout recorded expert or sequence parallelism have
+    them in their run config."""
+    layout, parallel = dict(meta["layout"]), meta["run_config"].get("parallel", {})
+    for key in ("expert_parallel", "sequence_parallel"):
+        layout.setdefault(key, parallel.get(key, 1))
     return Layout.from_dict(layout)
 
 
 def current_layout(run: TrainingRun) -> Layout:
-    engine = run.engine
+    engine, p = run.engine, run.cfg.parallel
     precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
     parts = tuple(int(p) for p in engine.module.parts) if run.pipeline else None
     # ZeRO's partitions: DeepSpeed's data-parallel ranks (sequence ranks count as data-parallel to it).
-    return Layout(run.layout.gradient_size, run.cfg.parallel.pipeline_stages, parts, int(engine.zero_optimization_stage()),
-                  precision, run.cfg.parallel.expert_parallel, run.cfg.parallel.tensor_parallel)
+    return Layout(run.layout.gradient_size, p.pipeline_stages, p.tensor_parallel, p.sequence_parallel,
+                  p.expert_parallel, int(engine.zero_optimization_stage()), precision, parts,
+                  engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps())
 
 
 def model_fingerprint(config: PretrainedConfig) -> dict:

@@ -123,10 +123,10 @@ def _tag_problem(run: TrainingRun, tag_dir: str, sizes_only: bool) -> str | None
 
 
 def _loads_natively(saved: Layout, now: Layout) -> bool:
-    """DeepSpeed's own files fit: the same layout, or ZeRO-0 on another data-parallel size (without ZeRO every
+    """DeepSpeed's own files fit: the same layout to them, or ZeRO-0 on another data-parallel size (without ZeRO every
     rank holds the whole optimizer state of its pipeline stage)."""
     same_pipeline = (saved.pipeline_stages, saved.pipeline_parts) == (now.pipeline_stages, now.pipeline_parts)
-    return saved == now or (saved.zero_stage == now.zero_stage == 0 and saved.precision == now.precision
+    return saved.same_files(now) or (saved.zero_stage == now.zero_stage == 0 and saved.precision == now.precision
                             and same_pipeline and saved.expert_parallel == now.expert_parallel
                             and saved.tensor_parallel == now.tensor_parallel)
 

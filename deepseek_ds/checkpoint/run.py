@@ -11,7 +11,7 @@ if TYPE_CHECKING:  # for annotations only: importing deepspeed and transformers 
     from transformers import PretrainedConfig
 
     from ..config import RunConfig
-    from ..parallel.layout import Layout
+    from ..parallel.layout import RankLayout
 
 
 class TrainingRun(Protocol):
@@ -22,7 +22,7 @@ class TrainingRun(Protocol):
     dataset_dir: str
     rank: int
     world: int
-    layout: Layout                   # parallel/layout.py
+    layout: RankLayout                   # parallel/layout.py
     dp_rank: int
     dp_size: int
     pipeline: bool

@@ -1,5 +1,5 @@
-"""A run's parallel degrees and their arithmetic against the world size: plain numbers, importable by the config
-before any process or process group exists (parallel/layout.py builds the groups)."""
+"""A run's parallel degrees and their arithmetic against the world size, and its Layout: plain numbers, importable by
+the config, checkpoints and `plan` before any process or process group exists (parallel/layout.py builds the groups)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,62 @@ class Degrees:
     def gradient_ranks(self, world: int) -> int:
         """Ranks of one stage that DeepSpeed averages gradients over (and ZeRO shards over): data x sequence."""
         return self.data(world) * self.sequence
+
+
+SEQUENTIAL, PIPELINE = "sequential", "pipeline"  # how the model's modules are named: SequentialLM's or PipelineModule's
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a run is split, the one layout type: training's (checkpoint.current_layout of a run), checkpoint metadata's
+    (saved as this dict, read back by from_dict) and `plan`'s. `data_parallel` counts DeepSpeed's data-parallel ranks
+    of a stage, which its files are split over: data-parallel replicas x sequence ranks. `pipeline_parts` (a pipeline's
+    partition) and the batch shape are None where they are not known (plan; checkpoints that predate them)."""
+    data_parallel: int
+    pipeline_stages: int = 1
+    tensor_parallel: int = 1
+    sequence_parallel: int = 1
+    expert_parallel: int = 1
+    zero_stage: int = 0
+    precision: str = "fp32"
+    pipeline_parts: tuple[int, ...] | None = None
+    micro_batch: int | None = None
+    grad_accum: int | None = None
+
+    @property
+    def replicas(self) -> int:
+        """Model replicas, each reading its own share of the global batch."""
+        return self.data_parallel // self.sequence_parallel
+
+    @property
+    def scheme(self) -> str:
+        return PIPELINE if self.pipeline_stages > 1 else SEQUENTIAL
+
+    @property
+    def autoep(self) -> bool:
+        """Whether DeepSpeed's AutoEP replaced the MoE blocks (it names their tensors differently)."""
+        return self.expert_parallel > 1
+
+    def same_files(self, other: Layout) -> bool:
+        """Whether DeepSpeed's checkpoint files of one load natively into the other: the batch shape and how the
+        data-parallel ranks split into replicas and sequence ranks are not in them."""
+        def files(lay: Layout) -> tuple:
+            return (lay.data_parallel, lay.pipeline_stages, lay.pipeline_parts, lay.zero_stage, lay.precision,
+                    lay.expert_parallel, lay.tensor_parallel)
+        return files(self) == files(other)
+
+    def describe(self) -> str:
+        tp = f"tp={self.tensor_parallel} " if self.tensor_parallel > 1 else ""
+        sp = f"sp={self.sequence_parallel} " if self.sequence_parallel > 1 else ""
+        # DualPipeV (the only schedule with two stages per pipeline rank) files differ from 1F1B's of the same pp.
+        dual = " dualpipev" if self.pipeline_parts and len(self.pipeline_parts) == 2 * self.pipeline_stages + 1 else ""
+        return (f"dp={self.data_parallel} pp={self.pipeline_stages}{dual} ep={self.expert_parallel} {tp}{sp}"
+                f"zero={self.zero_stage} {self.precision}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Layout:
+        parts = d.get("pipeline_parts")
+        return cls(**{**d, "pipeline_parts": tuple(parts) if parts else None})
 
 
 def layout_errors(d: Degrees, world: int, micro_batch_size: int, global_batch_size: int) -> list[str]:

@@ -28,8 +28,9 @@ from .sequence import SequenceShard
 
 
 @dataclass
-class Layout:
-    """One rank's place in the layout and its process groups, made once (Layout.create) before the model is built.
+class RankLayout:
+    """One rank's place in the run's layout (a degrees.Layout describes the split itself, in numbers) and its process
+    groups, made once (RankLayout.create) before the model is built.
     `data_rank`/`data_size`: which share of the global batch this rank reads (the sampler, evaluation); the sequence
     and tensor ranks of a replica share it. `gradient_group`/`gradient_size`: the ranks of this stage that DeepSpeed
     averages gradients over, over which token counts and losses are summed (None: the whole world)."""
@@ -45,7 +46,7 @@ class Layout:
     tensor_groups: object = None     # DeepSpeed's groups module with its data x tensor mesh (AutoTP's `mpu`)
 
     @classmethod
-    def create(cls, d: Degrees, world: int, rank: int) -> Layout:
+    def create(cls, d: Degrees, world: int, rank: int) -> RankLayout:
         """Every group of the layout; a collective: every rank calls it with the same degrees."""
         if world % d.model_parallel:
             raise ValueError(layout_errors(d, world, 1, 1)[0])

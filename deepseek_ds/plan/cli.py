@@ -21,7 +21,7 @@ from ..utils.errors import UserError
 from ..utils.fmt import parse_bytes
 from . import report
 from .comm import comm_json
-from .estimate import attention_is_fused, estimate, layout_of
+from .estimate import attention_is_fused, estimate, layout_line, layout_of
 from .params import SpecParams
 from .steptime import DEFAULT_GPU, GPUS, Hardware, search, step_time
 
@@ -182,7 +182,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           "comm_bytes": comm}, indent=2))
     else:
         muon = ", Muon" if plan.optimizer == "Muon" else ""  # AdamW, the default, goes unsaid
-        print(f"{plan.model}, {plan.precision}{muon}, {world} GPUs: {plan.layout}")
+        print(f"{plan.model}, {plan.precision}{muon}, {world} GPUs: {layout_line(plan.layout)}")
         print(report.table(plan))
         if args.cpu:
             print(report.RUNTIME_NOTE)

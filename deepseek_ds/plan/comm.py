@@ -84,14 +84,14 @@ def transfers(cfg, ds: dict, plan: Plan, model: SpecParams, stage: int) -> list[
     ranks on average: routing decides each one's share)."""
     mcfg, lay = model.mcfg, plan.layout
     f = 2 if plan.precision in ("bf16", "fp16") else 4
-    seq, m, b = cfg.data.seq_len, lay.grad_accum, lay.micro
+    seq, m, b = cfg.data.seq_len, lay.grad_accum, lay.micro_batch
     schedule = cfg.parallel.pipeline_schedule
-    bounds = model.bounds(partition_stages(lay.pp, schedule), cfg.model.partition_method, seq)
-    held = schedule_model.parts(schedule, lay.pp, stage)  # DualPipeV: two half stages
+    bounds = model.bounds(partition_stages(lay.pipeline_stages, schedule), cfg.model.partition_method, seq)
+    held = schedule_model.parts(schedule, lay.pipeline_stages, stage)  # DualPipeV: two half stages
     experts = num_routed_experts(mcfg)
-    ep = lay.ep if experts else 1
-    n, world = lay.gradient_ranks, lay.pp * lay.dp * lay.sp * lay.tp
-    params = [param for part in held for param in rank_params(model, bounds, part, ep, lay.tp, cfg.lora,
+    ep = lay.expert_parallel if experts else 1
+    n, world = lay.data_parallel, lay.pipeline_stages * lay.data_parallel * lay.tensor_parallel
+    params = [param for part in held for param in rank_params(model, bounds, part, ep, lay.tensor_parallel, cfg.lora,
                                                                 cfg.indexer.stage)]
     zero = ds.get("zero_optimization", {})
     out: list[Transfer] = []
@@ -103,7 +103,7 @@ def transfers(cfg, ds: dict, plan: Plan, model: SpecParams, stage: int) -> list[
     for group, ranks, mine in (("data", n, [p for p in params if not p.expert]),
                                ("expert_data", n // ep, [p for p in params if p.expert])):
         trainable = sum(p.numel for p in mine if p.trainable)
-        if lay.zero == 3:
+        if lay.zero_stage == 3:
             add("reduce_scatter", group, ranks, m * f * sum(_padded(p.numel, ranks) for p in mine if p.trainable))
             persistence = int(zero.get("stage3_param_persistence_threshold", PERSISTENCE_DEFAULT))
             gathers = _zero3_gathers([p.numel for p in mine], ranks, persistence,
@@ -112,11 +112,11 @@ def transfers(cfg, ds: dict, plan: Plan, model: SpecParams, stage: int) -> list[
             persistent = sum(_padded(p.numel, ranks) for p in mine if p.trainable and p.numel <= persistence)
             add("all_gather", group, ranks, f * (m * gathers + persistent))
         else:
-            add("all_reduce", group, ranks, (m if lay.zero == 2 else 1) * f * trainable)
-            if lay.zero in (1, 2):
+            add("all_reduce", group, ranks, (m if lay.zero_stage == 2 else 1) * f * trainable)
+            if lay.zero_stage in (1, 2):
                 add("all_gather", group, ranks, f * _padded(trainable, 2 * ranks))
 
-    hidden = b * seq // lay.sp * mcfg.hidden_size * f  # one micro-batch's hidden states on a rank
+    hidden = b * seq // lay.sequence_parallel * mcfg.hidden_size * f  # one micro-batch's hidden states on a rank
     # Between stages (models/layers.py EmbeddingPipe): the hidden states (V4: its hc_mult streams), the position
     # ids, the token ids where MTP or V4's hash routing needs them later, a trained indexer's query mask.
     states = b * seq * stream_width(mcfg) * f
@@ -124,32 +124,32 @@ def transfers(cfg, ds: dict, plan: Plan, model: SpecParams, stage: int) -> list[
                      + (INT32 if activations_v32.trains(cfg.indexer.stage) else 0))
     # Forward: to the next rank; backward: the gradient to the previous one. DualPipeV's second half stage runs the
     # other way, so its ranks send both ways (the last rank turns a micro-batch around locally).
-    downstream, upstream = stage < lay.pp - 1, stage > 0
+    downstream, upstream = stage < lay.pipeline_stages - 1, stage > 0
     for forward, backward in ([(downstream, upstream), (upstream, downstream)] if len(held) > 1
                               else [(downstream, upstream)]):
         if forward:
             add("send_recv", "pipe", 2, m * (states + ids))
         if backward:
             add("send_recv", "pipe", 2, m * states)
-    add("broadcast", "pipe", lay.pp, 2 * FP32)
+    add("broadcast", "pipe", lay.pipeline_stages, 2 * FP32)
 
     decoders = [i - 1 for part in held for i in range(bounds[part], bounds[part + 1])
                 if 1 <= i <= mcfg.num_hidden_layers]
     moe = sum(1 for i in decoders if layer_kinds(mcfg)[i] == "moe")
     top_k = getattr(mcfg, "num_experts_per_tok", 0) or 0
     add("all_to_all", "expert", ep, m * moe * (4 * hidden * top_k + experts * INT32))
-    tokens = b * seq // lay.sp * f  # a micro-batch's tokens on a rank, times the element size
-    add("all_reduce", "tensor", lay.tp, m * tokens * sum(_tensor_parallel_widths(mcfg, kind == "moe")
+    tokens = b * seq // lay.sequence_parallel * f  # a micro-batch's tokens on a rank, times the element size
+    add("all_reduce", "tensor", lay.tensor_parallel, m * tokens * sum(_tensor_parallel_widths(mcfg, kind == "moe")
                                                          for kind in (layer_kinds(mcfg)[i] for i in decoders)))
-    add("all_to_all", "sequence", lay.sp,
-        m * len(decoders) * 2 * (b * seq // lay.sp) * attention_widths(mcfg) * f)
+    add("all_to_all", "sequence", lay.sequence_parallel,
+        m * len(decoders) * 2 * (b * seq // lay.sequence_parallel) * attention_widths(mcfg) * f)
 
-    add("all_reduce", "world", world, FP64 * _metric_elements(cfg, mcfg, lay.pp > 1))
-    add("all_reduce", "data", n, FP64 * (1 + mtp_depth(mcfg)) + (8 if lay.zero == 3 else FP32))
+    add("all_reduce", "world", world, FP64 * _metric_elements(cfg, mcfg, lay.pipeline_stages > 1))
+    add("all_reduce", "data", n, FP64 * (1 + mtp_depth(mcfg)) + (8 if lay.zero_stage == 3 else FP32))
     # The gradient norm's square, summed again over the model-parallel ranks (stages, tensor ranks) and over the
     # expert-parallel ones.
-    add("all_reduce", "pipe", lay.pp, FP32)
-    add("all_reduce", "tensor", lay.tp, FP32)
+    add("all_reduce", "pipe", lay.pipeline_stages, FP32)
+    add("all_reduce", "tensor", lay.tensor_parallel, FP32)
     add("all_reduce", "expert", ep, FP32)
     return out
 
@@ -194,7 +194,7 @@ def attention_widths(mcfg) -> int:
 def comm_bytes(cfg, ds: dict, plan: Plan, model: SpecParams) -> list[dict[str, int]]:
     """Per pipeline stage, one rank's bytes per optimizer step by collective kind (every kind, zeros included)."""
     stages = []
-    for stage in range(plan.layout.pp):
+    for stage in range(plan.layout.pipeline_stages):
         kinds = dict.fromkeys(PLANNED_KINDS, 0.0)
         for t in transfers(cfg, ds, plan, model, stage):
             kinds[t.kind] += t.bytes

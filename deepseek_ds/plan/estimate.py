@@ -12,6 +12,7 @@ from ..models.muon import is_muon
 from ..models.pipeline import partition_stages
 from ..models.presets import num_routed_experts
 from ..parallel import schedule_model
+from ..parallel.degrees import Layout
 from . import activations
 from .params import SpecParams, rank_params
 from .states import PERSISTENCE_DEFAULT, ZeroSettings, state_bytes
@@ -25,31 +26,6 @@ TERMS = ("params", "grads", "optimizer", "activations", "buffers")
 # allocator's slack in the steps (50-110 MiB over the modelled tensors in the same runs). CUDA's allocator peak
 # counts neither (nor the CUDA context, which the GPU's memory must hold besides).
 CPU_RUNTIME_BYTES = 512 * 2**20
-
-
-@dataclass(frozen=True)
-class Layout:
-    pp: int
-    ep: int
-    tp: int
-    zero: int
-    dp: int
-    micro: int
-    grad_accum: int
-    sp: int = 1
-
-    @property
-    def gradient_ranks(self) -> int:
-        """Ranks of a stage that gradients are reduced over and ZeRO shards over: data x sequence parallel."""
-        return self.dp * self.sp
-
-    def as_dict(self) -> dict:
-        return {"pp": self.pp, "ep": self.ep, "tp": self.tp, "sp": self.sp, "zero": self.zero, "dp": self.dp,
-                "micro": self.micro, "grad_accum": self.grad_accum}
-
-    def __str__(self) -> str:
-        return (f"pp={self.pp},ep={self.ep},tp={self.tp},sp={self.sp},zero={self.zero},micro={self.micro} "
-                f"(dp {self.dp}, grad-accum {self.grad_accum})")
 
 
 @dataclass(frozen=True)
@@ -94,10 +70,23 @@ class Plan:
 
 def layout_of(cfg: RunConfig, ds: dict, world: int) -> Layout:
     """The layout train.py runs for this config and world size (validate() has checked it)."""
-    dp = cfg.data_parallel_size(world)
-    return Layout(pp=cfg.parallel.pipeline_stages, ep=cfg.parallel.expert_parallel, tp=cfg.parallel.tensor_parallel,
-                  zero=zero_stage(ds), dp=dp, micro=cfg.train.micro_batch_size, grad_accum=cfg.grad_accum_steps(dp),
-                  sp=cfg.parallel.sequence_parallel)
+    p, dp = cfg.parallel, cfg.data_parallel_size(world)
+    return Layout(dp * p.sequence_parallel, p.pipeline_stages, p.tensor_parallel, p.sequence_parallel,
+                  p.expert_parallel, zero_stage(ds), precision(ds), micro_batch=cfg.train.micro_batch_size,
+                  grad_accum=cfg.grad_accum_steps(dp))
+
+
+def layout_dict(lay: Layout) -> dict:
+    """A plan's layout as `plan --json` gives it."""
+    return {"pp": lay.pipeline_stages, "ep": lay.expert_parallel, "tp": lay.tensor_parallel,
+            "sp": lay.sequence_parallel, "zero": lay.zero_stage, "dp": lay.replicas, "micro": lay.micro_batch,
+            "grad_accum": lay.grad_accum}
+
+
+def layout_line(lay: Layout) -> str:
+    """A plan's layout in one line of its report."""
+    return (f"pp={lay.pipeline_stages},ep={lay.expert_parallel},tp={lay.tensor_parallel},sp={lay.sequence_parallel},"
+            f"zero={lay.zero_stage},micro={lay.micro_batch} (dp {lay.replicas}, grad-accum {lay.grad_accum})")
 
 
 def element_bytes(ds: dict) -> int:
@@ -125,14 +114,14 @@ def buffer_bytes(ds: dict, layout: Layout, param_bytes: int, boundary_bytes: int
         elements = int(zero.get(key, default))
         return (elements if touched is None else min(elements, touched)) * param_bytes
 
-    overlap = bool(zero.get("overlap_comm", layout.zero == 3))
+    overlap = bool(zero.get("overlap_comm", layout.zero_stage == 3))
     out = 0
-    if layout.zero in (1, 2):
+    if layout.zero_stage in (1, 2):
         out += bucket_bytes("reduce_bucket_size", REDUCE_BUCKET_DEFAULT) * (2 if overlap else 1)
-    elif layout.zero == 3:
+    elif layout.zero_stage == 3:
         out += (bucket_bytes("reduce_bucket_size", REDUCE_BUCKET_DEFAULT)
                 + bucket_bytes("stage3_prefetch_bucket_size", PREFETCH_BUCKET_DEFAULT))
-    if layout.pp > 1:
+    if layout.pipeline_stages > 1:
         out += 2 * boundary_bytes
     return out
 
@@ -151,37 +140,38 @@ def estimate(cfg: RunConfig, ds: dict, layout: Layout, gpu_memory: int, fused_at
     mcfg = model.mcfg if model else cfg.model.hf_config
     model = model or SpecParams(mcfg)
     f = element_bytes(ds)
-    z = zero_settings(ds, layout.zero, f)
+    z = zero_settings(ds, layout.zero_stage, f)
     schedule = cfg.parallel.pipeline_schedule
     # DualPipeV cuts the model into 2 pp half stages, rank r holding r and 2 pp - 1 - r (models/pipeline.py).
-    bounds = model.bounds(partition_stages(layout.pp, schedule), cfg.model.partition_method, cfg.data.seq_len)
-    ep = layout.ep if num_routed_experts(mcfg) else 1
+    pp, tp, sp = layout.pipeline_stages, layout.tensor_parallel, layout.sequence_parallel
+    bounds = model.bounds(partition_stages(pp, schedule), cfg.model.partition_method, cfg.data.seq_len)
+    ep = layout.expert_parallel if num_routed_experts(mcfg) else 1
     # A sequence rank holds seq_len / sp tokens of each sequence, and attends over the whole sequence for heads / sp
     # heads: per token of its own, what a rank without SP keeps per token (the score matrix's seq_len columns too).
-    tokens = layout.micro * cfg.data.seq_len // layout.sp
+    tokens = layout.micro_batch * cfg.data.seq_len // sp
     boundary = tokens * activations.stream_width(mcfg) * f
     ranks = []
-    for stage in range(layout.pp):
-        held = schedule_model.in_flight(schedule, layout.pp, stage, layout.grad_accum)
-        params = [param for part in schedule_model.parts(schedule, layout.pp, stage)
-                  for param in rank_params(model, bounds, part, ep, layout.tp, cfg.lora, cfg.indexer.stage)]
+    for stage in range(pp):
+        held = schedule_model.in_flight(schedule, pp, stage, layout.grad_accum)
+        params = [param for part in schedule_model.parts(schedule, pp, stage)
+                  for param in rank_params(model, bounds, part, ep, tp, cfg.lora, cfg.indexer.stage)]
         acts, recompute = 0, 0
         for part, micro_batches in held:
             saved, transient = activations.stage_micro_batch_bytes(
-                mcfg, bounds, part, tokens, cfg.data.seq_len, f, layout.tp, fused_attention,
-                cfg.model.activation_checkpoint_interval, with_loss=True, zero=layout.zero, sp=layout.sp,
+                mcfg, bounds, part, tokens, cfg.data.seq_len, f, tp, fused_attention,
+                cfg.model.activation_checkpoint_interval, with_loss=True, zero=layout.zero_stage, sp=sp,
                 tiled_mlp=cfg.train.tiled_mlp, indexer=cfg.indexer.stage)
             acts += saved * micro_batches
             recompute = max(recompute, transient)  # once per rank: one backward runs at a time
         acts += recompute
         # ZeRO-2's slices hold different parameters whole (and ZeRO 1/2's Muon momentum the matrices overlapping each
         # slice): the fullest data-parallel rank decides.
-        n = layout.gradient_ranks
-        dp_ranks = range(n) if layout.zero == 2 or (z.muon and layout.zero == 1) else range(1)
+        n = layout.data_parallel
+        dp_ranks = range(n) if layout.zero_stage == 2 or (z.muon and layout.zero_stage == 1) else range(1)
         dp_rank, states = max(((d, state_bytes(params, z, n, ep, d)) for d in dp_ranks),
                               key=lambda ds_: ds_[1].params + ds_[1].grads + ds_[1].optimizer)
         touched = sum(p.numel for p in params) if cpu else None
-        ranks.append(RankEstimate(rank=(stage * n + dp_rank) * layout.tp, stage=stage, params=states.params,
+        ranks.append(RankEstimate(rank=(stage * n + dp_rank) * tp, stage=stage, params=states.params,
                                   grads=states.grads, optimizer=states.optimizer, activations=acts,
                                   buffers=buffer_bytes(ds, layout, f, boundary, touched), offloaded=states.offloaded,
                                   runtime=CPU_RUNTIME_BYTES if cpu else 0))

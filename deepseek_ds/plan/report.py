@@ -4,7 +4,7 @@ verdict validate and train print, and the ranked --search list."""
 from __future__ import annotations
 
 from ..utils.fmt import human_bytes, markdown_table, text_table
-from .estimate import CPU_RUNTIME_BYTES, TERMS, Plan
+from .estimate import CPU_RUNTIME_BYTES, TERMS, Plan, layout_dict, layout_line
 from .steptime import StepTime
 
 RUNTIME_NOTE = (f"runtime: {human_bytes(CPU_RUNTIME_BYTES)} a CPU rank's process holds besides its tensors (the "
@@ -17,7 +17,7 @@ def verdict(plan: Plan) -> str:
     word = "FITS" if plan.fits else "DOES NOT FIT"
     return (f"plan: {word}: the fullest rank ({r.rank}, stage {r.stage}) needs {human_bytes(r.total)} of "
             f"{human_bytes(plan.gpu_memory)} ({r.total / plan.gpu_memory:.0%}); largest term: {r.largest} "
-            f"{human_bytes(getattr(r, r.largest))} [{plan.layout}]")
+            f"{human_bytes(getattr(r, r.largest))} [{layout_line(plan.layout)}]")
 
 
 def table(plan: Plan, markdown: bool = False) -> str:
@@ -30,7 +30,7 @@ def table(plan: Plan, markdown: bool = False) -> str:
 
 def as_json(plan: Plan) -> dict:
     return {"fits": plan.fits, "gpu_memory_bytes": plan.gpu_memory, "model": plan.model, "precision": plan.precision,
-            "optimizer": plan.optimizer, "layout": plan.layout.as_dict(),
+            "optimizer": plan.optimizer, "layout": layout_dict(plan.layout),
             "ranks": [{"rank": r.rank, "stage": r.stage, "params_bytes": r.params, "grads_bytes": r.grads,
                        "optimizer_bytes": r.optimizer, "activation_bytes": r.activations, "buffers_bytes": r.buffers,
                        "offloaded_bytes": r.offloaded, "runtime_bytes": r.runtime, "total_bytes": r.total}
@@ -38,13 +38,13 @@ def as_json(plan: Plan) -> dict:
 
 
 def why(plan: Plan, t: StepTime) -> str:
-    schedule = f" ({t.schedule})" if plan.layout.pp > 1 else ""
+    schedule = f" ({t.schedule})" if plan.layout.pipeline_stages > 1 else ""
     return (f"{t.total_s:.2f} s/step, {t.tokens_per_s:,.0f} tokens/s: compute {t.compute_s:.2f} s, bubble "
             f"{t.bubble:.0%}{schedule}, communication {t.comm_s:.2f} s; fullest rank {human_bytes(plan.fullest.total)}")
 
 
 def ranking(found: list[tuple[Plan, StepTime]], top: int) -> str:
-    rows = [[str(i + 1), str(p.layout), why(p, t)] for i, (p, t) in enumerate(found[:top])]
+    rows = [[str(i + 1), layout_line(p.layout), why(p, t)] for i, (p, t) in enumerate(found[:top])]
     return text_table(rows, ["#", "layout", "why"], align=("right", "left", "left"))
 
 

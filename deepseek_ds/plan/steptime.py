@@ -87,26 +87,27 @@ def step_time(cfg: RunConfig, plan: Plan, hw: Hardware, model: SpecParams, ds: d
     mcfg, lay = model.mcfg, plan.layout
     seq = cfg.data.seq_len
     schedule = cfg.parallel.pipeline_schedule
-    bounds = model.bounds(partition_stages(lay.pp, schedule), cfg.model.partition_method, seq)
+    bounds = model.bounds(partition_stages(lay.pipeline_stages, schedule), cfg.model.partition_method, seq)
     per_layer = flops.layer_flops(model.costs, mcfg, seq)
     if cfg.lora.r:
         # A weight's 6 FLOPs per element and token are 2 forward, 2 for its input's gradient and 2 for its own
         # gradient; LoRA's frozen base weights skip the last, the adapters (and modules_to_save) take all 6.
         per_layer = [f - 2 * frozen + 6 * adapters
                      for f, (frozen, adapters) in zip(per_layer, lora_active(model, cfg.lora))]
-    replica_tokens = lay.micro * lay.grad_accum * seq
+    replica_tokens = lay.micro_batch * lay.grad_accum * seq
     part_flops = [sum(per_layer[a:b]) for a, b in zip(bounds, bounds[1:])]
-    stage_flops = [sum(part_flops[part] for part in schedule_model.parts(schedule, lay.pp, stage))
-                   for stage in range(lay.pp)]
-    compute = max(stage_flops) * replica_tokens / (lay.tp * lay.sp) / (hw.peak_tflops * 1e12 * hw.mfu)
-    bubble = schedule_model.bubble(schedule, lay.pp, lay.grad_accum)
+    stage_flops = [sum(part_flops[part] for part in schedule_model.parts(schedule, lay.pipeline_stages, stage))
+                   for stage in range(lay.pipeline_stages)]
+    split = lay.tensor_parallel * lay.sequence_parallel  # ranks that share a replica's tokens within a stage
+    compute = max(stage_flops) * replica_tokens / split / (hw.peak_tflops * 1e12 * hw.mfu)
+    bubble = schedule_model.bubble(schedule, lay.pipeline_stages, lay.grad_accum)
     # Expert, tensor and sequence groups are consecutive ranks: inside one node when they fit in it; the data,
     # expert-data and pipeline groups span nodes.
-    inside = lay.ep * lay.tp * lay.sp <= hw.gpus_per_node
+    inside = lay.expert_parallel * lay.tensor_parallel * lay.sequence_parallel <= hw.gpus_per_node
     comm = max(sum(t.wire_bytes / (hw.intra_bandwidth if inside and t.group in LOCAL_GROUPS else hw.bandwidth)
-                   for t in transfers(cfg, ds or {}, plan, model, stage)) for stage in range(lay.pp))
+                   for t in transfers(cfg, ds or {}, plan, model, stage)) for stage in range(lay.pipeline_stages))
     return StepTime(compute_s=compute, bubble=bubble, schedule=schedule, comm_s=comm,
-                    tokens=lay.micro * lay.grad_accum * lay.dp * seq)
+                    tokens=lay.micro_batch * lay.grad_accum * lay.replicas * seq)
 
 
 def _divisors(n: int) -> list[int]:
@@ -144,7 +145,7 @@ def search(cfg: RunConfig, ds: dict, world: int, gpu_memory: int, hw: Hardware, 
     ranked = []
     for c, d in candidates(cfg, ds, world, model.mcfg):
         layout = layout_of(c, d, world)
-        if layout.grad_accum < min_micro_batches(c.parallel.pipeline_schedule, layout.pp):
+        if layout.grad_accum < min_micro_batches(c.parallel.pipeline_schedule, layout.pipeline_stages):
             continue
         plan = estimate(c, d, layout, gpu_memory, attention_is_fused(c, cpu), model, cpu=cpu)
         if plan.fits:

@@ -31,7 +31,7 @@ from ..models.pipeline import (
 from ..models.tensor_parallel import shard_elements, sum_rope_key_grads
 from ..models.tiled import tile_mlps
 from ..parallel import expert_lora, sequence
-from ..parallel.layout import Layout
+from ..parallel.layout import RankLayout
 from ..parallel.zero_bubble import ZeroBubbleEngine
 from ..utils.private_optimizer import keep_fp32_clip_norm
 from ..utils.redact import redact
@@ -39,7 +39,8 @@ from .clip_groups import clipped_apart, indexer_parameter_groups
 from .process import apply_timeout_to_all_groups
 
 
-def parallelize(cfg: RunConfig, ds: dict, layout: Layout, loss_fn, log: logging.Logger) -> tuple[DeepSpeedEngine, dict]:
+def parallelize(cfg: RunConfig, ds: dict, layout: RankLayout, loss_fn,
+                log: logging.Logger) -> tuple[DeepSpeedEngine, dict]:
     """This rank's engine, and the DeepSpeed config it was built with (AutoEP's section added, the batch as DeepSpeed
     counts it under sequence parallelism)."""
     mcfg = cfg.model.hf_config
@@ -61,7 +62,7 @@ def parallelize(cfg: RunConfig, ds: dict, layout: Layout, loss_fn, log: logging.
     return engine, ds
 
 
-def _build(cfg: RunConfig, ds: dict, mcfg: PretrainedConfig, layout: Layout, loss_fn, log: logging.Logger):
+def _build(cfg: RunConfig, ds: dict, mcfg: PretrainedConfig, layout: RankLayout, loss_fn, log: logging.Logger):
     torch.manual_seed(cfg.train.seed)
     pp, schedule = cfg.parallel.pipeline_stages, cfg.parallel.pipeline_schedule
     if pp > 1:
@@ -105,7 +106,8 @@ def _load_weights(cfg: RunConfig, model, mcfg: PretrainedConfig, log: logging.Lo
     log.info("loaded %.1f MB of weights for this rank's layers from %s", read / 2**20, cfg.model.path)
 
 
-def _expert_tensor_sequence(cfg: RunConfig, ds: dict, model, mcfg: PretrainedConfig, layout: Layout, log: logging.Logger) -> dict:
+def _expert_tensor_sequence(cfg: RunConfig, ds: dict, model, mcfg: PretrainedConfig, layout: RankLayout,
+                            log: logging.Logger) -> dict:
     """What the engine needs to split the model: AutoEP's and AutoTP's sections and config, sequence-parallel
     attention; returns the DeepSpeed config to build the engine with."""
     if cfg.parallel.expert_parallel > 1:
@@ -123,7 +125,7 @@ def _expert_tensor_sequence(cfg: RunConfig, ds: dict, model, mcfg: PretrainedCon
     return _deepspeed_view(ds, layout)
 
 
-def _deepspeed_view(ds: dict, layout: Layout) -> dict:
+def _deepspeed_view(ds: dict, layout: RankLayout) -> dict:
     """DeepSpeed counts every rank of a stage as data-parallel (layout.py): to it a global batch holds each sample
     once per sequence rank."""
     if layout.degrees.sequence == 1:
@@ -131,7 +133,7 @@ def _deepspeed_view(ds: dict, layout: Layout) -> dict:
     return {**ds, "train_batch_size": ds["train_batch_size"] * layout.degrees.sequence}
 
 
-def _engine(cfg: RunConfig, ds: dict, model, layout: Layout, log: logging.Logger, heads: int) -> DeepSpeedEngine:
+def _engine(cfg: RunConfig, ds: dict, model, layout: RankLayout, log: logging.Logger, heads: int) -> DeepSpeedEngine:
     biases = snapshot_biases(model)
     lora_on_autoep = cfg.lora.r and cfg.parallel.expert_parallel > 1
     trainable = (p for p in model.parameters() if p.requires_grad)
@@ -156,7 +158,7 @@ def _engine(cfg: RunConfig, ds: dict, model, layout: Layout, log: logging.Logger
     if cfg.parallel.tensor_parallel > 1:
         # DeepSpeed's first-forward check that a TP group got one batch compares flat lists of tensors only and
         # raises on the (input_ids, position_ids) inputs of packed data and pairs; the group's ranks read the same
-        # samples by construction (Layout.data_rank counts data-parallel replicas only).
+        # samples by construction (RankLayout.data_rank counts data-parallel replicas only).
         engine.first_dataloader_check.remove()
         sum_rope_key_grads(engine.module, layout.tensor_groups.get_tensor_model_parallel_group())
         log.info("tensor parallel %d: this rank holds %d elements of split weights, %d parameters in all",

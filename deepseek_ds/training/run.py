@@ -20,7 +20,7 @@ from ..models.grpo_loss import GRPOLoss
 from ..models.loss import TokenWeightedLoss
 from ..models.moe import LoadBalancer
 from ..models.preference_loss import PreferenceLoss
-from ..parallel.layout import Layout
+from ..parallel.layout import RankLayout
 from ..rewards import RewardFunctions
 from .clip_groups import GroupClipping
 from .metrics import PhaseTimes
@@ -40,7 +40,7 @@ class Run:
     dataset_dir: str
     rank: int
     world: int
-    layout: Layout                   # degrees, groups, this rank's place (parallel/layout.py)
+    layout: RankLayout                   # degrees, groups, this rank's place (parallel/layout.py)
     pipeline: bool
     grad_accum: int
     log: logging.Logger

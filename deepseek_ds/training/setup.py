@@ -26,7 +26,7 @@ from ..models.layers import mtp_depth
 from ..models.loss import TokenWeightedLoss
 from ..models.moe import LoadBalancer, resolve_settings
 from ..models.preference_loss import PreferenceLoss
-from ..parallel.layout import Layout
+from ..parallel.layout import RankLayout
 from ..rewards import RewardFunctions, resolve_rewards
 from .clip_groups import GroupClipping, clipped_apart
 from .metrics import PhaseTimes
@@ -65,7 +65,7 @@ def build_run(cfg: RunConfig, ds: dict) -> Run:
     dataset_dir = prepare_data(cfg, int(os.environ.get("LOCAL_RANK", 0)))
     mcfg = cfg.model.hf_config
     dataset = _open_training_data(cfg, dataset_dir, mcfg, rank, log)
-    layout = Layout.create(cfg.parallel.degrees, world, rank)
+    layout = RankLayout.create(cfg.parallel.degrees, world, rank)
     if rank == 0:
         log.info(layout.describe())
     rewards = resolve_rewards(cfg.grpo.reward, cfg.grpo.reward_weights) if cfg.train.objective == "grpo" else None
@@ -110,7 +110,8 @@ def _loss_fn(cfg: RunConfig, mcfg: PretrainedConfig, rewards: RewardFunctions | 
     return TokenWeightedLoss(mtp_depth(mcfg), cfg.train.mtp_loss_weight)
 
 
-def _balancer(cfg: RunConfig, mcfg: PretrainedConfig, engine: DeepSpeedEngine, layout: Layout) -> LoadBalancer | None:
+def _balancer(cfg: RunConfig, mcfg: PretrainedConfig, engine: DeepSpeedEngine,
+              layout: RankLayout) -> LoadBalancer | None:
     settings = resolve_settings(cfg.moe, mcfg)
     # The indexer's warm-up changes nothing but the indexer: no bias moves, the routers get no balance gradient.
     # Reinforcement learning keeps the balance the model has unless the moe section asks otherwise.
