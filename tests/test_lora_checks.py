@@ -16,7 +16,6 @@ from deepseek_ds.checkpoint.format import (
     FORMAT_VERSION,
     META,
     CheckpointError,
-    Layout,
     model_fingerprint,
     tag_for,
 )
@@ -26,6 +25,7 @@ from deepseek_ds.models.hf_io import load_hf_weights, to_hf_model
 from deepseek_ds.models.lora import apply_lora
 from deepseek_ds.models.pipeline import build_model, local_layers, prepare_config
 from deepseek_ds.models.presets import build_model_config
+from deepseek_ds.parallel.degrees import Layout
 from helpers import refused
 from tag_reference import read_back_record
 

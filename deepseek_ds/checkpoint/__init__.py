@@ -26,7 +26,6 @@ from .format import (
     SCHEMES,
     SEQUENTIAL,
     CheckpointError,
-    Layout,
     check_compatible,
     complete_tags,
     current_layout,
@@ -41,5 +40,5 @@ from .format import (
 )
 
 __all__ = ["FORMAT_VERSION", "LATEST", "META", "MODEL_CONFIG", "PIPELINE", "SCHEMES", "SEQUENTIAL", "CheckpointError",
-           "Layout", "check_compatible", "complete_tags", "current_layout", "is_converted", "latest_tag",
+           "check_compatible", "complete_tags", "current_layout", "is_converted", "latest_tag",
            "model_fingerprint", "read_meta", "saved_layout", "tag_dir_of", "tag_for", "universal_dir"]

@@ -14,11 +14,11 @@ import torch.distributed as dist
 
 from ..data import dataset_info
 from ..models.muon import is_muon
+from ..parallel.degrees import Layout
 from ..utils.private_api import universal_checkpoint_loading
 from .format import (
     PARTIAL,
     CheckpointError,
-    Layout,
     check_compatible,
     check_lora_compatible,
     complete_tags,

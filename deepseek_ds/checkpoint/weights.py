@@ -17,7 +17,8 @@ from transformers import PretrainedConfig
 from ..models.names import hf_name
 from ..models.pipeline import layer_specs
 from ..models.tensor_parallel import split_dim
-from .format import CheckpointError, Layout, read_meta, saved_layout
+from ..parallel.degrees import Layout
+from .format import CheckpointError, read_meta, saved_layout
 from .safe_load import trusted_types_only
 from .state import read_buffers, read_expert_adapters
 from .tensor_names import container_entries, hf_tensors, layout_names
