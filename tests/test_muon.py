@@ -387,10 +387,10 @@ def test_plan_predicts_the_bytes_muon_holds(stage, runs, data_dir):
     fullest = 0
     for rank in range(2):
         held = json.loads((runs.output_dir(2, f"v3-zero{stage}") / f"held.rank{rank}.json").read_text())
-        got = state_bytes(params, zero, lay.dp, 1, held["dp_rank"])
+        got = state_bytes(params, zero, lay.replicas, 1, held["dp_rank"])
         assert (got.params, got.grads, got.optimizer) == tuple(held["held"][k] for k in ("params", "grads",
                                                                                         "optimizer")), rank
         fullest = max(fullest, got.optimizer)
-        adam = state_bytes(params, adamw, lay.dp, 1, held["dp_rank"]).optimizer
+        adam = state_bytes(params, adamw, lay.replicas, 1, held["dp_rank"]).optimizer
         assert (got.optimizer < adam) is (stage == 3), (stage, got.optimizer, adam)
     assert estimate(cfg, ds, lay, 2**40, fused_attention=False, model=model).fullest.optimizer == fullest
