@@ -7,6 +7,7 @@ holds."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 
@@ -21,7 +22,7 @@ from deepseek_ds.plan.estimate import element_bytes, estimate, layout_of, zero_s
 from deepseek_ds.plan.params import SpecParams, rank_params
 from deepseek_ds.plan.states import state_bytes
 from deepseek_ds.utils.private_optimizer import MuonBlocks, muon_update_in_blocks
-from helpers import read_metrics, train_layouts
+from helpers import _rank_server, read_metrics, train_layouts
 from reference_muon import fp32_newton_schulz, muon_reference_run
 
 STEPS = 4
@@ -36,6 +37,7 @@ DENSE = ["model.preset=tiny-dense"]
 V4 = ["model.preset=tiny-v4", "model.attn_implementation=eager"]
 EP = ["parallel.expert_parallel=2"]
 PP = ["parallel.pipeline_stages=2"]
+RESHARDS = [("zero1", "zero2"), ("zero3", "zero3")]  # (ZeRO stage saved by 1 rank, ZeRO stage resumed on 2 ranks)
 LAYOUTS = [
     # (id, ranks, deepspeed config, extra overrides): the layouts of one rank count train in one launch.
     ("v3-1rank", 1, "ds_configs/zero1_muon.json", []),
@@ -68,7 +70,7 @@ LAYOUTS = [
     # Resharded: 1 rank saves steps 1-2; 2 ranks resume them through a universal checkpoint (Muon's momentum
     # carried by deepseek-ds, checkpoint/muon_universal.py), against 1 rank's 4 steps uninterrupted: ZeRO-1 -> 2,
     # and ZeRO-3 -> 3.
-    *[layout for saved, resumed in (("zero1", "zero2"), ("zero3", "zero3")) for layout in (
+    *[layout for saved, resumed in RESHARDS for layout in (
         (f"v3-1rank-const-{saved}", 1, f"ds_configs/{saved}_muon.json", ["train.min_lr=3e-3"]),
         (f"v3-1rank-const-half-{saved}", 1, f"ds_configs/{saved}_muon.json",
          ["train.min_lr=3e-3", "train.steps=2", "checkpoint.interval=2", f"checkpoint.dir={{root}}/reshard-{saved}"]),
@@ -78,6 +80,7 @@ LAYOUTS = [
 MOE = ["v3-zero1", "v3-zero2", "v3-zero3", "v3-pp2-zero1", "v3-ep2-zero1"]
 MOE_CLIP = ["v3-zero2-clip", "v3-zero3-clip", "v3-pp2-zero1-clip", "v3-ep2-zero1-clip"]
 PER_HEAD = ["v3-zero1-per-head", "v3-zero3-per-head"]
+RESHARDED = [f"v3-const-resharded-{resumed}" for _, resumed in RESHARDS]
 
 
 def _model(preset: str, **overrides):
@@ -247,7 +250,9 @@ def test_shipped_configs_validate_and_state_the_rule(ds_config):
 # ----------------------------------------------------------------------------------------------- through the launcher
 class MuonRuns:
     """runs(ranks, name): a layout's metrics records; runs.output_dir(ranks, name): its train.output_dir. Each rank
-    count's layouts train in one launch of tests/muon_worker.py (the real training loop)."""
+    count's layouts train in one launch of tests/muon_worker.py (the real training loop), the two launches at once:
+    each rank runs one thread (muon_worker.py), and the 1-rank launch takes the core its rank alone would leave idle
+    while the 2-rank launch trains."""
 
     def __init__(self, root, sets: list[str]):
         self.root, self.sets, self.done = root, sets, {}
@@ -256,12 +261,37 @@ class MuonRuns:
             ds["optimizer"]["params"]["per_head_muon"] = True
             (root / f"zero{stage}_muon_per_head.json").write_text(json.dumps(ds))
 
+    def _launch(self, ranks: int, names: list[str], *worker_args: str) -> dict:
+        mine = [(n, ds.format(root=self.root), [e.format(root=self.root) for e in extra])
+                for n, r, ds, extra in LAYOUTS if r == ranks and n in names]
+        return train_layouts(ranks, self.root, mine, self.sets, worker="tests/muon_worker.py",
+                             worker_args=worker_args)
+
+    def _train(self) -> None:
+        one_rank_ended = self.root / "one-rank-launch.ended"  # "ok" or "failed", once the launch has ended
+
+        def one_rank() -> dict:
+            status = "failed"
+            try:
+                dirs = self._launch(1, [n for n, r, _, _ in LAYOUTS if r == 1])
+                status = "ok"
+            finally:
+                (self.root / "ended.tmp").write_text(status)
+                (self.root / "ended.tmp").replace(one_rank_ended)  # whole, or not there
+            return dirs
+
+        # The RESHARDED layouts, last of the 2-rank launch, wait for it (muon_worker.py --after): they resume checkpoints
+        # that 1-rank layouts saved.
+        after = json.dumps({str(self.root / name): str(one_rank_ended) for name in RESHARDED})
+        _rank_server()  # the ranks' fork server, started before the threads: starting it changes os.environ a moment
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            ones = pool.submit(one_rank)
+            twos = pool.submit(self._launch, 2, [n for n, r, _, _ in LAYOUTS if r == 2], "--after", after)
+            self.done = {1: ones.result(), 2: twos.result()}
+
     def output_dir(self, ranks: int, name: str):
-        # Fewer ranks first: a 2-rank layout resumes a 1-rank layout's checkpoint.
-        for count in sorted({r for _, r, _, _ in LAYOUTS if r <= ranks} - set(self.done)):
-            mine = [(n, ds.format(root=self.root), [e.format(root=self.root) for e in extra])
-                    for n, r, ds, extra in LAYOUTS if r == count]
-            self.done[count] = train_layouts(count, self.root, mine, self.sets, worker="tests/muon_worker.py")
+        if not self.done:
+            self._train()
         return self.done[ranks][name]
 
     def __call__(self, ranks: int, name: str) -> list[dict]:
@@ -353,7 +383,7 @@ def test_resume_is_bitwise(runs):
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("saved,resumed", [("zero1", "zero2"), ("zero3", "zero3")])
+@pytest.mark.parametrize("saved,resumed", RESHARDS)
 def test_resharded_resume_follows_the_uninterrupted_run(saved, resumed, runs):
     """Saved by 1 rank after step 2 and resumed by 2 ranks through a universal checkpoint (ZeRO-1 -> ZeRO-2, whose
     momentum is whole matrices per rank; ZeRO-3 -> ZeRO-3, partitioned): steps 3-4 equal 1 rank's uninterrupted ones
