@@ -401,14 +401,23 @@ def test_kill_9_of_deepseek_ds_train_leaves_no_process_of_the_job_on_any_host(cl
 # ---------------------------------------------------------------- unattended recovery on fewer hosts
 
 
-def test_elastic_restart_leaves_a_lost_host_out_and_goes_on_as_a_run_resumed_by_hand(cluster, tmp_path):
+def end_job(job: subprocess.Popen) -> None:
+    """SIGKILL a job started in a session of its own, if it still runs, and reap it."""
+    if job.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+
+
+def test_elastic_restart_leaves_a_lost_host_out_and_goes_on_as_a_run_resumed_by_hand(cluster, tmp_path, request):
     """issue 52: 4 hosts of one slot, ZeRO-1 over 4 ranks (global batch 12 of micro-batches of 1: accumulation 3).
     Once step 3 is logged (checkpoints every 2 steps), dsnode3 drops off the network: the ranks' collectives time
     out, and `deepseek-ds train --max-restarts 1 --elastic` finds dsnode3 lost, leaves it out and resumes step 2's
     checkpoint on the 3 hosts left (accumulation 4, resharded through a universal checkpoint); the run ends with
     exit 0. The global batch is kept (12 samples a step), step 3 again takes the samples it took before the loss
     (its loss equals the lost attempt's within 1e-6), and steps 3-8 equal those of a run resumed from a copy of that
-    checkpoint on the 3 hosts by hand within 1e-6."""
+    checkpoint on the 3 hosts by hand within 1e-6. That reference run starts at the cut, while the job waits out
+    its collectives' timeout."""
     from deepseek_ds.training.metrics import read_metrics
 
     shutil.copy(cluster.env_file, tmp_path / ".deepspeed_env")
@@ -423,6 +432,17 @@ def test_elastic_restart_leaves_a_lost_host_out_and_goes_on_as_a_run_resumed_by_
                   for a in ("--set", s)]]
 
     env = {**os.environ, "PDSH_SSH_ARGS_APPEND": FAST_KEEPALIVE}
+
+    def resume_by_hand(tag: str, name: str) -> tuple[subprocess.Popen, Path]:
+        """The reference: a copy of the elastic run's checkpoint `tag` resumed by hand on the 3 hosts left."""
+        shutil.copytree(tmp_path / "elastic" / "ck" / tag, tmp_path / name / "ck" / tag,
+                        ignore=shutil.ignore_patterns("*universal*"))
+        with (tmp_path / f"{name}.log").open("w") as sink:
+            proc = subprocess.Popen(train(name, "--exclude", "dsnode3", "--master_port", "29662"), cwd=tmp_path,
+                                    stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        request.addfinalizer(lambda: end_job(proc))  # whatever fails before it ends
+        return proc, tmp_path / name
+
     log = tmp_path / "elastic.log"
     metrics = tmp_path / "elastic" / "metrics.jsonl"
     with log.open("w") as sink:
@@ -436,6 +456,11 @@ def test_elastic_restart_leaves_a_lost_host_out_and_goes_on_as_a_run_resumed_by_
             time.sleep(0.2)
         before = {r["step"]: r["loss"] for r in read_metrics(str(metrics))}
         cut_host(cluster, 3)
+        # The reference run starts now, while the job's ranks wait out their collectives' timeout (the CPUs idle), on
+        # the newest checkpoint published: the one the restart resumes, unless a step's save still completed after
+        # the cut (then the reference runs again below, on the restart's checkpoint).
+        hand_tag = (tmp_path / "elastic" / "ck" / "latest").read_text().strip()
+        hand, hand_dir = resume_by_hand(hand_tag, "by-hand")
         returncode = job.wait(timeout=600)
     finally:
         if job.poll() is None:
@@ -456,12 +481,12 @@ def test_elastic_restart_leaves_a_lost_host_out_and_goes_on_as_a_run_resumed_by_
         assert elastic[step - 1]["loss"] == pytest.approx(before[step], rel=1e-6)
 
     tag = f"step{resumed_at:08d}"
-    shutil.copytree(tmp_path / "elastic" / "ck" / tag, tmp_path / "by-hand" / "ck" / tag,
-                    ignore=shutil.ignore_patterns("*universal*"))
-    hand = subprocess.run(train("by-hand", "--exclude", "dsnode3", "--master_port", "29662"), cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600, env=env)
-    assert hand.returncode == 0, hand.stdout[-6000:] + hand.stderr[-3000:]
-    by_hand = read_metrics(str(tmp_path / "by-hand" / "metrics.jsonl"))
+    hand.wait(timeout=600)
+    if tag != hand_tag:
+        hand, hand_dir = resume_by_hand(tag, "by-hand-again")
+        hand.wait(timeout=600)
+    assert hand.returncode == 0, (hand_dir.parent / f"{hand_dir.name}.log").read_text()[-9000:]
+    by_hand = read_metrics(str(hand_dir / "metrics.jsonl"))
     assert [r["step"] for r in by_hand] == list(range(step, 9))
     for mine, theirs in zip(elastic[step - 1:], by_hand, strict=True):
         assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-6, abs=1e-7), mine["step"]
