@@ -147,21 +147,19 @@ class GRPOLoss:
 
     def take_parts(self, device) -> torch.Tensor:
         """[kl, clipped, entropy (token sums), tokens, completions, reward sum, reward square sum, each function's
-        sum, and with router replay (changed, replayed) routing decisions] of this rank's step, then zero."""
+        sum] of this rank's step, then zero."""
         parts = torch.zeros(7 + len(self.reward_names), dtype=torch.float64, device=device)
         if self._parts is not None:
             parts += self._parts.to(device)
         self._parts = None
-        return parts if self.replay is None else torch.cat([parts, self.replay.take().to(device)])
+        return parts
 
-    def metrics(self, parts: list[float]) -> dict[str, float]:
+    def metrics(self, parts: list[float], replay: list[float] | None = None) -> dict[str, float]:
         """The step's metrics from take_parts summed over the ranks: token means of kl, clip_ratio and entropy; the
-        mean completion_length; reward (mean), reward_std (over the global batch, unbiased) and reward/<function>."""
+        mean completion_length; reward (mean), reward_std (over the global batch, unbiased) and reward/<function>;
+        with router replay's (changed, replayed) routing decisions, the share it changed."""
         kl, clipped, entropy, tokens, completions, total, squares, *functions = parts
-        replay = {}
-        if self.replay is not None:  # the share of (token, layer) routing decisions replay changed
-            changed, replayed = functions[-2:]
-            functions, replay = functions[:-2], {"router_replay_changed": changed / max(replayed, 1.0)}
+        replay = {} if replay is None else {"router_replay_changed": replay[0] / max(replay[1], 1.0)}
         n = max(completions, 1.0)
         variance = (squares - total * total / n) / max(n - 1, 1.0)
         return {**replay, "reward": total / n, "reward_std": max(variance, 0.0) ** 0.5,

@@ -101,8 +101,8 @@ def _reduced_metrics(run: Run, meter: StepMeter, routers: RouterStats | None, lo
     objective = run.objective
     sums = NamedReduction(device)
     sums.add("loss", None if run.pipeline else local.reshape(1) * replica)
-    parts = objective.metric_parts(run, device)  # the objective's own metrics, named by it below
-    sums.add("parts", parts * replica if parts is not None else None)
+    for name, part in objective.metric_parts(run, device).items():  # the objective's own sums, by its names
+        sums.add(f"parts/{name}", part * replica)
     sums.add("aux", balancer.take_aux() if balancer and balancer.s.has_aux else None)
     sums.add("indexer", run.indexer.take() if run.indexer else None)
     groups = run.loss_fn.take_group_sums(device) if hasattr(run.loss_fn, "take_group_sums") else None
@@ -137,8 +137,9 @@ def _reduced_metrics(run: Run, meter: StepMeter, routers: RouterStats | None, lo
         out.update(run.indexer.metrics(host["sum/indexer"][0], out["loss"]))
     if groups is not None:
         out.update(source_metrics(run.dataset.labels, host["sum/groups"]))
-    if "sum/parts" in host:
-        out.update(objective.metrics(run, host["sum/parts"]))
+    parts = {key.removeprefix("sum/parts/"): v for key, v in host.items() if key.startswith("sum/parts/")}
+    if parts:
+        out.update(objective.metrics(run, parts))
     if routers:
         out.update(routers.metrics(host["sum/load"], host.get("max/bias", [])))
     return out, stop_asked

@@ -41,13 +41,13 @@ class Objective:
         gradient ranks x gas x the global-batch loss), or with a pipeline the global-batch loss DeepSpeed reduced."""
         raise NotImplementedError
 
-    def metric_parts(self, run: Run, device: torch.device) -> torch.Tensor | None:
-        """This rank's float64 sums of the step behind the objective's metrics, summed over the ranks with the loss
-        (None: no metrics of its own). The loop counts them once per replica."""
-        return None
+    def metric_parts(self, run: Run, device: torch.device) -> dict[str, torch.Tensor]:
+        """This rank's float64 sums of the step behind the objective's metrics, by name, summed over the ranks with
+        the loss (empty: no metrics of its own). The loop counts them once per replica."""
+        return {}
 
-    def metrics(self, run: Run, parts: list[float]) -> dict[str, float]:
-        """The step's named metrics of metrics.jsonl from metric_parts summed over the ranks."""
+    def metrics(self, run: Run, parts: dict[str, list[float]]) -> dict[str, float]:
+        """The step's named metrics of metrics.jsonl from metric_parts summed over the ranks, by the same names."""
         return {}
 
     def evaluate(self, run: Run, dataset) -> dict:

@@ -40,11 +40,11 @@ class DPO(Objective):
     def local_step(self, run: Run, micro_batches: list) -> torch.Tensor:
         return local_step(run, micro_batches, self.base_buffers)
 
-    def metric_parts(self, run: Run, device: torch.device) -> torch.Tensor:
-        return run.loss_fn.take_parts(device)
+    def metric_parts(self, run: Run, device: torch.device) -> dict[str, torch.Tensor]:
+        return {"pairs": run.loss_fn.take_parts(device)}
 
-    def metrics(self, run: Run, parts: list[float]) -> dict[str, float]:
-        return {k: v for k, v in run.loss_fn.metrics(parts).items() if k != "loss"}
+    def metrics(self, run: Run, parts: dict[str, list[float]]) -> dict[str, float]:
+        return {k: v for k, v in run.loss_fn.metrics(parts["pairs"]).items() if k != "loss"}
 
     def evaluate(self, run: Run, dataset) -> dict:
         return evaluate_run(run, dataset, self.valid_reference, self.base_buffers)

@@ -83,14 +83,15 @@ class GRPO(Objective):
                 total += loss.detach().double()
         return total
 
-    def metric_parts(self, run: Run, device: torch.device) -> torch.Tensor:
-        return torch.cat([run.loss_fn.take_parts(device), run.phases.take().to(device)])
+    def metric_parts(self, run: Run, device: torch.device) -> dict[str, torch.Tensor]:
+        replay = run.loss_fn.replay
+        return {"loss": run.loss_fn.take_parts(device), "phases": run.phases.take().to(device),
+                **({"replay": replay.take().to(device)} if replay is not None else {})}
 
-    def metrics(self, run: Run, parts: list[float]) -> dict[str, float]:
+    def metrics(self, run: Run, parts: dict[str, list[float]]) -> dict[str, float]:
         """The loss's metrics, and time_<phase>: each phase's seconds in the step (the mean over the ranks)."""
-        phases = len(run.phases.names)
-        times = {f"time_{name}": s / run.world for name, s in zip(run.phases.names, parts[-phases:])}
-        return {**run.loss_fn.metrics(parts[:-phases]), **times}
+        times = {f"time_{name}": s / run.world for name, s in zip(run.phases.names, parts["phases"])}
+        return {**run.loss_fn.metrics(parts["loss"], parts.get("replay")), **times}
 
     def evaluate(self, run: Run, dataset) -> dict:
         """eval_reward: the mean reward of greedy completions of the validation prompts (the first eval.batches

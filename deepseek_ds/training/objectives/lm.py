@@ -50,13 +50,13 @@ class NextToken(Objective):
             total += loss.detach().double()
         return total
 
-    def metric_parts(self, run: Run, device: torch.device) -> torch.Tensor | None:
+    def metric_parts(self, run: Run, device: torch.device) -> dict[str, torch.Tensor]:
         # MTP parts [main, depth 1..D] (pipeline stages other than the last hold zeros)
-        return run.loss_fn.take_parts(device) if run.loss_fn.mtp_depth else None
+        return {"mtp": run.loss_fn.take_parts(device)} if run.loss_fn.mtp_depth else {}
 
-    def metrics(self, run: Run, parts: list[float]) -> dict[str, float]:
+    def metrics(self, run: Run, parts: dict[str, list[float]]) -> dict[str, float]:
         gas_dp = run.layout.gradient_size * run.grad_accum
-        return mtp_record([p / gas_dp for p in parts])
+        return mtp_record([p / gas_dp for p in parts["mtp"]]) if "mtp" in parts else {}
 
     def evaluate(self, run: Run, dataset) -> dict:
         return evaluate_run(run, dataset).as_record()
