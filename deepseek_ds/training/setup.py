@@ -135,5 +135,3 @@ def _open_training_data(cfg: RunConfig, dataset_dir: str, mcfg: PretrainedConfig
     if rank == 0 and hasattr(dataset, "report"):
         log.info(dataset.report())  # what packing and truncation made of the samples
     return dataset
-
-

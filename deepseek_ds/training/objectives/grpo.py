@@ -119,7 +119,6 @@ class GRPO(Objective):
         return [f"  validation  reward {record['eval_reward']:.4f} over {record['eval_prompts']} prompts, greedy "
                 f"(step {record['step']})"]
 
-
     def _generation(self, run: Run, prompt_index: list[int], step: int) -> Generation:
         """Rollouts of `prompt_index` sampled at `step` (the generation's first), the reference's log-probabilities once
         for all its updates, and with num_iterations > 1 the sampling policy's (TRL's old_per_token_logps)."""
@@ -140,7 +139,8 @@ class GRPO(Objective):
             ref = [self._reference_logps(run, ids, completion, starts) for ids, starts, completion, _ in rows]
         return Generation(rollouts, rows, ref, old, tokens)
 
-    def _reference_logps(self, run: Run, ids: torch.Tensor, completion: torch.Tensor, starts: torch.Tensor) -> torch.Tensor | None:
+    def _reference_logps(self, run: Run, ids: torch.Tensor, completion: torch.Tensor,
+                         starts: torch.Tensor) -> torch.Tensor | None:
         """The reference's log-probabilities of the completion tokens (None with grpo.beta 0)."""
         if run.cfg.grpo.beta == 0.0:
             return None
@@ -149,6 +149,7 @@ class GRPO(Objective):
                 return run.loss_fn.logps(self.reference(ids), completion, starts)
             with adapters_off(run.engine.module, self.base_buffers):
                 return run.loss_fn.logps(run.engine(ids), completion, starts)
+
 
 @dataclass
 class Generation:
@@ -194,5 +195,3 @@ def _rows(prompts: list[list[int]], completions: list[list[int]], device):
 def frozen_copy(run: Run) -> torch.nn.Module:
     """The starting model, frozen, whole on every rank: the reference of a full fine-tune (whole_model.py)."""
     return whole_copy(run).eval().requires_grad_(False)
-
-
