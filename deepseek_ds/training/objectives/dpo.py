@@ -13,7 +13,7 @@ from ...models.preference_loss import METRICS, chosen_nll, metric_sums, normalis
 from ..evaluation import eval_sample_count, task_scores_run
 from ..run import Run
 from .base import Objective
-from .dpo_reference import adapters_off, ensure_reference, lora_base_reference, reference_pass
+from .dpo_reference import adapters_off, buffer_copies, ensure_reference, lora_base_reference, reference_pass
 
 
 class DPO(Objective):
@@ -29,7 +29,7 @@ class DPO(Objective):
         # Before the resume: the engine still holds the starting weights.
         if run.loss_fn.needs_reference and lora_base_reference(run):
             # The base as it starts: training moves the router biases (buffers, not adapters), the reference keeps them.
-            self.base_buffers = [b.detach().clone() for b in run.engine.module.buffers()]
+            self.base_buffers = buffer_copies(run.engine.module)
         self.reference = ensure_reference(run, run.dataset)
         if run.cfg.eval.interval:
             self.valid_reference = ensure_reference(run, open_dataset(run.dataset_dir, run.cfg.data, "valid"), "valid")

@@ -26,6 +26,7 @@ from peft.tuners.lora import LoraLayer
 from tqdm import tqdm
 
 from ...checkpoint.tensor_names import load_hf_weights_split
+from ...config import precision
 from ...data import micro_batch
 from ...data.layout import read_meta
 from ...data.pairs import small_valid_warning
@@ -52,13 +53,9 @@ def reference_key(run: Run, split: str = "train") -> str:
     start = ({"path": _files_identity(cfg.model.path)} if cfg.model.path else
              {"preset": cfg.model.preset, "seed": cfg.train.seed})
     desc = {"shards": [s["bin_sha256"] for s in meta["splits"][split]["shards"]], "seq_len": cfg.data.seq_len,
-            "truncation": cfg.data.truncation, "overrides": cfg.model.overrides, "ds_precision": _precision(run),
+            "truncation": cfg.data.truncation, "overrides": cfg.model.overrides, "ds_precision": precision(run.ds),
             "reference": {"path": _files_identity(ref)} if ref else {"starting_weights": start}}
     return hashlib.sha256(json.dumps(desc, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def _precision(run: Run) -> str:
-    return "bf16" if run.engine.bfloat16_enabled() else "fp16" if run.engine.fp16_enabled() else "fp32"
 
 
 def ensure_reference(run: Run, dataset, split: str = "train") -> np.ndarray | None:
@@ -215,13 +212,17 @@ def lora_base_reference(run: Run) -> bool:
     return bool(run.cfg.lora.r) and not run.cfg.preference.reference
 
 
+def buffer_copies(module) -> list[torch.Tensor]:
+    """Copies of the module's buffers (router biases): a LoRA base's starting ones, kept as its reference's."""
+    return [b.detach().clone() for b in module.buffers()]
+
+
 @contextlib.contextmanager
 def adapters_off(module, base_buffers: list[torch.Tensor]):
     """The model without its LoRA adapters (peft's switch on each adapted layer) and with the base's starting
     buffers (router biases) inside the block."""
     layers = [m for m in module.modules() if isinstance(m, LoraLayer)]
-    buffers = list(module.buffers())
-    current = [b.detach().clone() for b in buffers]
+    buffers, current = list(module.buffers()), buffer_copies(module)
     for m in layers:
         m.enable_adapters(False)
     with torch.no_grad():

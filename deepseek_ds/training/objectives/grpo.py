@@ -18,7 +18,7 @@ from ..evaluation import eval_sample_count, task_scores_run
 from ..run import Run
 from ..whole_model import whole_copy
 from .base import Objective
-from .dpo_reference import adapters_off
+from .dpo_reference import adapters_off, buffer_copies
 from .grpo_rollout import Rollouts, make_rollouts, sample_completions, score
 
 PAD = 0  # the token id right-padding the rows (causal attention: real tokens never see it, no loss reads it)
@@ -50,7 +50,7 @@ class GRPO(Objective):
         if run.cfg.grpo.beta != 0.0 and not run.cfg.lora.r:
             self.reference = frozen_copy(run)
         elif run.cfg.grpo.beta != 0.0:  # the base as it starts (training moves router biases, not adapters)
-            self.base_buffers = [b.detach().clone() for b in run.engine.module.buffers()]
+            self.base_buffers = buffer_copies(run.engine.module)
 
     def batches(self, run: Run, sampler: GlobalBatchSampler):
         """Per global batch of prompts (a generation): its rollouts, then grpo.num_iterations steps on them."""
