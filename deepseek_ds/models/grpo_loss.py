@@ -159,10 +159,10 @@ class GRPOLoss:
         mean completion_length; reward (mean), reward_std (over the global batch, unbiased) and reward/<function>;
         with router replay's (changed, replayed) routing decisions, the share it changed."""
         kl, clipped, entropy, tokens, completions, total, squares, *functions = parts
-        replay = {} if replay is None else {"router_replay_changed": replay[0] / max(replay[1], 1.0)}
+        changed = {} if replay is None else {"router_replay_changed": replay[0] / max(replay[1], 1.0)}
         n = max(completions, 1.0)
         variance = (squares - total * total / n) / max(n - 1, 1.0)
-        return {**replay, "reward": total / n, "reward_std": max(variance, 0.0) ** 0.5,
+        return {**changed, "reward": total / n, "reward_std": max(variance, 0.0) ** 0.5,
                 **{f"reward/{name}": v / n for name, v in zip(self.reward_names, functions)},
                 "kl": kl / max(tokens, 1.0), "clip_ratio": clipped / max(tokens, 1.0),
                 "entropy": entropy / max(tokens, 1.0), "completion_length": tokens / n}

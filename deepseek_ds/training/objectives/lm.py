@@ -56,7 +56,7 @@ class NextToken(Objective):
 
     def metrics(self, run: Run, parts: dict[str, list[float]]) -> dict[str, float]:
         gas_dp = run.layout.gradient_size * run.grad_accum
-        return mtp_record([p / gas_dp for p in parts["mtp"]]) if "mtp" in parts else {}
+        return mtp_record([p / gas_dp for p in parts["mtp"]])
 
     def evaluate(self, run: Run, dataset) -> dict:
         return evaluate_run(run, dataset).as_record()
