@@ -5,7 +5,9 @@ the optimizer step; deepspeed.utils.safe_get_full_grad, a collective under ZeRO-
 Every rank also measures its own memory, apart from the loop's memory_gb, into memory_rank<R>.json: per step the
 resident set when backward starts (the forward's activations held: a lower bound of the step's peak, from
 /proc/self/statm) and the peak resident set (VmHWM) when the optimizer step returns; and before step 2, between
-steps, a 256 MiB allocation written and freed, with the VmHWM it left (the next step's peak must not hold it)."""
+steps, an allocation written and freed that reaches 256 MiB above step 1's peak, with the VmHWM it left (the next
+step's peak must not hold it). Sized from step 1's peak, not fixed: what a step adds over the resident set between
+steps varies by host (about 130 MiB here), and a fixed spike would be below the step's own peak."""
 
 import json
 import os
@@ -20,7 +22,7 @@ from deepseek_ds.training.loop import train
 from deepseek_ds.training.run import Run
 from layouts_worker import run_layouts
 
-SPIKE_ELEMENTS = 64 * 2**20  # fp32: 256 MiB
+SPIKE_OVER_PEAK = 256 * 2**20
 
 
 def rss_bytes() -> int:
@@ -54,7 +56,7 @@ def measure_memory(run: Run) -> dict:
 
     def lr_between_steps():
         if len(record["steps"]) == 1 and record["spike_hwm"] is None:
-            spike = torch.ones(SPIKE_ELEMENTS)
+            spike = torch.ones((hwm_bytes() - rss_bytes() + SPIKE_OVER_PEAK) // 4)  # fp32, every page written
             del spike
             record["spike_hwm"] = hwm_bytes()
         return get_lr()

@@ -143,8 +143,9 @@ def ranks_memory(out) -> list[dict]:
 def test_memory_gb_is_the_fullest_ranks_peak_of_each_step(name, runs):
     """memory_gb is the largest over the ranks of each one's peak resident set during the step: within 3% of the
     VmHWM each rank read itself when the optimizer step returned (the loop reads its own a moment later), and at
-    least the resident set a rank held when backward started. The 256 MiB each rank wrote and freed between steps 1
-    and 2 is not in step 2's peak: it resets per step (the short layouts, whose steps add far less than that)."""
+    least the resident set a rank held when backward started. What each rank wrote and freed between steps 1 and 2,
+    256 MiB over its step 1 peak, is not in step 2's peak: it resets per step (the short layouts, whose step 2 peaks
+    at about its step 1 peak)."""
     records, ranks = read_metrics(str(runs[name])), ranks_memory(runs[name])
     assert len(records) == len(ranks[0]["steps"]) == len(ranks[1]["steps"])
     for i, record in enumerate(records):
