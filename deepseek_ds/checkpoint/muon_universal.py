@@ -139,7 +139,7 @@ def restore_momentum(engine, universal: str) -> None:
     """Give each Muon group of a ZeRO 1-3 engine just loaded from `universal` its momentum buffer, laid out as its
     stage keeps it, in place of the zero AdamW moments DeepSpeed's loader gave it."""
     saved = torch.load(os.path.join(universal, MOMENTUM_FILE), map_location="cpu", weights_only=True)
-    optimizer, names = engine.optimizer, {p: n for n, p in engine.module.named_parameters()}
+    optimizer, names = engine.optimizer, engine.param_names  # {parameter: its name in engine.module}
     stage3 = isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3)
     groups = optimizer.fp16_groups if stage3 else optimizer.params_in_partition
     for i, params in enumerate(groups):
