@@ -48,4 +48,3 @@ def holds_frozen_experts(module: nn.Module) -> bool:
     return any(isinstance(m, AutoEPMoELayer) and not any(p.requires_grad for p in (getattr(m.experts, w)
                                                                                   for w in _WEIGHTS))
                for m in module.modules())
-

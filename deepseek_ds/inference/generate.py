@@ -125,4 +125,3 @@ def generate(model: nn.Module, tokenizer, prompt: str, max_new_tokens: int = 64,
     with torch.no_grad():
         out = model.generate(inputs, attention_mask=torch.ones_like(inputs), **kwargs)
     return out[0, inputs.shape[1]:]
-

@@ -149,4 +149,3 @@ def tensor_parallel_errors(tp: int, *, pipeline_stages: int, expert_parallel: in
             errors.append(f"parallel.tensor_parallel ({tp}) must divide {field} ({size}): TP splits the MLP "
                           "channels evenly; choose a divisor of it")
     return errors
-

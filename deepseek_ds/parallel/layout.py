@@ -103,4 +103,3 @@ class RankLayout:
         d = self.degrees
         return (f"layout: world {self.world} = pp {d.pipeline} x tp {d.tensor} x sp {d.sequence} x dp "
                 f"{self.data_size}" + (f", experts over {d.expert} ranks" if d.expert > 1 else ""))
-

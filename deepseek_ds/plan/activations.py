@@ -189,4 +189,3 @@ def stage_micro_batch_bytes(mcfg, bounds: list[int], stage: int, tokens: int, se
         if chunked:  # the loss's chunk and a layer's recomputation come one after the other in the backward
             transient = max(transient, loss_chunk_bytes(mcfg, f))
     return int(saved * tokens), transient
-

@@ -237,4 +237,3 @@ def register(sub) -> None:
                                                       "kernel for MLA; a rank's peak is its process's resident set, "
                                                       "runtime included)")
     p.set_defaults(func=cmd_plan)
-

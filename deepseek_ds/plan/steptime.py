@@ -151,4 +151,3 @@ def search(cfg: RunConfig, ds: dict, world: int, gpu_memory: int, hw: Hardware, 
         if plan.fits:
             ranked.append((plan, step_time(c, plan, hw, model, d)))
     return sorted(ranked, key=lambda ps: ps[1].total_s)
-

@@ -274,5 +274,3 @@ def reference_pass(run: Run, dataset, start: int = 0, count: int | None = None) 
     gathered = [torch.zeros_like(out) for _ in range(run.dp_size)]
     dist.all_gather(gathered, out, group=run.layout.gradient_group)
     return torch.cat(gathered)[:n].cpu().numpy()
-
-
