@@ -73,12 +73,14 @@ def saved_layout(meta: dict) -> Layout:
 
 
 def current_layout(run: TrainingRun) -> Layout:
+    # Imported here: config imports transformers and DeepSpeed, which `checkpoint list` need not pay for.
+    from ..config import precision
+
     engine, p = run.engine, run.cfg.parallel
-    precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
     parts = tuple(int(bound) for bound in engine.module.parts) if run.pipeline else None
     # ZeRO's partitions: DeepSpeed's data-parallel ranks (sequence ranks count as data-parallel to it).
     return Layout(run.layout.gradient_size, p.pipeline_stages, p.tensor_parallel, p.sequence_parallel,
-                  p.expert_parallel, int(engine.zero_optimization_stage()), precision, parts,
+                  p.expert_parallel, int(engine.zero_optimization_stage()), precision(run.ds), parts,
                   engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps())
 
 
