@@ -114,6 +114,14 @@ def launch_args(cluster: Cluster, *args: str) -> list[str]:
             "--env", str(REPO / "launch" / "nccl.env"), "--env", str(cluster.env_file), *args]
 
 
+def end_job(job: subprocess.Popen) -> None:
+    """SIGKILL a job started in a session of its own, if it still runs, and reap it."""
+    if job.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+
+
 # ---------------------------------------------------------------- preflight
 
 
@@ -200,8 +208,7 @@ def test_job_exits_nonzero_in_bounded_time_when_a_host_dies(cluster, tmp_path, f
         # session could otherwise hang for hours); the wait allows ten times their sum.
         returncode = job.wait(timeout=10 * (COLLECTIVE_TIMEOUT_S + 6))
     finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
+        end_job(job)
         cluster.reset_host(3)
     output = log.read_text()
     assert returncode != 0, output
@@ -258,8 +265,7 @@ def test_pipeline_and_data_parallel_across_four_hosts_matches_four_local_ranks(c
         outputs = {name: run.communicate(timeout=900)[0] for name, run in runs.items()}
     finally:
         for run in runs.values():
-            if run.poll() is None:
-                os.killpg(run.pid, signal.SIGKILL)
+            end_job(run)
     for name, run in runs.items():
         assert run.returncode == 0, f"{name} run failed:\n{outputs[name][-6000:]}"
     on_hosts, on_one = read_losses(tmp_path / "hosts"), read_losses(tmp_path / "local")
@@ -312,8 +318,7 @@ def test_data_prepare_on_two_and_four_hosts_is_byte_identical_to_one_and_resumes
         kill_host(cluster, 3)
         returncode = job.wait(timeout=120)
     finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
+        end_job(job)
         cluster.reset_host(3)
     output = log.read_text()
     assert returncode == 2, output
@@ -387,9 +392,7 @@ def test_kill_9_of_deepseek_ds_train_leaves_no_process_of_the_job_on_any_host(cl
                             "`deepseek-ds train`:\n" + "\n".join(line[:200] for line in left))
         print(f"kill -9 of deepseek-ds train on {len(hosts)} hosts: no process of the job left after {took:.1f} s")
     finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
+        end_job(job)
         for entry in Path("/proc").iterdir():
             with contextlib.suppress(OSError, ValueError):
                 if entry.name.isdigit() and str(output_dir).encode() in (entry / "cmdline").read_bytes():
@@ -399,14 +402,6 @@ def test_kill_9_of_deepseek_ds_train_leaves_no_process_of_the_job_on_any_host(cl
 
 
 # ---------------------------------------------------------------- unattended recovery on fewer hosts
-
-
-def end_job(job: subprocess.Popen) -> None:
-    """SIGKILL a job started in a session of its own, if it still runs, and reap it."""
-    if job.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(job.pid, signal.SIGKILL)
-        job.wait()
 
 
 def test_elastic_restart_leaves_a_lost_host_out_and_goes_on_as_a_run_resumed_by_hand(cluster, tmp_path, request):
@@ -463,9 +458,7 @@ def test_elastic_restart_leaves_a_lost_host_out_and_goes_on_as_a_run_resumed_by_
         hand, hand_dir = resume_by_hand(hand_tag, "by-hand")
         returncode = job.wait(timeout=600)
     finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
+        end_job(job)
         cluster.reset_host(3)
     output = log.read_text()
     assert returncode == 0, output[-8000:]
